@@ -1,0 +1,138 @@
+"""Engine configuration: one validated dataclass shared by every component."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+POLICIES = ("fifo", "priority", "sjf")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance.
+
+    The KV cache size is derived, not given: ``kv_cache_memory_bytes`` (or, on GPU,
+    ``gpu_memory_utilization`` of the free memory) divided by the bytes one block
+    takes for the loaded model's layers, KV heads, head dim and dtype.
+    """
+
+    model: str = "default"  # "default" = embedded SmolLM2, or a local HF model directory
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto = cuda when available, else cpu
+    seed: int = 0
+
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = 256 * 1024 * 1024
+    gpu_memory_utilization: Optional[float] = None  # fraction of free GPU memory for KV
+    num_gpu_blocks_override: Optional[int] = None  # tests: exact number of KV blocks
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    batching: str = "continuous"
+    max_batch_size: int = 8  # static / dynamic batch size
+    max_queue_delay_ms: float = 10.0  # dynamic: how long to wait for a batch to fill
+
+    policy: str = "fifo"
+    aging_seconds: float = 5.0  # sjf/priority: waiting this long raises a request one class
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 256 * 1024 * 1024
+    max_queue_size: int = 0  # 0 = unbounded waiting queue
+
+    speculative_method: Optional[str] = None  # None, "ngram" or "draft"
+    num_speculative_tokens: int = 4
+    speculative_model: Optional[str] = None
+    ngram_prompt_lookup_max: int = 3
+    ngram_prompt_lookup_min: int = 1
+
+    enable_cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    transpose_linear_weights: bool = True  # CPU: faster small-batch matmuls
+    trace_steps: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_batch_size", "num_speculative_tokens"):
+            positive(name)
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError("max_queue_delay_ms must be >= 0")
+        if self.max_queue_size < 0:
+            raise ValueError("max_queue_size must be >= 0 (0 = unbounded)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError("num_gpu_blocks_override must be positive")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(
+                f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method='draft' needs speculative_model")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        """Build from string-valued settings (Triton config parameters, CLI flags)."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValueError(f"unknown engine setting {key!r}")
+            default = known[key].default
+            kwargs[key] = _coerce(key, raw, default)
+        return cls(**kwargs)
+
+
+def _coerce(key: str, raw: Any, default: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int) or key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            return int(float(text)) if "e" in text.lower() else int(text)
+        if isinstance(default, float) or key == "gpu_memory_utilization":
+            return float(text)
+        if isinstance(default, tuple):
+            return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"engine setting {key!r}: cannot parse {raw!r}") from None
+    return text

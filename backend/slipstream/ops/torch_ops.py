@@ -1,0 +1,115 @@
+"""Paged attention in plain torch: the CPU path and the reference the kernels are tested against.
+
+Cache layout, per layer: ``key_cache`` and ``value_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
+    num_blocks, block_size = key_cache.shape[:2]
+    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """q [B, Hkv, G*Q, D] against k/v [B, Hkv, L, D]; ``allowed`` broadcasts to the scores."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float())
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block ids -> [B, nb*block_size, Hkv, D] (invalid ids read block 0, masked later)."""
+    picked = cache[blocks.clamp(min=0).long()]
+    b, nb, bs = picked.shape[:3]
+    return picked.reshape(b, nb * bs, *cache.shape[2:])
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
+             sliding_window: Optional[int]) -> torch.Tensor:
+    ok = (k_pos <= q_pos) & (k_pos < seq_len)
+    if sliding_window:
+        ok &= k_pos > q_pos - sliding_window
+    return ok
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: Optional[int] = None,
+                           softcap: Optional[float] = None) -> torch.Tensor:
+    """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``, all sequences at once."""
+    b, h, d = query.shape
+    hkv = key_cache.shape[2]
+    max_len = int(seq_lens.max())
+    nb = -(-max_len // key_cache.shape[1])
+    k = _gather(key_cache, block_tables[:, :nb]).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(value_cache, block_tables[:, :nb]).transpose(1, 2)
+    q = query.view(b, hkv, h // hkv, d)
+    k_pos = torch.arange(k.shape[2], device=query.device).view(1, 1, 1, -1)
+    lens = seq_lens.view(b, 1, 1, 1).long()
+    out = _attend(q, k, v, _allowed(lens - 1, k_pos, lens, sliding_window), scale, softcap)
+    return out.reshape(b, h, d).to(query.dtype)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                            query_lens_host: Optional[list] = None,
+                            seq_lens_host: Optional[list] = None) -> torch.Tensor:
+    """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
+    context (prefix-cache hits and earlier chunks) and to its own new tokens, causally."""
+    t, h, d = query.shape
+    hkv = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    if query_lens_host is None:
+        query_lens_host = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    if seq_lens_host is None:
+        seq_lens_host = seq_lens.tolist()
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
+        nb = -(-seq_len // block_size)
+        k = _gather(key_cache, block_tables[i:i + 1, :nb])[:, :seq_len].transpose(1, 2)
+        v = _gather(value_cache, block_tables[i:i + 1, :nb])[:, :seq_len].transpose(1, 2)
+        q = query[start:start + q_len].view(q_len, hkv, h // hkv, d).permute(1, 2, 0, 3)
+        q = q.reshape(1, hkv, -1, d)  # rows ordered (group, token)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        q_pos = q_pos.repeat(h // hkv).view(1, 1, -1, 1)
+        k_pos = torch.arange(seq_len, device=query.device).view(1, 1, 1, -1)
+        o = _attend(q, k, v, _allowed(q_pos, k_pos, torch.tensor(seq_len), sliding_window),
+                    scale, softcap)  # [1, Hkv, G*q_len, D]
+        o = o.view(hkv, h // hkv, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+        out[start:start + q_len] = o.to(query.dtype)
+        start += q_len
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None) -> torch.Tensor:
+    """Dispatch a ragged step: a decode-only batch runs batched, anything else per sequence."""
+    if meta.decode_only:
+        return paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
+                                      meta.seq_lens, scale, sliding_window, softcap)
+    return paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
+                                   meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window,
+                                   softcap, meta.query_lens_host, meta.seq_lens_host)
