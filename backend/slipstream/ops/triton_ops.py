@@ -99,8 +99,8 @@ def _store_kv_kernel(
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = KC + blk * stride_kcb + off * stride_kco + offs_h[:, None] * stride_kch + offs_d[None, :]
     vc = VC + blk * stride_vcb + off * stride_vco + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k.to(tl.float32).to(KC.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(tl.float32).to(VC.dtype.element_ty), mask=mask)
+    tl.store(kc, k.to(KC.dtype.element_ty), mask=mask)  # no-op when the dtypes already match
+    tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
