@@ -103,6 +103,12 @@ def _store_kv_kernel(
     tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
 
 
+def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
+    """Constexprs and launch options of ``_store_kv_kernel`` (shared with the compile test)."""
+    return dict(NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=_next_pow2(hkv), D_PAD=_next_pow2(d),
+                BLOCK_SIZE=block_size, num_warps=1 if hkv * d <= 512 else 4)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
@@ -117,8 +123,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=_next_pow2(hkv), D_PAD=_next_pow2(d),
-        BLOCK_SIZE=key_cache.shape[1], num_warps=1 if hkv * d <= 512 else 4,
+        **store_kv_config(hkv, d, key_cache.shape[1]),
     )
 
 
@@ -249,6 +254,25 @@ def _decode_reduce_kernel(
              mask=d_mask)
 
 
+def decode_config(h: int, hkv: int, d: int, block_size: int, num_splits: int, window: int,
+                  softcap: float, fp32_math: bool, block_n: Optional[int] = None) -> dict:
+    """Constexprs and launch options of ``_decode_kernel`` (shared with the compile test)."""
+    d_pad = _next_pow2(max(d, 16))
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    return dict(G=h // hkv, HEAD_DIM=d, D_PAD=d_pad,
+                BLOCK_G=max(16, _next_pow2(h // hkv)),  # tl.dot needs M >= 16 on the GPU
+                BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+                USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, FP32_MATH=fp32_math,
+                num_warps=4, num_stages=2)
+
+
+def decode_reduce_config(d: int, num_splits: int) -> dict:
+    d_pad = _next_pow2(max(d, 16))
+    return dict(HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=_next_pow2(num_splits),
+                num_warps=1 if d_pad <= 64 else 2)
+
+
 def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
     """Split the context when (sequence, KV head) pairs alone leave SMs idle.
 
@@ -284,21 +308,19 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     query = _last_dim_contiguous(query)
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
-    g = h // hkv
-    d_pad = _next_pow2(max(d, 16))
-    block_g = max(16, _next_pow2(g))  # tl.dot needs M >= 16 on the GPU
-    if block_n is None:
-        block_n = 64 if d_pad <= 128 else 32
+    window = int(sliding_window) if sliding_window else 0
+    cap = float(softcap) if softcap else 0.0
+    cfg = decode_config(h, hkv, d, block_size, 1, window, cap, _fp32_math(key_cache), block_n)
     max_ctx = block_tables.shape[1] * block_size
-    splits = num_splits or _pick_num_splits(b * hkv, max_ctx, block_n, query.device)
+    splits = num_splits or _pick_num_splits(b * hkv, max_ctx, cfg["BLOCK_N"], query.device)
+    cfg["NUM_SPLITS"] = splits
+    d_pad = cfg["D_PAD"]
     if splits > 1:
         mid_o = torch.empty((b, h, splits, d_pad), dtype=torch.float32, device=query.device)
         mid_lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
     else:
         mid_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
         mid_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
-    window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else 0.0
     _decode_kernel[(b, hkv, splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         float(scale), cap, window,
@@ -309,10 +331,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        G=g, HEAD_DIM=d, D_PAD=d_pad, BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        USE_SOFTCAP=cap > 0, USE_WINDOW=window > 0, FP32_MATH=_fp32_math(key_cache),
-        num_warps=4, num_stages=2,
+        **cfg,
     )
     if splits > 1:
         _decode_reduce_kernel[(b, h)](
@@ -320,8 +339,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=_next_pow2(splits),
-            num_warps=1 if d_pad <= 64 else 2,
+            **decode_reduce_config(d, splits),
         )
     return out
 
@@ -425,6 +443,19 @@ def _prefill_kernel(
              out.to(Out.dtype.element_ty), mask=qo_mask)
 
 
+def prefill_config(h: int, hkv: int, d: int, block_size: int, window: int, softcap: float,
+                   fp32_math: bool, block_m: Optional[int] = None,
+                   block_n: Optional[int] = None) -> dict:
+    """Constexprs and launch options of ``_prefill_kernel`` (shared with the compile test)."""
+    d_pad = _next_pow2(max(d, 16))
+    block_m = block_m or 64
+    block_n = block_n or (64 if d_pad <= 64 else 32)
+    return dict(G=h // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_SIZE=block_size, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
+                FP32_MATH=fp32_math, num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+                num_stages=2)
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
@@ -454,15 +485,11 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     block_tables = block_tables.contiguous()
     cu_seqlens_q = cu_seqlens_q.contiguous()
     seq_lens = seq_lens.contiguous()
-    g = h // hkv
-    d_pad = _next_pow2(max(d, 16))
-    if block_m is None:
-        block_m = 64
-    if block_n is None:
-        block_n = 64 if d_pad <= 64 else 32
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
-    grid = (triton.cdiv(max_q * g, block_m), num_seqs, hkv)
+    cfg = prefill_config(h, hkv, d, block_size, window, cap, _fp32_math(key_cache),
+                         block_m, block_n)
+    grid = (triton.cdiv(max_q * cfg["G"], cfg["BLOCK_M"]), num_seqs, hkv)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
         float(scale), cap, window,
@@ -471,10 +498,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=g, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, USE_SOFTCAP=cap > 0, USE_WINDOW=window > 0,
-        FP32_MATH=_fp32_math(key_cache),
-        num_warps=4 if block_m * d_pad <= 64 * 64 else 8, num_stages=2,
+        **cfg,
     )
     return out
 
