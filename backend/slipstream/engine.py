@@ -1,0 +1,292 @@
+"""The synchronous engine: add requests, abort them, and advance everything one step at a time."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from . import model_loader
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
+from .model_runner import ModelRunner, transpose_linear_weights
+from .request import Request, RequestOutput, RequestStatus
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .stats import EngineStats
+
+log = logging.getLogger("slipstream")
+Prompt = Union[str, list]
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full: the request is refused instead of queued."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.device = model_loader.resolve_device(config.device)
+        self.dtype = model_loader.resolve_dtype(config.dtype, self.device)
+        path = None if model is not None else model_loader.resolve_model_path(config.model)
+        self.model = model if model is not None else model_loader.load_model(path, self.dtype, self.device)
+        self.tokenizer = tokenizer if tokenizer is not None else model_loader.load_tokenizer(path, config.tokenizer)
+        if self.device.type == "cpu" and config.transpose_linear_weights:
+            transpose_linear_weights(self.model)
+        self.eos_token_id = self._eos_token_id()
+        self.kv_cache = self._allocate_kv_cache()
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self._make_swapper())
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.proposer = self._make_proposer()
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+        self.tracer = None
+        self._ids = itertools.count()
+
+    # -- construction helpers ------------------------------------------------------------
+    def _eos_token_id(self) -> Optional[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+    def _allocate_kv_cache(self) -> KVCache:
+        geometry = KVGeometry.from_model_config(self.model.config, self.config.block_size, self.dtype)
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override + 1  # + the scratch block
+        else:
+            budget = kv_budget_bytes(self.config.kv_cache_memory_bytes,
+                                     self.config.gpu_memory_utilization, self.device)
+            num_blocks = num_blocks_for_budget(geometry, budget)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget holds {num_blocks} blocks of {geometry.bytes_per_block} bytes; raise "
+                "kv_cache_memory_bytes")
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)", num_blocks,
+                 geometry.block_size, num_blocks * geometry.bytes_per_block / 2**20,
+                 geometry.bytes_per_token)
+        return KVCache(geometry, num_blocks, self.device)
+
+    def _make_swapper(self):
+        if self.config.preemption_mode == "recompute":
+            return None
+        from .swap import SwapPool
+        return SwapPool(self.config, self.kv_cache, self.block_manager)
+
+    def _make_proposer(self):
+        if self.config.speculative_method is None:
+            return None
+        from .spec_decode import make_proposer
+        return make_proposer(self.config, self)
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None, priority: int = 0,
+                     apply_chat_template: bool = False) -> Request:
+        """Tokenize and validate; raises ``ValueError`` with a message fit for the client."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt, apply_chat_template)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {limit} "
+                             "(prompt plus at least one generated token must fit)")
+        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_usable_blocks:
+            raise ValueError(f"the prompt has {len(ids)} tokens and can never fit in the KV cache "
+                             f"({self.block_manager.num_usable_blocks} blocks of {self.config.block_size})")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, ids, params, self.eos_token_id, priority)
+
+    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list:
+        if isinstance(prompt, str):
+            if apply_chat_template and getattr(self.tokenizer, "chat_template", None):
+                messages = [{"role": "user", "content": prompt}]
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=True)
+                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        limit = self.config.max_queue_size
+        if limit and len(self.scheduler.waiting) >= limit:
+            raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, req.params.stop)
+        self.scheduler.add(req)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, priority: int = 0,
+                    apply_chat_template: bool = False) -> Request:
+        req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def fail(self, request_id: str, message: str) -> Optional[RequestOutput]:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.error = message
+        return self._finish(req, RequestStatus.FINISHED_ERROR)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list:
+        """Schedule, run one ragged forward, sample, and report every request that moved."""
+        sched = self.scheduler.schedule()
+        if self.scheduler.swapper is not None:
+            self.scheduler.swapper.apply(sched)
+        if sched.is_empty:
+            return []
+        started = time.perf_counter()
+        logits, sample_rows = self.runner.execute(sched)
+        outputs = self._process(sched, logits, sample_rows)
+        self.stats.record_step(sched, time.perf_counter() - started)
+        if self.tracer is not None:
+            self.tracer.record(sched, started, time.perf_counter(), self)
+        return outputs
+
+    def _process(self, sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list) -> list:
+        sampling = [(item, rows) for item, rows in zip(sched.scheduled, sample_rows) if rows]
+        row_reqs = [item.request for item, rows in sampling for _ in rows]
+        result = self.sampler(logits, row_reqs) if row_reqs else None
+        outputs = []
+        cursor = 0
+        for item, rows in zip(sched.scheduled, sample_rows):
+            req = item.request
+            req.num_computed_tokens += item.num_new_tokens
+            if not rows:
+                self.block_manager.register_full_blocks(req)
+                continue
+            tokens = result.token_ids[cursor:cursor + len(rows)]
+            logprobs = result.logprobs[cursor:cursor + len(rows)]
+            cursor += len(rows)
+            accepted = self._accept(req, item.spec_token_ids, tokens)
+            outputs.append(self._append_tokens(req, tokens[:accepted], logprobs[:accepted]))
+        return [o for o in outputs if o is not None]
+
+    def _accept(self, req: Request, drafts: list, tokens: list) -> int:
+        """How many sampled tokens to keep: the drafts the target agreed with, plus one."""
+        if not drafts:
+            return 1
+        n = 0
+        while n < len(drafts) and tokens[n] == drafts[n]:
+            n += 1
+        req.num_computed_tokens -= len(drafts) - n  # rejected drafts' KV is overwritten later
+        req.spec_token_ids = []
+        self.stats.record_speculation(len(drafts), n)
+        return n + 1
+
+    def _append_tokens(self, req: Request, tokens: list, logprobs: list) -> Optional[RequestOutput]:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        kept_tokens, kept_logprobs = [], []
+        status = None
+        for token, lp in zip(tokens, logprobs or [0.0] * len(tokens)):
+            req.append_token(token)
+            req.cumulative_logprob += lp
+            kept_tokens.append(token)
+            kept_logprobs.append(lp)
+            status = self._stop_status(req, token)
+            if status is not None:
+                break
+        self.block_manager.register_full_blocks(req)
+        detok = self.detokenizers[req.request_id]
+        detok.update(req.all_token_ids)
+        if detok.stopped_on is not None:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = detok.stopped_on
+        self.stats.generation_tokens += len(kept_tokens)
+        if status is not None:
+            return self._finish(req, status, kept_tokens, kept_logprobs)
+        if self.proposer is not None and req.params.use_speculation:
+            req.spec_token_ids = self.proposer.propose(req)
+        text = detok.take(final=False)
+        return self._output(req, text, kept_tokens, kept_logprobs)
+
+    def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, tokens: Optional[list] = None,
+                logprobs: Optional[list] = None) -> RequestOutput:
+        self.scheduler.finish(req, status)
+        self.sampler.forget(req.request_id)
+        self.requests.pop(req.request_id, None)
+        detok = self.detokenizers.pop(req.request_id)
+        self.stats.record_finish(req)
+        text = detok.take(final=True) if status is not RequestStatus.FINISHED_ABORTED else ""
+        return self._output(req, text, tokens or [], logprobs or [])
+
+    @staticmethod
+    def _output(req: Request, text: str, tokens: list, logprobs: list) -> RequestOutput:
+        finished = req.is_finished
+        return RequestOutput(
+            request_id=req.request_id, text=text, token_ids=list(tokens), logprobs=list(logprobs),
+            finished=finished, finish_reason=req.status.value if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, cumulative_logprob=req.cumulative_logprob,
+            error=req.error)
+
+    # -- offline use --------------------------------------------------------------------------
+    def generate(self, prompts: list, params=None, apply_chat_template: bool = False) -> list:
+        """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp, apply_chat_template=apply_chat_template)
+                for p, sp in zip(prompts, params_list)]
+        merged = {r.request_id: RequestOutput(r.request_id) for r in reqs}
+        while self.has_unfinished():
+            for out in self.step():
+                merge_output(merged[out.request_id], out)
+        return [merged[r.request_id] for r in reqs]
+
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return self.stats.snapshot(self.scheduler, bm)
+
+
+def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
+    """Fold an incremental output into a running total."""
+    total.text += delta.text
+    total.token_ids.extend(delta.token_ids)
+    total.logprobs.extend(delta.logprobs)
+    for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
+                 "num_cached_tokens", "cumulative_logprob", "error"):
+        setattr(total, name, getattr(delta, name))

@@ -1,0 +1,206 @@
+"""The engine on a background thread: thread-safe submission, one output stream per request.
+
+Callers (the Triton adapter, benchmarks) never touch the engine directly: they submit,
+read their stream, and may abort. All engine state is owned by the loop thread; other
+threads talk to it through a command queue.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Iterator, Optional
+
+from .config import EngineConfig
+from .engine import LLMEngine, OverloadedError, Prompt
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("slipstream")
+
+__all__ = ["EngineLoop", "OutputStream", "OverloadedError"]
+
+
+class OutputStream:
+    """Incremental outputs of one request; iteration ends after the finished one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: "queue.Queue[RequestOutput]" = queue.Queue()
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: Optional[float] = None) -> RequestOutput:
+        out = self._queue.get(timeout=timeout)
+        if out.finished:
+            self.finished = True
+        return out
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+
+class EngineLoop:
+    def __init__(self, config_or_engine, **engine_kwargs) -> None:
+        if isinstance(config_or_engine, EngineConfig):
+            self.engine = LLMEngine(config_or_engine, **engine_kwargs)
+        else:
+            self.engine = config_or_engine
+        self.tokenizer = self.engine.tokenizer
+        self._commands: "queue.Queue[tuple]" = queue.Queue()
+        self._streams: dict[str, OutputStream] = {}
+        self._lock = threading.Lock()  # guards _streams and admission counting
+        self._pending = 0  # submitted, not yet seen by the loop thread
+        self._stats: dict = self.engine.get_stats()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still running, deliver the final outputs, join the thread."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "EngineLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- client API ---------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+               request_id: Optional[str] = None, priority: int = 0,
+               apply_chat_template: bool = False) -> OutputStream:
+        """Validate in the caller's thread (errors raise here), then queue for the engine."""
+        if self._thread is None or self._stop.is_set():
+            raise RuntimeError("the engine loop is not running")
+        req = self.engine.make_request(prompt, params, request_id, priority, apply_chat_template)
+        with self._lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            limit = self.engine.config.max_queue_size
+            if limit and self._stats["num_waiting"] + self._pending >= limit:
+                raise OverloadedError(
+                    f"server overloaded: {limit} requests already waiting; retry later")
+            stream = OutputStream(req.request_id)
+            self._streams[req.request_id] = stream
+            self._pending += 1
+        self._commands.put(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
+        """Blocking convenience: the whole output of one request."""
+        from .engine import merge_output
+
+        stream = self.submit(prompt, params, **kw)
+        total = RequestOutput(stream.request_id)
+        for out in stream:
+            merge_output(total, out)
+        return total
+
+    # -- the loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain_commands(block=not engine.has_unfinished())
+            if self._stop.is_set():
+                break
+            steps_before = engine.stats.steps
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # one bad batch must not kill the server
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                outputs = self._fail_scheduled(f"internal error: {exc}")
+            self._deliver(outputs)
+            ran = engine.stats.steps != steps_before
+            self._stats = engine.get_stats()
+            if not ran and engine.has_unfinished():
+                self._idle_wait()
+        self._abort_all()
+
+    def _idle_wait(self) -> None:
+        # Dynamic batching holds requests for its delay window: sleep until then or a command.
+        deadline = self.engine.scheduler.batch_mode_waiting_deadline()
+        delay = 0.001 if deadline is None else max(min(deadline - time.monotonic(), 0.05), 0.0005)
+        try:
+            self._handle(self._commands.get(timeout=delay))
+        except queue.Empty:
+            pass
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        self._handle(command)
+        while True:
+            try:
+                self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            req = command[1]
+            with self._lock:
+                self._pending -= 1
+            try:
+                self.engine.add(req)
+            except Exception as exc:
+                self._deliver([RequestOutput(req.request_id, finished=True, finish_reason="error",
+                                             error=str(exc))])
+        elif kind == "abort":
+            out = self.engine.abort(command[1])
+            if out is not None:
+                self._deliver([out])
+
+    def _fail_scheduled(self, message: str) -> list:
+        engine = self.engine
+        victims = list(engine.scheduler.running)
+        return [o for o in (engine.fail(r.request_id, message) for r in victims) if o is not None]
+
+    def _deliver(self, outputs: list) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if stream is not None:
+                stream.put(out)
+
+    def _abort_all(self) -> None:
+        for rid in list(self.engine.requests):
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._deliver([out])
+        while True:  # requests submitted but never added
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._deliver([RequestOutput(command[1].request_id, finished=True,
+                                             finish_reason="abort")])
+        self._stats = self.engine.get_stats()
