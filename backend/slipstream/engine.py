@@ -161,6 +161,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- the step -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list:
         """Schedule, run one ragged forward, sample, and report every request that moved."""
         sched = self.scheduler.schedule()

@@ -1,0 +1,113 @@
+"""The background engine loop: concurrent submission, streaming, aborts, errors, shutdown."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from slipstream import EngineConfig, SamplingParams
+from slipstream.engine import LLMEngine, merge_output
+from slipstream.engine_loop import EngineLoop, OverloadedError
+from slipstream.request import RequestOutput
+from support import tiny_model_dir
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def config(**overrides):
+    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=64,
+                    max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=300)
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with EngineLoop(config()) as running:
+        yield running
+
+
+def test_threads_get_exactly_their_own_outputs(loop):
+    prompts = [f"Request number {i} says" + " hello" * i for i in range(10)]
+    reference = LLMEngine(config()).generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
+    results = [None] * len(prompts)
+
+    def client(i):
+        results[i] = loop.generate(prompts[i], SamplingParams(max_tokens=10, **GREEDY))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for ref, got in zip(reference, results):
+        assert got.token_ids == ref.token_ids and got.text == ref.text
+        assert got.finish_reason == "length" and got.num_output_tokens == 10
+
+
+def test_streams_are_incremental(loop):
+    stream = loop.submit("Stream me", SamplingParams(max_tokens=8, **GREEDY))
+    outs = list(stream)
+    assert sum(len(o.token_ids) for o in outs) == 8
+    assert len(outs) >= 2 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
+def test_abort_ends_stream_and_frees_blocks(loop):
+    stream = loop.submit("Long one", SamplingParams(max_tokens=200, **GREEDY))
+    first = stream.get(timeout=30)
+    assert not first.finished
+    loop.abort(stream.request_id)
+    rest = list(stream)
+    assert rest[-1].finish_reason == "abort"
+    for _ in range(200):
+        if loop.stats()["kv_blocks_used"] == 0 and loop.stats()["num_running"] == 0:
+            break
+        threading.Event().wait(0.01)
+    assert loop.stats()["kv_blocks_used"] == 0
+
+
+def test_bad_request_raises_in_caller_and_loop_keeps_serving(loop):
+    with pytest.raises(ValueError):
+        loop.submit("", SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        loop.submit(list(range(100, 400)), SamplingParams())
+    assert loop.generate("still fine", SamplingParams(max_tokens=3, **GREEDY)).num_output_tokens == 3
+
+
+def test_step_error_fails_only_affected_requests():
+    with EngineLoop(config()) as lp:
+        original = lp.engine.runner.execute
+        calls = {"n": 0}
+
+        def flaky(sched):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return original(sched)
+
+        lp.engine.runner.execute = flaky
+        doomed = lp.generate("first", SamplingParams(max_tokens=5, **GREEDY))
+        assert doomed.finish_reason == "error" and "boom" in doomed.error
+        ok = lp.generate("second", SamplingParams(max_tokens=5, **GREEDY))
+        assert ok.finish_reason == "length" and ok.num_output_tokens == 5
+        assert lp.stats()["kv_blocks_used"] == 0
+
+
+def test_queue_limit_and_shutdown_abort_everything():
+    lp = EngineLoop(config(max_queue_size=2, max_num_seqs=1)).start()
+    streams, refused = [], 0
+    for i in range(8):
+        try:
+            streams.append(lp.submit(f"p{i}", SamplingParams(max_tokens=100, **GREEDY)))
+        except OverloadedError as exc:
+            assert "overloaded" in str(exc)
+            refused += 1
+    assert refused > 0
+    lp.shutdown()
+    for s in streams:
+        final = RequestOutput(s.request_id)
+        for out in s:
+            merge_output(final, out)
+        assert final.finished
+    with pytest.raises(RuntimeError):
+        lp.submit("late", SamplingParams())
