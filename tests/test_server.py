@@ -1,0 +1,442 @@
+"""The slipstream model behind a real tritonserver (no mock of Triton).
+
+One server per module on a rendered copy of model_repository with a tiny random llama; the
+expected texts come from an in-process EngineLoop on the same model directory and settings.
+The last test runs ``slipstream serve --prompt ... --exit-after-prompt`` on the real default
+model (SmolLM2-135M-Instruct).
+"""
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from slipstream import EngineConfig, SamplingParams  # noqa: E402
+from slipstream.engine_loop import EngineLoop  # noqa: E402
+from slipstream.model_loader import make_tiny_model_dir  # noqa: E402
+from slipstream.triton_io import split_parameters  # noqa: E402
+from slipstream.triton_server import (TritonServer, find_tritonserver,  # noqa: E402
+                                      read_parameters, render_model_repository)
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+MODEL = "slipstream"
+MAX_MODEL_LEN = 512
+OVERRIDES = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": MAX_MODEL_LEN,
+             "max_num_seqs": 32, "metrics_interval_ms": 50}
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox jumps over the lazy dog",
+    "Once upon a time",
+    "What is the capital of France?",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "Triton Inference Server streams tokens",
+    "a",
+    "Paged attention stores keys and values in blocks of sixteen tokens each, "
+    "so that memory is allocated on demand",
+    "In-flight batching",
+    "Why is the sky blue?",
+    "def fibonacci(n):",
+    "Bonjour, comment allez-vous ?",
+    "The meaning of life is",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit",
+    "x y z",
+    "The end.",
+]
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+
+
+# ------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_model, tmp_path_factory):
+    return render_model_repository(REPO, tmp_path_factory.mktemp("repo") / "model_repository",
+                                   {"model": str(tiny_model), **OVERRIDES})
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    try:
+        find_tritonserver()
+    except Exception as e:  # pragma: no cover - the [server] extra is part of `make install`
+        pytest.skip(f"no tritonserver: {e}")
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
+                      startup_timeout=300) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(repo):
+    """prompt -> greedy text the engine produces for that prompt alone."""
+    params = read_parameters((repo / MODEL / "config.pbtxt").read_text())
+    engine_settings, _ = split_parameters(params)
+    loop = EngineLoop(EngineConfig.from_dict(engine_settings)).start()
+    try:
+        cache = {}
+
+        def get(prompt, **overrides):
+            key = (prompt, tuple(sorted(overrides.items())))
+            if key not in cache:
+                sp = SamplingParams.from_dict({**GREEDY, **overrides})
+                cache[key] = loop.generate(prompt, sp).text
+            return cache[key]
+
+        for p in PROMPTS:
+            get(p)
+        yield get
+    finally:
+        loop.shutdown()
+
+
+# ------------------------------------------------------------------------------- helpers
+def tensor(name, value):
+    value = np.asarray(value)
+    dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind) or \
+        {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
+         np.dtype(np.int64): "INT64"}[value.dtype]
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def text_inputs(prompt, stream=True, sampling=None, **extra):
+    prompt = prompt if isinstance(prompt, bytes) else prompt.encode()
+    inputs = [tensor("text_input", np.array([prompt], dtype=object)),
+              tensor("stream", np.array([stream]))]
+    if sampling is not None:
+        body = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        inputs.append(tensor("sampling_parameters", np.array([body.encode()], dtype=object)))
+    for name, value in extra.items():
+        inputs.append(tensor(name, value))
+    return inputs
+
+
+class StreamClient:
+    """Many requests on one gRPC stream; responses routed by request id."""
+
+    def __init__(self, url):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.queues = {}
+        self.errors = queue.Queue()
+        self.client.start_stream(callback=self._callback)
+
+    def _callback(self, result, error):
+        if error is not None:
+            self.errors.put(error)
+            return
+        self.queues[result.get_response().id].put(result)
+
+    def send(self, request_id, inputs):
+        self.queues[request_id] = queue.Queue()
+        self.client.async_stream_infer(MODEL, inputs, request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def responses(self, request_id, timeout=120):
+        out = []
+        while True:
+            result = self.queues[request_id].get(timeout=timeout)
+            out.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+
+    def close(self, cancel=False):
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def run_stream(server, inputs, timeout=120):
+    """One request on its own stream: (responses, error)."""
+    results = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                return out, error
+            out.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def texts(results):
+    out = []
+    for r in results:
+        t = r.as_numpy("text_output")
+        if t is not None:
+            out.append(t.reshape(-1)[0].decode())
+    return out
+
+
+def http_post(server, path, body, timeout=120):
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sse_events(server, body, timeout=120):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read().decode() or "{}")]
+    return 200, events
+
+
+def metrics(server):
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("slipstream_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = \
+                float(value)
+    return values
+
+
+def wait_metric(server, name, predicate, timeout=15):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metrics(server).get(name)
+        if value is not None and predicate(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"metric {name} = {value} after {timeout} s")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------- tests
+def test_grpc_streaming(server, reference):
+    prompt = PROMPTS[1]
+    results, error = run_stream(server, text_inputs(
+        prompt, sampling=GREEDY, return_finish_reason=np.array([True]),
+        return_num_input_tokens=np.array([True]), return_num_output_tokens=np.array([True]),
+        return_logprobs=np.array([True]), return_cumulative_logprob=np.array([True])))
+    assert error is None
+    pieces = texts(results)
+    assert len(results) >= 2  # token by token, not one blob
+    assert "".join(pieces) == reference(prompt)
+    final = results[-1]
+    assert final.as_numpy("finish_reason")[0].decode() in ("length", "stop")
+    n_out = sum(int(r.as_numpy("num_output_tokens")[0]) for r in results)
+    logprobs = np.concatenate([r.as_numpy("logprobs") for r in results])
+    assert len(logprobs) == n_out and (logprobs <= 0).all()
+    assert final.as_numpy("cumulative_logprob")[0] == pytest.approx(logprobs.sum(), rel=1e-4,
+                                                                    abs=1e-3)
+    assert int(final.as_numpy("num_input_tokens")[0]) > 0
+    if final.as_numpy("finish_reason")[0] == b"length":
+        assert n_out == GREEDY["max_tokens"]
+
+
+def test_grpc_only_requested_outputs(server):
+    results, error = run_stream(server, text_inputs("Hello", sampling=GREEDY))
+    assert error is None
+    for r in results:
+        names = {o.name for o in r.get_response().outputs}
+        assert names <= {"text_output"}
+
+
+def test_grpc_non_streaming(server, reference):
+    prompt = PROMPTS[2]
+    results, error = run_stream(server, text_inputs(prompt, stream=False, sampling=GREEDY))
+    assert error is None
+    assert len(results) == 1  # one response carrying the whole text, flagged final
+    assert texts(results) == [prompt + reference(prompt)]
+    results, error = run_stream(server, text_inputs(
+        prompt, stream=False, sampling=GREEDY, exclude_input_in_output=np.array([True]),
+        return_num_output_tokens=np.array([True])))
+    assert error is None and texts(results) == [reference(prompt)]
+    assert 0 < int(results[0].as_numpy("num_output_tokens")[0]) <= GREEDY["max_tokens"]
+
+
+def test_typed_inputs_over_grpc(server, reference):
+    prompt = PROMPTS[3]
+    results, error = run_stream(server, text_inputs(
+        prompt, temperature=np.array([0.0], np.float32), max_tokens=np.array([12], np.int32),
+        seed=np.array([7], np.uint64)))
+    assert error is None
+    assert "".join(texts(results)) == reference(prompt)
+
+
+def test_http_generate(server, reference):
+    prompt = PROMPTS[0]
+    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
+                             {"text_input": prompt, "parameters": GREEDY})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == prompt + reference(prompt)
+    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
+                             {"text_input": prompt, "exclude_input_in_output": True,
+                              "return_finish_reason": True, "parameters": GREEDY})
+    assert status == 200, body
+    data = json.loads(body)
+    assert data["text_output"] == reference(prompt)
+    assert data["finish_reason"] in ("length", "stop")
+
+
+def test_http_generate_stream(server, reference):
+    prompt = PROMPTS[5]
+    status, events = sse_events(server, {"text_input": prompt, "stream": True,
+                                         "parameters": GREEDY})
+    assert status == 200, events
+    assert not any("error" in e for e in events), events
+    assert len(events) >= 2
+    assert "".join(e.get("text_output", "") for e in events) == reference(prompt)
+
+
+def test_concurrent_streams_match_single_request_output(server, reference):
+    client = StreamClient(server.grpc_url)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            client.send(f"req-{i}", text_inputs(prompt, sampling=GREEDY))
+        got = {i: "".join(texts(client.responses(f"req-{i}"))) for i in range(len(PROMPTS))}
+        assert client.errors.empty()
+    finally:
+        client.close()
+    mismatches = {PROMPTS[i]: (text, reference(PROMPTS[i])) for i, text in got.items()
+                  if text != reference(PROMPTS[i])}
+    assert not mismatches
+
+
+def test_cancel_long_stream_frees_kv_blocks(server):
+    wait_metric(server, "slipstream_kv_blocks_used", lambda v: v == 0)
+    before = metrics(server)["slipstream_generation_tokens_total"]
+    budget = MAX_MODEL_LEN - 16
+    client = StreamClient(server.grpc_url)
+    client.send("long", text_inputs("Tell me a very long story",
+                                    sampling={"temperature": 0, "max_tokens": budget,
+                                              "ignore_eos": True}))
+    for _ in range(5):  # it is generating
+        client.queues["long"].get(timeout=60)
+    assert metrics(server)["slipstream_requests_running"] >= 0
+    client.close(cancel=True)
+    error = client.errors.get(timeout=10)
+    assert "CANCELLED" in str(error)
+    wait_metric(server, "slipstream_kv_blocks_used", lambda v: v == 0)
+    wait_metric(server, "slipstream_requests_running", lambda v: v == 0)
+    generated = metrics(server)["slipstream_generation_tokens_total"] - before
+    assert generated < budget, "the request ran to completion instead of being aborted"
+    results, error = run_stream(server, text_inputs("still alive?", sampling=GREEDY))
+    assert error is None and results
+
+
+BAD_REQUESTS = {
+    "missing text_input": ([tensor("stream", np.array([True]))], "text_input"),
+    "wrong type": ([tensor("text_input", np.array([3], np.int32))], "expects 'BYTES'"),
+    "wrong typed input": (None, "max_tokens"),
+    "invalid JSON": (None, "not valid JSON"),
+    "invalid value": (None, "temperature must be >= 0"),
+    "non-UTF-8": (None, "not valid UTF-8"),
+    "too long": (None, "max_model_len"),
+    "empty prompt": (None, "empty"),
+    "stream without exclude_input_in_output": (None, "exclude_input_in_output=false"),
+}
+
+
+def bad_inputs(kind):
+    inputs, _ = BAD_REQUESTS[kind]
+    if inputs is not None:
+        return inputs
+    if kind == "wrong typed input":
+        return text_inputs("hi", max_tokens=np.array([1.5], np.float32))
+    if kind == "invalid JSON":
+        return text_inputs("hi", sampling='{"temperature": 0,')
+    if kind == "invalid value":
+        return text_inputs("hi", sampling={"temperature": -1})
+    if kind == "non-UTF-8":
+        return text_inputs(b"caf\xe9 \xff", sampling=GREEDY)
+    if kind == "too long":
+        return text_inputs(" ".join(["word"] * (MAX_MODEL_LEN + 50)), sampling=GREEDY)
+    if kind == "empty prompt":
+        return text_inputs("", sampling=GREEDY)
+    if kind == "stream without exclude_input_in_output":
+        return text_inputs("hi", sampling=GREEDY, exclude_input_in_output=np.array([False]))
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", list(BAD_REQUESTS))
+def test_bad_request_fails_alone(server, reference, kind):
+    prompt = PROMPTS[7]
+    good = StreamClient(server.grpc_url)
+    try:
+        good.send("good", text_inputs(prompt, sampling=GREEDY))
+        results, error = run_stream(server, bad_inputs(kind))
+        assert error is not None, f"{kind}: no error, got {texts(results)}"
+        assert BAD_REQUESTS[kind][1] in str(error), str(error)
+        assert "".join(texts(good.responses("good"))) == reference(prompt)
+        assert good.errors.empty()
+    finally:
+        good.close()
+
+
+def test_http_error_message(server):
+    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
+                             {"text_input": "hi", "parameters": {"top_p": 7}})
+    assert status == 400 and "top_p" in json.loads(body)["error"]
+
+
+def test_metrics(server):
+    run_stream(server, text_inputs(PROMPTS[4], sampling=GREEDY))
+    run_stream(server, text_inputs(PROMPTS[4], sampling=GREEDY))  # a prefix-cache hit
+    m = wait_metric(server, "slipstream_prefix_cache_hit_rate", lambda v: v > 0) and metrics(server)
+    assert m["slipstream_kv_blocks_total"] > 0
+    assert m["slipstream_kv_blocks_used"] <= m["slipstream_kv_blocks_total"]
+    assert 0 < m["slipstream_prefix_cache_hit_rate"] <= 1
+    assert m["slipstream_prompt_tokens_total"] > 0
+    assert m["slipstream_generation_tokens_total"] >= GREEDY["max_tokens"]
+    assert m["slipstream_requests_finished_total"] >= 2
+    assert m["slipstream_preemptions_total"] >= 0
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"):
+        count = m[f"slipstream_{name}_count"]
+        assert count >= 2
+        assert 0 < m[f"slipstream_{name}_sum"] / count < 60
+        assert m[f'slipstream_{name}_bucket' + 'le="+Inf"}'] == count
+    ttft = m["slipstream_time_to_first_token_seconds_sum"]
+    e2e = m["slipstream_e2e_request_latency_seconds_sum"]
+    assert ttft <= e2e
+
+
+@pytest.mark.slow
+def test_serve_cli_default_model_answers_paris():
+    """The README demo: `slipstream serve --prompt ... --exit-after-prompt` on SmolLM2."""
+    cmd = [sys.executable, "-m", "slipstream.serve", "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--prompt", "What is the capital of France?",
+           "--max-tokens", "24", "--exit-after-prompt"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    answer = proc.stdout.split(">>> What is the capital of France?", 1)[1]
+    assert "Paris" in answer, proc.stdout
+    assert "gRPC" in proc.stdout and "metrics" in proc.stdout
