@@ -1,0 +1,30 @@
+"""The package and the ops dispatch must work when OpenAI Triton is not installed."""
+import subprocess
+import sys
+import textwrap
+
+
+def test_dispatch_without_triton_falls_back_to_torch_ops():
+    script = textwrap.dedent("""
+        import os, sys
+        sys.modules["triton"] = None  # import triton -> ImportError, as if not installed
+        os.environ.pop("SLIPSTREAM_ATTENTION", None)
+        import torch
+        import slipstream
+        from slipstream.ops import dispatch, torch_ops
+        from slipstream import cuda_graphs  # must not need triton either
+        assert dispatch.get_ops(torch.device("cuda")) is torch_ops
+        assert dispatch.get_ops("cpu") is torch_ops
+        assert not dispatch.triton_available()
+        os.environ["SLIPSTREAM_ATTENTION"] = "triton"
+        try:
+            dispatch.get_ops("cuda")
+        except RuntimeError as exc:
+            assert "triton" in str(exc)
+        else:
+            raise AssertionError("forcing triton without triton must raise")
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
