@@ -210,8 +210,10 @@ def sse_events(server, body, timeout=120):
                 line = line.decode().strip()
                 if line.startswith("data:"):
                     events.append(json.loads(line[5:]))
-    except urllib.error.HTTPError as e:
-        return e.code, [json.loads(e.read().decode() or "{}")]
+    except urllib.error.HTTPError as e:  # the error comes as one SSE event too
+        body = e.read().decode()
+        return e.code, [json.loads(line[5:]) for line in body.splitlines()
+                        if line.startswith("data:")] or [{"error": body}]
     return 200, events
 
 
@@ -404,6 +406,9 @@ def test_http_error_message(server):
     status, body = http_post(server, f"/v2/models/{MODEL}/generate",
                              {"text_input": "hi", "parameters": {"top_p": 7}})
     assert status == 400 and "top_p" in json.loads(body)["error"]
+    status, events = sse_events(server, {"text_input": "hi", "stream": True,
+                                         "parameters": {"top_p": 7}})
+    assert status == 400 and "top_p must be in (0, 1]" in events[0]["error"]
 
 
 def test_metrics(server):
