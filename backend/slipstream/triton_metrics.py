@@ -23,12 +23,18 @@ GAUGES = {  # metric suffix -> (description, stats() key or None for derived)
     "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", None),
     "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / tokens looked up",
                               None),
+    "spec_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens",
+                             "spec_acceptance_rate"),
 }
 COUNTERS = {
     "prompt_tokens_total": ("Prompt tokens processed", "prompt_tokens_total"),
     "generation_tokens_total": ("Tokens generated", "generation_tokens_total"),
     "preemptions_total": ("Requests preempted to free KV blocks", "preemptions_total"),
     "requests_finished_total": ("Requests finished (any reason)", "num_finished"),
+    "engine_steps_total": ("Engine steps run", "steps"),
+    "spec_draft_tokens_total": ("Speculative decoding: draft tokens proposed", "spec_draft_tokens"),
+    "spec_accepted_tokens_total": ("Speculative decoding: draft tokens accepted",
+                                   "spec_accepted_tokens"),
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Time from arrival to the first generated token",

@@ -98,18 +98,24 @@ class TritonPythonModel:
                     kwargs["apply_chat_template"] = True
                 stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
             except OverloadedError as e:
-                sender.send(_error(f"server overloaded: {e}", _code("UNAVAILABLE")), flags=FINAL)
+                self._reject(sender, _error(str(e), _code("UNAVAILABLE")))
                 continue
             except (BadRequestError, ValueError) as e:
-                sender.send(_error(str(e), _code("INVALID_ARG")), flags=FINAL)
+                self._reject(sender, _error(str(e), _code("INVALID_ARG")))
                 continue
             except Exception as e:  # never let one request take the batch down
                 self.logger.log_error(traceback.format_exc())
-                sender.send(_error(f"internal error: {e}"), flags=FINAL)
+                self._reject(sender, _error(f"internal error: {e}"))
                 continue
             self.incoming.put(_Pending(stream, sender, parsed, arrival))
             self.wake.set()
         return None
+
+    def _reject(self, sender, response):
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception as e:  # the client is gone: nothing to tell it
+            self.logger.log_warn(f"slipstream: could not send an error response: {e}")
 
     # ----------------------------------------------------------------- sender thread
     def _sender_loop(self):
