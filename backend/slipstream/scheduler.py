@@ -8,6 +8,7 @@ out, the request the policy ranks last is preempted (recompute or swap).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -103,22 +104,24 @@ class Scheduler:
             num_new = min(self._tokens_wanted(req), budget)
             if num_new <= 0:
                 continue
+            spec = self._spec_slice(req, num_new)
+            if not spec:  # no drafts (or none fit): only the request's real tokens
+                num_new = min(num_new, req.num_tokens - req.num_computed_tokens)
             if not self._make_room(req, num_new, out, now):
                 continue  # req itself was preempted
-            spec = self._spec_slice(req, num_new)
             self.bm.allocate(req, num_new)
             out.scheduled.append(ScheduledRequest(req, num_new, spec))
             budget -= num_new
         return budget
 
     def _spec_slice(self, req: Request, num_new: int) -> list:
-        # Drafts only count when the whole draft fits this step; otherwise drop them.
+        # Drafts are the last tokens of the step: keep those that fit after the request's
+        # real tokens (budget or max_model_len may cut some), drop the rest.
         if not req.spec_token_ids:
             return []
-        if req.num_computed_tokens + num_new == req.num_tokens + len(req.spec_token_ids):
-            return list(req.spec_token_ids)
-        req.spec_token_ids = []
-        return []
+        room = req.num_computed_tokens + num_new - req.num_tokens
+        req.spec_token_ids = req.spec_token_ids[:max(room, 0)]
+        return list(req.spec_token_ids)
 
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
         while not self.bm.can_allocate(req, num_new):
@@ -135,9 +138,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             req = pick_first(self.waiting, self.key, now)
+            if req in out.preempted:
+                break  # preempted this very step: taking it back now would only thrash
             if req.status is RequestStatus.SWAPPED:
                 if not self._swap_in(req, out):
                     break
+                budget = self._schedule_resumed(req, out, budget)
                 continue
             cached = self._lookup_prefix(req)
             num_cached_tokens = len(cached) * self.bm.block_size
@@ -147,10 +153,9 @@ class Scheduler:
             num_new = min(num_new, budget)
             req.num_computed_tokens = num_cached_tokens
             if not self.bm.can_allocate(req, num_new, cached):
-                req.num_computed_tokens = 0
                 if not self._preempt_for(req, num_new, cached, out, now):
+                    req.num_computed_tokens = 0
                     break
-                req.num_computed_tokens = num_cached_tokens
             self._admit(req, num_new, cached, num_cached_tokens, out)
             budget -= num_new
 
@@ -177,16 +182,25 @@ class Scheduler:
         """Priority policies: a more urgent arrival may evict less urgent running requests."""
         if self.config.policy == "fifo":
             return False
+        candidates = self._less_urgent_unscheduled(req, out, now)
+        held = Counter(b for r in candidates for b in r.block_table)
+        freeable = sum(1 for b, n in held.items() if self.bm.blocks[b].ref_count == n)
+        need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(cached)
+        if need > self.bm.num_free_blocks + freeable:
+            return False  # evicting every candidate would not make room: evict none
         while True:
-            candidates = [r for r in self.running
-                          if not any(s.request is r for s in out.scheduled)
-                          and self.key(r, now) > self.key(req, now)]
+            candidates = self._less_urgent_unscheduled(req, out, now)
             victim = pick_victim(candidates, self.key, now)
             if victim is None:
                 return False
             self.preempt(victim, out)
             if self.bm.can_allocate(req, num_new, cached):
                 return True
+
+    def _less_urgent_unscheduled(self, req: Request, out: SchedulerOutput, now: float) -> list:
+        return [r for r in self.running
+                if not any(s.request is r for s in out.scheduled)
+                and self.key(r, now) > self.key(req, now)]
 
     def preempt(self, req: Request, out: Optional[SchedulerOutput] = None) -> None:
         """Take ``req`` off the GPU: swap its KV out, or drop it to recompute later."""
@@ -216,6 +230,16 @@ class Scheduler:
         self.running.append(req)
         out.swapped_in.append(req)
         return True
+
+    def _schedule_resumed(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """A request just swapped in continues in the same step (its next token was
+        reserved by ``can_swap_in``) instead of idling until the next one."""
+        num_new = min(self._tokens_wanted(req), budget)
+        if num_new <= 0 or not self.bm.can_allocate(req, num_new):
+            return budget
+        self.bm.allocate(req, num_new)
+        out.scheduled.append(ScheduledRequest(req, num_new))
+        return budget - num_new
 
     # -- static / dynamic batching baselines ------------------------------------------
     def _schedule_batch_mode(self) -> SchedulerOutput:
