@@ -40,3 +40,12 @@ def test_chat_template_answer(engine):
     out = engine.generate(["What is the capital of France?"],
                           SamplingParams(max_tokens=24, temperature=0), apply_chat_template=True)[0]
     assert "Paris" in out.text
+
+
+def test_chat_messages_use_the_template(engine):
+    question = "What is the capital of France?"
+    templated = engine.tokenize([{"role": "user", "content": question}])
+    assert templated == engine.tokenize(question, apply_chat_template=True)
+    assert len(templated) > len(engine.tokenize(question))
+    with pytest.raises(ValueError, match="role"):
+        engine.tokenize([{"content": question}])

@@ -26,7 +26,7 @@ class EngineConfig:
     seed: int = 0
 
     block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = 256 * 1024 * 1024
+    kv_cache_memory_bytes: Optional[int] = 1024 * 1024 * 1024
     gpu_memory_utilization: Optional[float] = None  # fraction of free GPU memory for KV
     num_gpu_blocks_override: Optional[int] = None  # tests: exact number of KV blocks
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import logging
 import time
 from typing import Optional, Union
@@ -51,6 +52,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.tracer = None
         self._ids = itertools.count()
+        self._tokenizer_lock = threading.Lock()  # requests are tokenized on client threads
 
     # -- construction helpers ------------------------------------------------------------
     def _eos_token_id(self) -> Optional[int]:
@@ -113,17 +115,32 @@ class LLMEngine:
         return Request(rid, ids, params, self.eos_token_id, priority)
 
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list:
+        """A string (optionally wrapped in the chat template as one user turn), a list of
+        chat messages (``{"role", "content"}`` dicts, always templated), or token ids."""
+        with self._tokenizer_lock:
+            return self._tokenize(prompt, apply_chat_template)
+
+    def _tokenize(self, prompt: Prompt, apply_chat_template: bool) -> list:
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._apply_chat_template(list(prompt))
         if isinstance(prompt, str):
-            if apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-                messages = [{"role": "user", "content": prompt}]
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True)
-                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if apply_chat_template:
+                return self._apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
             return list(prompt)
-        raise ValueError("prompt must be a string or a list of token ids")
+        raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
+
+    def _apply_chat_template(self, messages: list) -> list:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; send a plain text prompt")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("chat messages need string 'role' and 'content' fields")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:

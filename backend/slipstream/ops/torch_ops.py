@@ -106,10 +106,31 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
                     softcap: Optional[float] = None) -> torch.Tensor:
-    """Dispatch a ragged step: a decode-only batch runs batched, anything else per sequence."""
+    """Dispatch a ragged step: single-token (decode) sequences run as one batch, the
+    multi-token ones (prefill chunks) one by one; a mixed step does both."""
     if meta.decode_only:
         return paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
                                       meta.seq_lens, scale, sliding_window, softcap)
-    return paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
-                                   meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window,
-                                   softcap, meta.query_lens_host, meta.seq_lens_host)
+    q_lens = meta.query_lens_host
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decode) < 2:
+        return paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
+                                       meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window,
+                                       softcap, q_lens, meta.seq_lens_host)
+    out = torch.empty_like(query)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    rows = torch.tensor([starts[i] for i in decode], device=query.device)
+    seqs = torch.tensor(decode, device=query.device)
+    out[rows] = paged_decode_attention(query[rows], key_cache, value_cache,
+                                       meta.block_tables[seqs], meta.seq_lens[seqs], scale,
+                                       sliding_window, softcap)
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            s = starts[i]
+            out[s:s + n] = paged_prefill_attention(
+                query[s:s + n], key_cache, value_cache, meta.block_tables[i:i + 1],
+                torch.tensor([0, n], dtype=torch.int32, device=query.device), meta.seq_lens[i:i + 1], scale, sliding_window, softcap, [n],
+                [meta.seq_lens_host[i]])
+    return out
