@@ -44,7 +44,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self._make_swapper())
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_model_len)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
+            config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None)
         self.sampler = Sampler(config.seed)
         self.proposer = self._make_proposer()
         self.requests: dict[str, Request] = {}

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from . import attention
+from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache
 from .ops.dispatch import get_ops
 from .ops.metadata import AttentionMetadata
@@ -42,7 +44,7 @@ def transpose_linear_weights(model: torch.nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None) -> None:
         check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
@@ -51,6 +53,27 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.ops = get_ops(device)
         model.set_attn_implementation(attention.register())
+        self.graphs = self._capture_decode_graphs(max_num_seqs, cuda_graph_sizes)
+
+    # -- CUDA graphs (decode-only steps) ---------------------------------------------------
+    def _capture_decode_graphs(self, max_num_seqs: int, sizes) -> Optional[DecodeGraphRunner]:
+        if self.device.type != "cuda" or not sizes or max_num_seqs <= 0:
+            return None
+        self._cu_seqlens = torch.arange(max_num_seqs + 2, dtype=torch.int32, device=self.device)
+        runner = DecodeGraphRunner(self._decode_forward, max_num_seqs, self.max_blocks_per_seq,
+                                   self.device, batch_sizes=sizes)
+        with torch.inference_mode():
+            runner.capture()
+        return runner if runner.captured else None
+
+    def _decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """One token per sequence, built only from fixed-address tensors (graph-capturable)."""
+        n = input_ids.shape[0]
+        meta = AttentionMetadata(slot_mapping, self._cu_seqlens[:n + 1], seq_lens, block_tables,
+                                 max_seqlen_q=1, max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+                                 block_size=self.block_size, query_lens_host=[1] * n,
+                                 seq_lens_host=[])
+        return self._forward(input_ids, positions, meta, 0)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         ids: list = []
@@ -122,19 +145,27 @@ class ModelRunner:
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)
 
+    def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
+        attention.set_context(attention.StepContext(
+            meta, self.kv.key_caches, self.kv.value_caches, self.ops))
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                             use_cache=False, logits_to_keep=keep)
+        finally:
+            attention.set_context(None)
+        return out.logits[0]
+
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed batch; logits (fp32) only for the rows that are sampled."""
         rows = [r for rows in batch.sample_rows for r in rows]
-        attention.set_context(attention.StepContext(
-            batch.meta, self.kv.key_caches, self.kv.value_caches, self.ops))
-        try:
-            keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                             use_cache=False, logits_to_keep=keep)
-        finally:
-            attention.set_context(None)
-        logits = out.logits[0].float()
+        meta = batch.meta
+        if self.graphs is not None and meta.decode_only and rows:
+            logits = self.graphs(batch.input_ids, batch.positions, meta.slot_mapping,
+                                 meta.block_tables, meta.seq_lens)
+            return logits[torch.tensor(rows, device=self.device)].float()
+        keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+        logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
         return logits if rows else logits[:0]
 
     def execute(self, sched: SchedulerOutput) -> tuple:
