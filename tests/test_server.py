@@ -433,6 +433,31 @@ def test_metrics(server):
     assert ttft <= e2e
 
 
+def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
+    """max_queue_size: a request beyond the waiting limit gets UNAVAILABLE, the others finish."""
+    repo = render_model_repository(REPO, tmp_path / "repo", {
+        "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1})
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
+                      startup_timeout=300) as srv:
+        client = StreamClient(srv.grpc_url)
+        try:
+            long = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
+            client.send("running", text_inputs("first", sampling=long))
+            client.queues["running"].get(timeout=60)  # it is running: the queue is empty
+            client.send("waiting", text_inputs("second", sampling=GREEDY))
+            results, error = run_stream(srv, text_inputs("third", sampling=GREEDY))
+            assert error is not None and "overloaded" in str(error), (texts(results), error)
+            status, body = http_post(srv, f"/v2/models/{MODEL}/generate",
+                                     {"text_input": "fourth", "parameters": GREEDY})
+            # the error carries code UNAVAILABLE; Triton 2.51 answers 400 for any model error
+            assert status in (400, 503) and "overloaded" in body, (status, body)
+            assert client.responses("running")[-1] is not None
+            assert len("".join(texts(client.responses("waiting")))) > 0
+            assert client.errors.empty()
+        finally:
+            client.close()
+
+
 @pytest.mark.slow
 def test_serve_cli_default_model_answers_paris():
     """The README demo: `slipstream serve --prompt ... --exit-after-prompt` on SmolLM2."""
