@@ -113,6 +113,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-after-prompt", action="store_true",
                    help="stop the server after answering --prompt")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--exit-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--log-file", help="tritonserver log (default: a temp file)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
 
@@ -155,7 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     server = TritonServer(repo, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           startup_timeout=args.startup_timeout, log_path=args.log_file,
-                          log_verbose=args.log_verbose)
+                          log_verbose=args.log_verbose, exit_timeout=args.exit_timeout)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
@@ -187,7 +189,8 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         code = 1
     except _Stop as e:
-        print(f"\n{e}: stopping", flush=True)
+        print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
+              "Ctrl-C again to kill", flush=True)
     except TritonServerError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
@@ -195,9 +198,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the stop
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.stop()
+        try:
+            server.stop()
+        except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
+            print("killing tritonserver", flush=True)
+            server.kill()
         for s, h in old.items():
             signal.signal(s, h)
         import shutil

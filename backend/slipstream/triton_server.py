@@ -347,25 +347,30 @@ class TritonServer:
             time.sleep(0.25)
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
-        """SIGINT (Triton unloads the models, calling ``finalize``), then SIGKILL if it hangs."""
-        proc, self.process = self.process, None
+        """SIGINT: Triton refuses new requests, lets in-flight ones finish (up to its
+        ``--exit-timeout-secs``), unloads the model (``finalize``) and exits; SIGKILL if it hangs."""
+        proc = self.process
         if proc is None:
             return None
         timeout = self.exit_timeout + 15 if timeout is None else timeout
         if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
             try:
-                proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # our own session: Triton + its stubs
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-        try:  # stubs left behind by a crash share the session id
-            os.killpg(proc.pid, signal.SIGKILL)
+                pass
+        return self.kill()
+
+    def kill(self) -> Optional[int]:
+        """SIGKILL Triton and its backend stubs (our own session), now."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # also stubs left behind by a crash
         except (ProcessLookupError, PermissionError):
             pass
+        proc.wait()
         self._log.close()
         return proc.returncode
 
