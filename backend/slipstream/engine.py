@@ -52,7 +52,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
-        self.tracer = None
+        self.tracer = self._make_tracer()
         self._ids = itertools.count()
         self._tokenizer_lock = threading.Lock()  # requests are tokenized on client threads
 
@@ -85,6 +85,12 @@ class LLMEngine:
             return None
         from .swap import SwapPool
         return SwapPool(self.config, self.kv_cache, self.block_manager)
+
+    def _make_tracer(self):
+        if not self.config.trace_steps:
+            return None
+        from .trace import StepTracer
+        return StepTracer()
 
     def _make_proposer(self):
         if self.config.speculative_method is None:
@@ -213,7 +219,25 @@ class LLMEngine:
             cursor += len(rows)
             accepted = self._accept(req, item.spec_token_ids, tokens)
             outputs.append(self._append_tokens(req, tokens[:accepted], logprobs[:accepted]))
+        if self.proposer is not None:
+            self._propose([item.request for item in sched.scheduled])
         return [o for o in outputs if o is not None]
+
+    def _propose(self, reqs: list) -> None:
+        """Draft tokens for every request that just sampled and may speculate, in one batch."""
+        eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and self._speculates(r)
+                    and r.num_tokens - r.num_computed_tokens == 1]
+        if eligible:
+            for req, drafts in zip(eligible, self.proposer.propose_batch(eligible)):
+                req.spec_token_ids = list(drafts)
+
+    @staticmethod
+    def _speculates(req: Request) -> bool:
+        # Penalties and min_tokens are applied once per step from the tokens before it,
+        # not per draft row, so such requests would not match plain decoding.
+        p = req.params
+        return (p.use_speculation and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
 
     def _accept(self, req: Request, drafts: list, tokens: list) -> int:
         """How many sampled tokens to keep: the drafts the target agreed with, plus one."""
@@ -232,16 +256,19 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         kept_tokens, kept_logprobs = [], []
         status = None
+        detok = self.detokenizers[req.request_id]
         for token, lp in zip(tokens, logprobs or [0.0] * len(tokens)):
             req.append_token(token)
             req.cumulative_logprob += lp
             kept_tokens.append(token)
             kept_logprobs.append(lp)
             status = self._stop_status(req, token)
+            if len(tokens) > 1 and detok.stop:  # accepted drafts: stop where the string ends
+                detok.update(req.all_token_ids)
+                status = status or (RequestStatus.FINISHED_STOPPED if detok.stopped_on else None)
             if status is not None:
                 break
         self.block_manager.register_full_blocks(req)
-        detok = self.detokenizers[req.request_id]
         detok.update(req.all_token_ids)
         if detok.stopped_on is not None:
             status = RequestStatus.FINISHED_STOPPED
@@ -249,8 +276,6 @@ class LLMEngine:
         self.stats.generation_tokens += len(kept_tokens)
         if status is not None:
             return self._finish(req, status, kept_tokens, kept_logprobs)
-        if self.proposer is not None and req.params.use_speculation:
-            req.spec_token_ids = self.proposer.propose(req)
         text = detok.take(final=False)
         return self._output(req, text, kept_tokens, kept_logprobs)
 
@@ -269,6 +294,8 @@ class LLMEngine:
                 logprobs: Optional[list] = None) -> RequestOutput:
         self.scheduler.finish(req, status)
         self.sampler.forget(req.request_id)
+        if self.proposer is not None:
+            self.proposer.discard(req.request_id)
         self.requests.pop(req.request_id, None)
         detok = self.detokenizers.pop(req.request_id)
         self.stats.record_finish(req)
