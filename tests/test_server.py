@@ -75,6 +75,8 @@ def server(repo):
     try:
         find_tritonserver()
     except Exception as e:  # pragma: no cover - the [server] extra is part of `make install`
+        if os.environ.get("CI"):  # CI installs the server: its absence is a failure there
+            raise
         pytest.skip(f"no tritonserver: {e}")
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout=300) as srv:
