@@ -55,7 +55,8 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     transpose_linear_weights: bool = True  # CPU: faster small-batch matmuls
-    trace_steps: bool = False
+    trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
+    trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -87,7 +87,7 @@ class LLMEngine:
         return SwapPool(self.config, self.kv_cache, self.block_manager)
 
     def _make_tracer(self):
-        if not self.config.trace_steps:
+        if not (self.config.trace_steps or self.config.trace_file):
             return None
         from .trace import StepTracer
         return StepTracer()
@@ -193,6 +193,9 @@ class LLMEngine:
         if self.scheduler.swapper is not None:
             self.scheduler.swapper.apply(sched)
         if sched.is_empty:
+            if self.tracer is not None and sched.preempted:  # a step that only preempted
+                now = time.perf_counter()
+                self.tracer.record(sched, now, now, self)
             return []
         started = time.perf_counter()
         logits, sample_rows = self.runner.execute(sched)

@@ -74,7 +74,22 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        alive = self._thread.is_alive()
         self._thread = None
+        self._save_trace(alive)
+
+    def _save_trace(self, loop_alive: bool) -> None:
+        path = self.engine.config.trace_file
+        if not path or self.engine.tracer is None:
+            return
+        if loop_alive:  # the records may still be changing under us
+            log.warning("engine loop did not stop in time; step trace not written")
+            return
+        try:
+            self.engine.tracer.save(path)
+            log.info("step trace written to %s", path)
+        except OSError as exc:  # a bad path must not break shutdown
+            log.error("cannot write the step trace to %s: %s", path, exc)
 
     def __enter__(self) -> "EngineLoop":
         return self.start()

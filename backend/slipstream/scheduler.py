@@ -25,6 +25,14 @@ class ScheduledRequest:
     # Draft tokens appended for this step (speculative decoding); they are the last
     # ``len(spec_token_ids)`` of the new tokens.
     spec_token_ids: list = field(default_factory=list)
+    # The request's progress when it was scheduled (the step trace tells prefill from
+    # decode with them; the engine has moved both on by the time the trace is taken).
+    num_computed_before: int = field(init=False, default=0)
+    num_tokens_before: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_computed_before = self.request.num_computed_tokens
+        self.num_tokens_before = self.request.num_tokens
 
 
 @dataclass
