@@ -1,6 +1,7 @@
 """Scheduling and memory features end to end through a real tritonserver: priority policy,
 swap preemption and n-gram speculative decoding all at once on a KV pool too small for the
 load; every stream must still equal the plain engine's output for its prompt alone."""
+import json
 import os
 
 import numpy as np
@@ -35,8 +36,10 @@ def plain_texts(tiny_model):
 
 
 def test_priority_swap_and_speculation_through_triton(tiny_model, plain_texts, tmp_path):
+    trace_file = tmp_path / "trace.json"
     repo = render_model_repository(REPO, tmp_path / "repo",
-                                   {"model": str(tiny_model), **OVERRIDES, **FEATURES})
+                                   {"model": str(tiny_model), **OVERRIDES, **FEATURES,
+                                    "trace_file": str(trace_file)})
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout=300) as srv:
         client = StreamClient(srv.grpc_url)
@@ -54,3 +57,7 @@ def test_priority_swap_and_speculation_through_triton(tiny_model, plain_texts, t
     assert m["slipstream_preemptions_total"] > 0  # 12 x 7 blocks wanted, 23 available
     assert m["slipstream_spec_draft_tokens_total"] > 0
     assert 0 <= m["slipstream_spec_acceptance_rate"] <= 1
+    # The server wrote its step trace on shutdown: every request ran in some batch slot.
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    ran = {e["name"] for e in events if e["ph"] == "X" and e["cat"] not in ("step", "padding")}
+    assert len(ran) == len(plain_texts)
