@@ -216,6 +216,7 @@ Command = Union[tuple, str]
 COMMANDS: dict = {
     "serve": ("start tritonserver with the slipstream model (optionally answer --prompt)",
               add_serve_args, run_serve),
+    "bench": "slipstream.bench.cli",
 }
 
 

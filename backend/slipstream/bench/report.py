@@ -1,0 +1,91 @@
+"""The printed table and the ratios against the project's targets."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+# name -> (description, needed, compare): compare(value, needed) says whether it is met.
+TARGETS = {
+    "continuous_vs_static": ("continuous (Triton) / static batch 8 (Triton), tokens/s", 6.0,
+                             lambda v, n: v >= n),
+    "continuous_vs_hf_continuous": ("continuous (Triton) / HF continuous batching, tokens/s",
+                                    2.0, lambda v, n: v >= n),
+    "roofline_fraction": ("roofline best-possible time / continuous (Triton) makespan", 0.85,
+                          lambda v, n: v >= n),
+    "triton_overhead": ("1 - continuous (Triton) / in-process engine, tokens/s", 0.05,
+                        lambda v, n: v <= n),
+}
+
+
+def _tps(results: dict, label: str) -> Optional[float]:
+    for run in results.get("runs", []):
+        if run["label"] == label and run["summary"].get("output_tokens"):
+            return run["summary"]["tokens_per_s"]
+    return None
+
+
+def ratios(results: dict) -> dict:
+    cont = _tps(results, "continuous")
+    out: dict = {}
+    for name, other in (("continuous_vs_static", "static"),
+                        ("continuous_vs_hf_continuous", "hf_continuous")):
+        base = _tps(results, other)
+        out[name] = cont / base if cont and base else None
+    inproc = _tps(results, "inprocess")
+    out["triton_overhead"] = 1 - cont / inproc if cont and inproc else None
+    out["roofline_fraction"] = (results.get("roofline") or {}).get("efficiency", {}).get(
+        "vs_makespan")
+    return out
+
+
+def judged(results: dict) -> dict:
+    """ratio name -> {value, target, met, description} (met is None when not measured)."""
+    out = {}
+    for name, value in ratios(results).items():
+        desc, needed, ok = TARGETS[name]
+        if name == "roofline_fraction":  # measured on the in-process run without a server
+            source = (results.get("roofline") or {}).get("source", "continuous")
+            desc = desc.replace("continuous (Triton)", source)
+        out[name] = {"value": value, "target": needed, "description": desc,
+                     "met": None if value is None else bool(ok(value, needed))}
+    return out
+
+
+def _ms(d: Optional[dict], key: str) -> str:
+    v = (d or {}).get(key)
+    return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def table(results: dict) -> str:
+    head = (f"{'mode':<16}{'tok/s':>9}{'req/s':>8}{'makespan':>10}   "
+            f"{'TTFT p50/p90/p99 ms':>22}   {'ITL p50/p90/p99 ms':>20}   "
+            f"{'E2E p50/p90/p99 ms':>22}  {'err':>4}{'len!':>5}")
+    lines = [head, "-" * len(head)]
+    for run in results.get("runs", []):
+        s = run["summary"]
+        trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
+                                                        ("p50", "p90", "p99"))
+        makespan = s.get("makespan_s")
+        lines.append(f"{run['label']:<16}{s.get('tokens_per_s', 0):>9.1f}"
+                     f"{s.get('requests_per_s', 0):>8.2f}"
+                     f"{(f'{makespan:.1f}s' if makespan else '-'):>10}   "
+                     f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
+                     f"{s.get('num_errors', 0):>4}{s.get('num_wrong_length', 0):>5}")
+    roof = results.get("roofline") or {}
+    if roof.get("best_possible_s"):
+        lines.append(f"{'roofline':<16}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
+                     f"{roof['best_possible_s']:>9.1f}s   (best possible for the continuous "
+                     f"run's {roof['num_steps']} steps)")
+    return "\n".join(lines)
+
+
+def targets_text(results: dict) -> str:
+    lines = ["targets:"]
+    for name, t in results.get("targets", {}).items():
+        if t["value"] is None:
+            lines.append(f"  {t['description']}: not measured")
+            continue
+        verdict = "met" if t["met"] else "NOT met"
+        cmp = "<=" if name == "triton_overhead" else ">="
+        lines.append(f"  {t['description']}: {t['value']:.2f} (target {cmp} {t['target']}) "
+                     f"{verdict}")
+    return "\n".join(lines)

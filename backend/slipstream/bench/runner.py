@@ -1,0 +1,196 @@
+"""The batching scenario: one workload through every mode, then the roofline, then files.
+
+Order: the three server modes (each its own tritonserver, started and stopped in turn), the
+in-process engine with the continuous server's exact engine settings, the two Hugging Face
+baselines, and last the roofline (it rewrites the plain model's weight layout).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import plots, report, server_run, timeline
+from .workload import (Workload, arrival_times, generate_workload, lengths_summary)
+
+SERVER_MODES = ("static", "dynamic", "continuous")
+ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous", "roofline")
+QUICK_PROMPT_LENS = "uniform:8:48"
+QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
+GIB = 1024 ** 3
+
+
+@dataclass
+class BenchOptions:
+    model: str = "default"
+    num_requests: int = 64
+    seed: int = 0
+    workload_file: Optional[str] = None
+    rate: float = math.inf
+    modes: tuple = ALL_MODES
+    output_dir: Path = Path("benchmarks/results")
+    quick: bool = False
+    progress: bool = True
+    prompt_lens: Optional[str] = None
+    output_lens: Optional[str] = None
+    static_batch_size: int = 8
+    kv_cache_memory_bytes: int = GIB  # the whole offline workload fits: no preemption
+    settings: dict = field(default_factory=dict)  # extra engine settings (--set)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def load_tokenizer(model: str):
+    from ..model_loader import load_tokenizer as load, resolve_model_path
+
+    return load(resolve_model_path(model))
+
+
+def make_workload(opts: BenchOptions, tokenizer) -> Workload:
+    if opts.workload_file:
+        return Workload.load(opts.workload_file)
+    from .workload import DEFAULT_OUTPUT_LENS, DEFAULT_PROMPT_LENS
+
+    quick = opts.quick
+    prompt = opts.prompt_lens or (QUICK_PROMPT_LENS if quick else DEFAULT_PROMPT_LENS)
+    output = opts.output_lens or (QUICK_OUTPUT_LENS if quick else DEFAULT_OUTPUT_LENS)
+    return generate_workload(tokenizer, opts.num_requests, opts.seed, prompt, output)
+
+
+def warmup_workload(tokenizer, seed: int) -> Workload:
+    # Other words than the workload's (another seed): no prefix-cache hits carried over.
+    return generate_workload(tokenizer, 2, seed + 7919, "fixed:32", "fixed:4")
+
+
+def server_overrides(opts: BenchOptions, batching: str) -> dict:
+    return {"model": opts.model, "batching": batching,
+            "max_batch_size": opts.static_batch_size,
+            "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **opts.settings}
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+# ------------------------------------------------------------------------ the runs
+def run_server_modes(opts, workload, offsets, warm, out_dir) -> list:
+    runs = []
+    for mode in SERVER_MODES:
+        if mode in opts.modes:
+            log(f"== server, batching={mode}")
+            runs.append(server_run.run_mode(mode, server_overrides(opts, mode), workload,
+                                            offsets, warm, out_dir, progress=opts.progress))
+    return runs
+
+
+def run_inprocess(opts, workload, offsets, warm) -> dict:
+    from .inprocess import run_inprocess as run
+
+    log("== in-process engine (no Triton), the continuous server's settings")
+    repo = server_run.render(server_overrides(opts, "continuous"),
+                             Path(tempfile.mkdtemp(prefix="slipstream-bench-inproc-")))
+    result = run(server_run.engine_settings(repo), workload, offsets, warm,
+                 progress=opts.progress)
+    gc.collect()
+    return result
+
+
+def run_hf(opts, workload, offsets, warm, model_and_tok) -> list:
+    from . import hf_baselines as hf
+
+    model, tok = model_and_tok
+    runs = []
+    if "hf_static" in opts.modes:
+        log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}")
+        runs.append(hf.run_hf_static(model, tok, workload, offsets, warm,
+                                     batch_size=opts.static_batch_size, progress=opts.progress))
+    if "hf_continuous" in opts.modes:
+        log("== Hugging Face continuous batching (sdpa)")
+        runs.append(hf.run_hf_continuous(model, tok, workload, offsets, warm,
+                                         progress=opts.progress))
+        hf.release(model)
+    return runs
+
+
+def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
+    from . import roofline
+
+    source = next((r for r in runs if r["label"] == "continuous" and r.get("timeline")),
+                  None) or next((r for r in runs if r["label"] == "inprocess"), None)
+    if source is None:
+        log("roofline skipped: no continuous run with a step trace")
+        return None
+    log(f"== roofline: raw forwards at the shapes of the {source['label']} run's steps")
+    steps = steps_from_json(source["timeline"])
+    result = roofline.roofline(model, steps)
+    result["source"] = source["label"]
+    if result.get("best_possible_s"):
+        result["best_tokens_per_s"] = workload.total_output_tokens / result["best_possible_s"]
+        result["efficiency"] = roofline.efficiency(
+            result, source["summary"]["makespan_s"], source["steps"].get("busy_s", 0.0))
+    return result
+
+
+def steps_from_json(items: list) -> list:
+    return [timeline.Step(i, start, dur, [timeline.Slice(rid, slot, p, d)
+                                          for rid, slot, p, d in slices], pads)
+            for i, start, dur, slices, pads in items]
+
+
+# ------------------------------------------------------------------------ the scenario
+def run_batching(opts: BenchOptions) -> dict:
+    out_dir = Path(opts.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(opts.model)
+    workload = make_workload(opts, tokenizer)
+    workload.save(out_dir / "workload.json")
+    offsets = arrival_times(len(workload), opts.rate, opts.seed)
+    warm = warmup_workload(tokenizer, opts.seed)
+    log(f"workload: {lengths_summary(workload)}")
+    t0 = time.perf_counter()
+    runs = run_server_modes(opts, workload, offsets, warm, out_dir)
+    if "inprocess" in opts.modes:
+        runs.append(run_inprocess(opts, workload, offsets, warm))
+    roof = None
+    if {"hf_static", "hf_continuous", "roofline"} & set(opts.modes):
+        from .hf_baselines import load_hf
+
+        model_and_tok = load_hf(opts.model)
+        runs.extend(run_hf(opts, workload, offsets, warm, model_and_tok))
+        if "roofline" in opts.modes:
+            roof = run_roofline(runs, model_and_tok[0], workload)
+        del model_and_tok
+        gc.collect()
+    results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
+               "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+               "workload": {**lengths_summary(workload), **workload.description},
+               "arrivals_s": offsets, "runs": runs, "roofline": roof,
+               "wall_s": time.perf_counter() - t0}
+    results["targets"] = report.judged(results)
+    return finish(results, out_dir)
+
+
+def finish(results: dict, out_dir: Path) -> dict:
+    results["plots"] = plots.write_all(results, out_dir)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=str))
+    log("\n" + report.table(results))
+    if results.get("targets"):
+        log(report.targets_text(results))
+    log(f"\nresults: {path}\nplots:   {', '.join(results['plots'])}")
+    return results
