@@ -165,7 +165,8 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     break
             self._admit(req, num_new, cached, num_cached_tokens, out)
-            budget -= num_new
+            # Recounted rather than decremented: an eviction above gives its tokens back.
+            budget = self.config.max_num_batched_tokens - out.num_tokens
 
     def _tokens_wanted_from(self, req: Request, num_computed: int) -> int:
         wanted = req.num_tokens - num_computed
@@ -187,17 +188,18 @@ class Scheduler:
 
     def _preempt_for(self, req: Request, num_new: int, cached: list, out: SchedulerOutput,
                      now: float) -> bool:
-        """Priority policies: a more urgent arrival may evict less urgent running requests."""
+        """Priority policies: a more urgent arrival may evict less urgent running requests,
+        including ones already scheduled in this step (they are taken out of it)."""
         if self.config.policy == "fifo":
             return False
-        candidates = self._less_urgent_unscheduled(req, out, now)
+        candidates = self._less_urgent_running(req, now)
         held = Counter(b for r in candidates for b in r.block_table)
         freeable = sum(1 for b, n in held.items() if self.bm.blocks[b].ref_count == n)
         need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(cached)
         if need > self.bm.num_free_blocks + freeable:
             return False  # evicting every candidate would not make room: evict none
         while True:
-            candidates = self._less_urgent_unscheduled(req, out, now)
+            candidates = self._less_urgent_running(req, now)
             victim = pick_victim(candidates, self.key, now)
             if victim is None:
                 return False
@@ -205,14 +207,14 @@ class Scheduler:
             if self.bm.can_allocate(req, num_new, cached):
                 return True
 
-    def _less_urgent_unscheduled(self, req: Request, out: SchedulerOutput, now: float) -> list:
-        return [r for r in self.running
-                if not any(s.request is r for s in out.scheduled)
-                and self.key(r, now) > self.key(req, now)]
+    def _less_urgent_running(self, req: Request, now: float) -> list:
+        return [r for r in self.running if self.key(r, now) > self.key(req, now)]
 
     def preempt(self, req: Request, out: Optional[SchedulerOutput] = None) -> None:
         """Take ``req`` off the GPU: swap its KV out, or drop it to recompute later."""
         self.running.remove(req)
+        if out is not None:  # scheduled earlier in this step: it no longer runs in it
+            out.scheduled[:] = [s for s in out.scheduled if s.request is not req]
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.spec_token_ids = []
