@@ -90,11 +90,13 @@ def run_mode(label: str, overrides: Mapping[str, object], workload: Workload,
 
 def counter_deltas(before: dict, after: dict) -> dict:
     """What the measured run did: counters as differences, gauges as read at the end."""
+    from ..triton_metrics import COUNTERS
+
     out = {}
     for name, value in after.items():
         short = name[len("slipstream_"):]
-        if short.endswith("_total") or short.endswith("_count") or short.endswith("_sum"):
+        if short in COUNTERS or short.endswith("_count") or short.endswith("_sum"):
             out[short] = value - before.get(name, 0.0)
-        else:
+        else:  # gauges; kv_blocks_total is one despite its name
             out[short] = value
     return out

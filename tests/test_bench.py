@@ -1,0 +1,109 @@
+"""``slipstream bench`` smoke test: a 4-request run on a tiny random model through the
+continuous server, the in-process engine, both Hugging Face baselines and the roofline.
+Checks the files and fields, never timings (benchmarks are not tests)."""
+import json
+import os
+import random
+
+import pytest
+
+from slipstream.bench import timeline
+from slipstream.bench.metrics import RequestRecord, percentile, summarize
+from slipstream.bench.workload import (Workload, arrival_times, generate_workload,
+                                       sample_lengths, shared_prefix_workload)
+from slipstream.cli import main as cli_main
+from slipstream.model_loader import load_tokenizer
+
+from support import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(tiny_model_dir("llama"))
+
+
+def test_workload_lengths_are_exact_and_round_trip(tokenizer, tmp_path):
+    w = generate_workload(tokenizer, 8, seed=3, prompt_lens="uniform:5:40",
+                          output_lens="0.75*fixed:4+0.25*fixed:30")
+    assert [len(ids) for ids in w.prompt_ids(tokenizer)] == [r.prompt_len for r in w.requests]
+    assert all(5 <= r.prompt_len <= 40 for r in w.requests)
+    assert sorted(r.max_tokens for r in w.requests) == [4] * 6 + [30] * 2  # exact shares
+    again = Workload.load(w.save(tmp_path / "w.json"))
+    assert again.requests == w.requests
+    assert generate_workload(tokenizer, 8, seed=3, prompt_lens="uniform:5:40",
+                             output_lens="0.75*fixed:4+0.25*fixed:30").requests == w.requests
+
+
+def test_shared_prefix_workload_shares_its_system_prompt(tokenizer):
+    w = shared_prefix_workload(tokenizer, 4, system_len=48, suffix_lens="fixed:8")
+    ids = w.prompt_ids(tokenizer)
+    assert all(i[:48] == ids[0][:48] for i in ids) and len({tuple(i) for i in ids}) == 4
+
+
+def test_distributions_and_arrivals():
+    with pytest.raises(ValueError):
+        sample_lengths("normal:3:4", 4, random.Random(0))
+    assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    poisson = arrival_times(50, 10.0, seed=1)
+    assert poisson == sorted(poisson) and poisson == arrival_times(50, 10.0, seed=1)
+    assert 2.0 < poisson[-1] < 10.0  # about 49 / 10 s
+
+
+def test_metrics():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    rec = RequestRecord("a", 10, 3, send_time=1.0, token_times=[1.5, 1.75, 2.0])
+    s = summarize([rec])
+    assert s["output_tokens"] == 3 and s["tokens_per_s"] == pytest.approx(3.0)
+    assert s["ttft_ms"]["p50"] == pytest.approx(500) and s["itl_ms"]["p50"] == pytest.approx(250)
+
+
+def test_sampled_rows_of_a_chunked_prefill():
+    steps = [timeline.Step(0, 0, 1, [timeline.Slice("a", 0, 8, 0)]),
+             timeline.Step(1, 1, 1, [timeline.Slice("a", 0, 4, 0), timeline.Slice("b", 1, 3, 0)]),
+             timeline.Step(2, 2, 1, [timeline.Slice("a", 0, 0, 1), timeline.Slice("b", 1, 0, 1,
+                                                                                    True)])]
+    assert timeline.sampled_rows(steps) == [0, 2, 2]
+
+
+def _server_available() -> bool:
+    if os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1":
+        return False
+    from slipstream.triton_server import find_tritonserver
+
+    try:
+        find_tritonserver()
+        return True
+    except Exception:
+        return False
+
+
+def test_bench_quick_run_writes_results_and_plots(tmp_path):
+    modes = ["inprocess", "hf_static", "hf_continuous", "roofline"]
+    if _server_available():
+        modes.insert(0, "continuous")
+    out = tmp_path / "results"
+    code = cli_main(["bench", "--quick", "--num-requests", "4", "--model",
+                     str(tiny_model_dir("llama")), "--modes", ",".join(modes),
+                     "--output-dir", str(out), "--no-progress",
+                     "--kv-cache-bytes", str(16 * 1024 * 1024)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    workload = Workload.load(out / "workload.json")
+    assert [r["label"] for r in results["runs"]] == [m for m in modes if m != "roofline"]
+    for run in results["runs"]:
+        s = run["summary"]
+        assert s["num_errors"] == 0 and s["num_wrong_length"] == 0, run["label"]
+        assert s["output_tokens"] == workload.total_output_tokens
+        for key in ("tokens_per_s", "requests_per_s", "makespan_s"):
+            assert s[key] > 0
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert set(s[key]) >= {"p50", "p90", "p99", "mean"}
+        assert len(run["records"]) == 4
+    engine_runs = [r for r in results["runs"] if r["kind"] != "hf"]
+    for run in engine_runs:  # the step trace made it into the timeline
+        assert run["timeline"] and run["steps"]["decode_tokens"] > 0
+    assert results["roofline"]["best_possible_s"] > 0
+    assert set(results["targets"]) == {"continuous_vs_static", "continuous_vs_hf_continuous",
+                                       "roofline_fraction", "triton_overhead"}
+    for name in ("throughput.png", "latency_cdf.png", "batch_timeline.png"):
+        assert (out / name).stat().st_size > 1000
