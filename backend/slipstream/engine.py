@@ -114,13 +114,24 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {limit} "
                              "(prompt plus at least one generated token must fit)")
-        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_usable_blocks:
-            raise ValueError(f"the prompt has {len(ids)} tokens and can never fit in the KV cache "
-                             f"({self.block_manager.num_usable_blocks} blocks of {self.config.block_size})")
+        self._check_fits(len(ids), params.max_tokens)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        # A request alone must be able to reach its end: one that outgrows the whole cache
+        # could only preempt itself, again and again, and never finish.
+        usable, bs = self.block_manager.num_usable_blocks, self.config.block_size
+        capacity = f"{usable} blocks of {bs} tokens"
+        if self.block_manager.blocks_needed(num_prompt + 1) > usable:
+            raise ValueError(f"the prompt has {num_prompt} tokens and can never fit in the KV "
+                             f"cache ({capacity})")
+        longest = min(num_prompt + max_tokens, self.config.max_model_len)
+        if self.block_manager.blocks_needed(longest) > usable:
+            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
+                             f"can never fit in the KV cache ({capacity}); lower max_tokens")
 
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list:
         """A string (optionally wrapped in the chat template as one user turn), a list of
@@ -150,11 +161,13 @@ class LLMEngine:
                                                   add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, check_queue: bool = True) -> None:
+        """``check_queue=False``: the caller has already admitted the request against
+        ``max_queue_size`` (EngineLoop does so at submit time)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         limit = self.config.max_queue_size
-        if limit and len(self.scheduler.waiting) >= limit:
+        if check_queue and limit and len(self.scheduler.waiting) >= limit:
             raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
         self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = IncrementalDetokenizer(

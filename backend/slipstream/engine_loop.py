@@ -56,7 +56,10 @@ class EngineLoop:
         self._streams: dict[str, OutputStream] = {}
         self._lock = threading.Lock()  # guards _streams and admission counting
         self._pending = 0  # submitted, not yet seen by the loop thread
+        # Waiting requests as the loop thread last saw them; updated in the same critical
+        # section that retires a pending request, so waiting + pending never undercounts.
         self._stats: dict = self.engine.get_stats()
+        self._num_waiting = self._stats["num_waiting"]
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -109,7 +112,7 @@ class EngineLoop:
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             limit = self.engine.config.max_queue_size
-            if limit and self._stats["num_waiting"] + self._pending >= limit:
+            if limit and self._num_waiting + self._pending >= limit:
                 raise OverloadedError(
                     f"server overloaded: {limit} requests already waiting; retry later")
             stream = OutputStream(req.request_id)
@@ -149,7 +152,7 @@ class EngineLoop:
                 outputs = self._fail_scheduled(f"internal error: {exc}")
             self._deliver(outputs)
             ran = engine.stats.steps != steps_before
-            self._stats = engine.get_stats()
+            self._refresh_stats()
             if not ran and engine.has_unfinished():
                 self._idle_wait()
         self._abort_all()
@@ -179,17 +182,23 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             req = command[1]
-            with self._lock:
-                self._pending -= 1
             try:
-                self.engine.add(req)
+                self.engine.add(req, check_queue=False)  # submit admitted it already
             except Exception as exc:
                 self._deliver([RequestOutput(req.request_id, finished=True, finish_reason="error",
                                              error=str(exc))])
+            with self._lock:
+                self._pending -= 1
+                self._num_waiting = len(self.engine.scheduler.waiting)
         elif kind == "abort":
             out = self.engine.abort(command[1])
             if out is not None:
                 self._deliver([out])
+
+    def _refresh_stats(self) -> None:
+        self._stats = self.engine.get_stats()
+        with self._lock:
+            self._num_waiting = self._stats["num_waiting"]
 
     def _fail_scheduled(self, message: str) -> list:
         engine = self.engine
@@ -218,4 +227,4 @@ class EngineLoop:
             if command[0] == "add":
                 self._deliver([RequestOutput(command[1].request_id, finished=True,
                                              finish_reason="abort")])
-        self._stats = self.engine.get_stats()
+        self._refresh_stats()
