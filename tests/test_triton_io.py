@@ -103,6 +103,41 @@ def test_stream_defaults_to_excluding_the_prompt():
     assert r.options.stream and r.options.exclude_input_in_output
 
 
+def test_priority_from_every_source_and_kept_out_of_sampling_params():
+    hi = {"text_input": s("hi")}
+    assert parse_request(hi).options.priority == 0
+    assert parse_request(hi, {"priority": 4}).options.priority == 4  # HTTP generate parameters
+    json_inputs = {**hi, "sampling_parameters": s('{"priority": "-2", "max_tokens": 3}')}
+    r = parse_request(json_inputs, {"priority": 4})
+    assert r.options.priority == -2 and r.params.max_tokens == 3
+    tensor = {**json_inputs, "priority": np.array([[7]], np.int64)}
+    assert parse_request(tensor).options.priority == 7  # the typed input wins
+    for bad in ('{"priority": 1.5}', '{"priority": "high"}', '{"priority": true}'):
+        with pytest.raises(BadRequestError, match="priority"):
+            parse_request({**hi, "sampling_parameters": s(bad)})
+    with pytest.raises(BadRequestError, match="priority"):
+        parse_request({**hi, "priority": np.array([1.0], np.float32)})
+
+
+def test_parsed_priority_orders_the_engine_queue():
+    """What model.py does with a parsed request: the priority reaches the scheduler."""
+    from slipstream.engine import LLMEngine
+    from support import tiny_model_dir
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), policy="priority",
+                                    max_num_seqs=1, num_gpu_blocks_override=64, block_size=4))
+    order = []
+    for i, priority in enumerate((5, 0)):
+        parsed = parse_request({"text_input": s(f"request {i}"),
+                                "priority": np.array([priority], np.int32)})
+        req = engine.add_request(parsed.prompt, parsed.params, request_id=f"r{i}",
+                                 priority=parsed.options.priority)
+        assert req.priority == priority
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["r1", "r0"]
+
+
 @pytest.mark.parametrize("inputs,params,message", [
     ({}, None, "missing required input 'text_input'"),
     ({"text_input": s("")}, None, "empty"),
