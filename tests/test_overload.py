@@ -1,5 +1,5 @@
 """Overload: a bounded waiting queue refuses what does not fit at once, everything admitted
-completes, nothing leaks; requests that could never fit in the KV cache are refused."""
+completes, nothing leaks; a prompt that could never fit in the KV cache is refused."""
 from __future__ import annotations
 
 import random
@@ -117,26 +117,24 @@ def test_queue_limit_counts_requests_not_yet_seen_by_the_loop():
 
 def test_request_that_can_never_fit_is_refused_clearly():
     engine = LLMEngine(config(num_gpu_blocks_override=10, max_queue_size=0))  # 40 tokens
-    with pytest.raises(ValueError, match="prompt has 45 tokens and can never fit"):
+    with pytest.raises(ValueError, match="prompt has 45 tokens and can never fit in the KV cache"):
         engine.add_request(list(range(100, 145)))
-    with pytest.raises(ValueError, match=r"plus max_tokens \(31\) can never fit.*lower max_tokens"):
-        engine.add_request(list(range(100, 110)), SamplingParams(max_tokens=31, **GREEDY))
+    with pytest.raises(ValueError, match="prompt has 40 tokens and can never fit"):
+        engine.add_request(list(range(100, 140)))  # no room left for a generated token
     assert not engine.has_unfinished()
-    # Exactly the capacity: it completes, alone, without preempting itself forever.
-    out = engine.generate([list(range(100, 110))], SamplingParams(max_tokens=30, **GREEDY))[0]
-    assert out.num_output_tokens == 30 and engine.scheduler.num_preemptions == 0
-    # max_model_len caps what a request can grow to, so a large max_tokens is fine then.
-    capped = LLMEngine(config(num_gpu_blocks_override=10, max_model_len=40))
-    out = capped.generate([list(range(100, 110))], SamplingParams(max_tokens=500, **GREEDY))[0]
+    assert engine.max_seq_len == 40  # the cache, not max_model_len (128), bounds a sequence
+    # A request that would outgrow the whole cache ends there ("length"), like at
+    # max_model_len, instead of preempting itself forever.
+    out = engine.generate([list(range(100, 110))], SamplingParams(max_tokens=500, **GREEDY))[0]
     assert out.num_output_tokens == 30 and out.finish_reason == "length"
-    assert engine.block_manager.num_used_blocks == capped.block_manager.num_used_blocks == 0
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.block_manager.num_used_blocks == 0
 
 
-def test_loop_refuses_unfittable_request_in_the_callers_thread():
+def test_loop_refuses_unfittable_prompt_in_the_callers_thread():
     with EngineLoop(config(num_gpu_blocks_override=10)) as loop:
         with pytest.raises(ValueError, match="never fit"):
             loop.submit(list(range(100, 160)))
-        with pytest.raises(ValueError, match="never fit"):
-            loop.submit([1, 2, 3], SamplingParams(max_tokens=100))
-        out = loop.generate([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))
-        assert out.num_output_tokens == 5 and loop.stats()["kv_blocks_used"] == 0
+        out = loop.generate([1, 2, 3], SamplingParams(max_tokens=100, **GREEDY))
+        assert out.num_output_tokens == 37 and out.finish_reason == "length"
+        assert loop.stats()["kv_blocks_used"] == 0

@@ -44,6 +44,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self._make_swapper())
+        self.max_seq_len = self._max_seq_len()
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
             config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None)
@@ -80,6 +81,15 @@ class LLMEngine:
                  geometry.bytes_per_token)
         return KVCache(geometry, num_blocks, self.device)
 
+    def _max_seq_len(self) -> int:
+        # A sequence longer than the whole KV cache could only preempt itself over and over;
+        # like max_model_len, the cache's size ends it with finish reason "length".
+        capacity = self.block_manager.num_usable_blocks * self.config.block_size
+        if capacity < self.config.max_model_len:
+            log.warning("the KV cache holds %d tokens, less than max_model_len %d: sequences "
+                        "end at %d tokens", capacity, self.config.max_model_len, capacity)
+        return min(capacity, self.config.max_model_len)
+
     def _make_swapper(self):
         if self.config.preemption_mode == "recompute":
             return None
@@ -114,24 +124,13 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {limit} "
                              "(prompt plus at least one generated token must fit)")
-        self._check_fits(len(ids), params.max_tokens)
+        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_usable_blocks:
+            raise ValueError(f"the prompt has {len(ids)} tokens and can never fit in the KV cache "
+                             f"({self.block_manager.num_usable_blocks} blocks of {self.config.block_size})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
-
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        # A request alone must be able to reach its end: one that outgrows the whole cache
-        # could only preempt itself, again and again, and never finish.
-        usable, bs = self.block_manager.num_usable_blocks, self.config.block_size
-        capacity = f"{usable} blocks of {bs} tokens"
-        if self.block_manager.blocks_needed(num_prompt + 1) > usable:
-            raise ValueError(f"the prompt has {num_prompt} tokens and can never fit in the KV "
-                             f"cache ({capacity})")
-        longest = min(num_prompt + max_tokens, self.config.max_model_len)
-        if self.block_manager.blocks_needed(longest) > usable:
-            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) "
-                             f"can never fit in the KV cache ({capacity}); lower max_tokens")
 
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list:
         """A string (optionally wrapped in the chat template as one user turn), a list of
@@ -302,7 +301,7 @@ class LLMEngine:
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
