@@ -61,6 +61,9 @@ def table(results: dict) -> str:
             f"{'E2E p50/p90/p99 ms':>22}  {'err':>4}{'len!':>5}")
     lines = [head, "-" * len(head)]
     for run in results.get("runs", []):
+        if run.get("error"):
+            lines.append(f"{run['label']:<16}failed: {run['error'][:100]}")
+            continue
         s = run["summary"]
         trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
                                                         ("p50", "p90", "p99"))
@@ -71,7 +74,9 @@ def table(results: dict) -> str:
                      f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
                      f"{s.get('num_errors', 0):>4}{s.get('num_wrong_length', 0):>5}")
     roof = results.get("roofline") or {}
-    if roof.get("best_possible_s"):
+    if roof.get("error"):
+        lines.append(f"{'roofline':<16}failed: {roof['error'][:100]}")
+    elif roof.get("best_possible_s"):
         lines.append(f"{'roofline':<16}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
                      f"{roof['best_possible_s']:>9.1f}s   (best possible for the continuous "
                      f"run's {roof['num_steps']} steps)")

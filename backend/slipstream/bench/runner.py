@@ -13,9 +13,10 @@ import os
 import platform
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from . import plots, report, server_run, timeline
 from .workload import (Workload, arrival_times, generate_workload, lengths_summary)
@@ -87,13 +88,24 @@ def machine() -> dict:
 
 
 # ------------------------------------------------------------------------ the runs
+def guarded(label: str, kind: str, fn: Callable[[], dict]) -> dict:
+    """One mode's failure (a server that will not start, an API that changed) is recorded
+    in the results and the other modes still run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+        log(f"!! {label} failed: {exc!r}\n{traceback.format_exc()}")
+        return {"label": label, "kind": kind, "error": repr(exc), "summary": {}}
+
+
 def run_server_modes(opts, workload, offsets, warm, out_dir) -> list:
     runs = []
     for mode in SERVER_MODES:
         if mode in opts.modes:
             log(f"== server, batching={mode}")
-            runs.append(server_run.run_mode(mode, server_overrides(opts, mode), workload,
-                                            offsets, warm, out_dir, progress=opts.progress))
+            runs.append(guarded(mode, "triton", lambda: server_run.run_mode(
+                mode, server_overrides(opts, mode), workload, offsets, warm, out_dir,
+                progress=opts.progress)))
     return runs
 
 
@@ -103,8 +115,8 @@ def run_inprocess(opts, workload, offsets, warm) -> dict:
     log("== in-process engine (no Triton), the continuous server's settings")
     repo = server_run.render(server_overrides(opts, "continuous"),
                              Path(tempfile.mkdtemp(prefix="slipstream-bench-inproc-")))
-    result = run(server_run.engine_settings(repo), workload, offsets, warm,
-                 progress=opts.progress)
+    result = guarded("inprocess", "inprocess", lambda: run(
+        server_run.engine_settings(repo), workload, offsets, warm, progress=opts.progress))
     gc.collect()
     return result
 
@@ -116,12 +128,13 @@ def run_hf(opts, workload, offsets, warm, model_and_tok) -> list:
     runs = []
     if "hf_static" in opts.modes:
         log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}")
-        runs.append(hf.run_hf_static(model, tok, workload, offsets, warm,
-                                     batch_size=opts.static_batch_size, progress=opts.progress))
+        runs.append(guarded("hf_static", "hf", lambda: hf.run_hf_static(
+            model, tok, workload, offsets, warm, batch_size=opts.static_batch_size,
+            progress=opts.progress)))
     if "hf_continuous" in opts.modes:
         log("== Hugging Face continuous batching (sdpa)")
-        runs.append(hf.run_hf_continuous(model, tok, workload, offsets, warm,
-                                         progress=opts.progress))
+        runs.append(guarded("hf_continuous", "hf", lambda: hf.run_hf_continuous(
+            model, tok, workload, offsets, warm, progress=opts.progress)))
         hf.release(model)
     return runs
 
@@ -130,7 +143,8 @@ def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
     from . import roofline
 
     source = next((r for r in runs if r["label"] == "continuous" and r.get("timeline")),
-                  None) or next((r for r in runs if r["label"] == "inprocess"), None)
+                  None) or next((r for r in runs if r["label"] == "inprocess" and
+                                 r.get("timeline")), None)
     if source is None:
         log("roofline skipped: no continuous run with a step trace")
         return None
@@ -172,7 +186,8 @@ def run_batching(opts: BenchOptions) -> dict:
         model_and_tok = load_hf(opts.model)
         runs.extend(run_hf(opts, workload, offsets, warm, model_and_tok))
         if "roofline" in opts.modes:
-            roof = run_roofline(runs, model_and_tok[0], workload)
+            roof = guarded("roofline", "roofline",
+                           lambda: run_roofline(runs, model_and_tok[0], workload))
         del model_and_tok
         gc.collect()
     results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
