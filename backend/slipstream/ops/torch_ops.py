@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
 
@@ -27,13 +28,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
             scale: float, softcap: Optional[float]) -> torch.Tensor:
-    """q [B, Hkv, G*Q, D] against k/v [B, Hkv, L, D]; ``allowed`` broadcasts to the scores."""
+    """q [B, Hkv, R, D] (R rows: the query heads of a KV head, times the tokens) against
+    k/v [B, Hkv, L, D] of any strides; ``allowed`` broadcasts to the [B, Hkv, R, L] scores."""
+    if not softcap:
+        # The fused CPU kernel reads the gathered K/V in place and never materialises the
+        # scores: ~3x faster than matmul + softmax here. It has no softcap, hence the fallback.
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float())
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -79,17 +85,13 @@ def _decode_padded(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     """All sequences padded to ``num_blocks`` blocks; query ``[B, H, D]`` -> ``[B, H, D]``."""
     b, h, d = query.shape
     hkv = key_cache.shape[2]
-    k = _gather(key_cache, block_tables[:, :num_blocks]).float()  # [B, L, Hkv, D]
-    v = _gather(value_cache, block_tables[:, :num_blocks]).float()
-    q = query.view(b, hkv, h // hkv, d).float()
-    # einsum on the gathered layout avoids materialising a transposed copy of K and V.
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    k_pos = torch.arange(k.shape[1], device=query.device).view(1, 1, 1, -1)
+    # Views, not copies: [B, L, Hkv, D] gathered -> [B, Hkv, L, D] strided.
+    k = _gather(key_cache, block_tables[:, :num_blocks]).transpose(1, 2)
+    v = _gather(value_cache, block_tables[:, :num_blocks]).transpose(1, 2)
+    q = query.view(b, hkv, h // hkv, d)  # the G query heads of a KV head as G query rows
+    k_pos = torch.arange(k.shape[2], device=query.device).view(1, 1, 1, -1)
     lens = seq_lens.view(b, 1, 1, 1).long()
-    scores = scores.masked_fill(~_allowed(lens - 1, k_pos, lens, sliding_window), float("-inf"))
-    out = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), v)
+    out = _attend(q, k, v, _allowed(lens - 1, k_pos, lens, sliding_window), scale, softcap)
     return out.reshape(b, h, d).to(query.dtype)
 
 
