@@ -111,3 +111,52 @@ def test_queue_limit_and_shutdown_abort_everything():
         assert final.finished
     with pytest.raises(RuntimeError):
         lp.submit("late", SamplingParams())
+
+
+def test_on_output_wakes_a_reader_that_never_polls():
+    """The notification comes after the outputs are in the streams: a reader that only
+    sleeps on it (no timeout) receives every token and the final output."""
+    wake = threading.Event()
+    calls = []
+
+    def on_output():
+        calls.append(threading.current_thread().name)
+        wake.set()
+
+    with EngineLoop(config(), on_output=on_output) as running:
+        stream = running.submit([5, 6, 7], SamplingParams(max_tokens=6, **GREEDY))
+        tokens, finished = [], False
+        while not finished:
+            assert wake.wait(timeout=30), "no notification for pending outputs"
+            wake.clear()
+            while not stream._queue.empty():
+                out = stream.get(timeout=0)
+                tokens.extend(out.token_ids)
+                finished = out.finished
+    assert len(tokens) == 6
+    assert 1 <= len(calls) <= 6 and set(calls) == {"slipstream-engine"}
+
+
+def test_start_raises_what_building_the_engine_raised(tmp_path):
+    lp = EngineLoop(config(model=str(tmp_path / "no-such-model")))
+    with pytest.raises(Exception, match="no-such-model"):
+        lp.start()
+    with pytest.raises(RuntimeError, match="not running"):
+        lp.submit("hello", SamplingParams())
+
+
+def test_engine_is_built_on_the_loop_thread(monkeypatch):
+    """All of the engine's torch work (model loading first) happens on the loop thread."""
+    import slipstream.engine_loop as engine_loop
+
+    built_on = []
+
+    class Recording(LLMEngine):
+        def __init__(self, *args, **kwargs):
+            built_on.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_loop, "LLMEngine", Recording)
+    with EngineLoop(config()) as lp:
+        assert lp.generate([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY)).num_output_tokens == 2
+    assert built_on == ["slipstream-engine"]

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .config import EngineConfig
 from .engine import LLMEngine, OverloadedError, Prompt
@@ -46,29 +46,68 @@ class OutputStream:
 
 
 class EngineLoop:
-    def __init__(self, config_or_engine, **engine_kwargs) -> None:
+    def __init__(self, config_or_engine, *, on_output: Optional[Callable[[], None]] = None,
+                 **engine_kwargs) -> None:
+        """A config is turned into an engine by ``start()``, on the loop thread.
+
+        ``on_output`` is called on the loop thread after each batch of outputs reaches the
+        streams, so a reader can sleep until then instead of polling (a poller steals CPU
+        from the model's threads)."""
         if isinstance(config_or_engine, EngineConfig):
-            self.engine = LLMEngine(config_or_engine, **engine_kwargs)
+            self._build = lambda: LLMEngine(config_or_engine, **engine_kwargs)
+            self.engine: Optional[LLMEngine] = None
         else:
+            self._build = lambda: config_or_engine
             self.engine = config_or_engine
-        self.tokenizer = self.engine.tokenizer
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._lock = threading.Lock()  # guards _streams and admission counting
         self._pending = 0  # submitted, not yet seen by the loop thread
         # Waiting requests as the loop thread last saw them; updated in the same critical
         # section that retires a pending request, so waiting + pending never undercounts.
-        self._stats: dict = self.engine.get_stats()
-        self._num_waiting = self._stats["num_waiting"]
+        self._stats: dict = {}
+        self._num_waiting = 0
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._on_output = on_output
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "EngineLoop":
+        """Build the engine on the loop thread and return once it is ready (or raise what
+        building it raised).
+
+        Every torch op of the engine, model loading included, runs on that one thread: a
+        second thread that has run a parallel op keeps its own OpenMP pool, and with more
+        pool threads than cores libgomp stops spinning at barriers, which slowed CPU steps
+        by 30-100% here."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+            built = threading.Event()
+            failure: list = []
+            self._thread = threading.Thread(target=self._main, args=(built, failure),
+                                            name="slipstream-engine", daemon=True)
             self._thread.start()
+            built.wait()
+            if failure:
+                self._thread.join()
+                self._thread = None
+                raise failure[0]
         return self
+
+    def _main(self, built: threading.Event, failure: list) -> None:
+        try:
+            self.engine = self._build()
+            self._stats = self.engine.get_stats()
+            self._num_waiting = self._stats["num_waiting"]
+        except BaseException as exc:  # handed to start()'s caller
+            failure.append(exc)
+            return
+        finally:
+            built.set()
+        self._run()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is still running, deliver the final outputs, join the thread."""
@@ -213,6 +252,8 @@ class EngineLoop:
                     self._streams.pop(out.request_id, None)
             if stream is not None:
                 stream.put(out)
+        if outputs and self._on_output is not None:
+            self._on_output()
 
     def _abort_all(self) -> None:
         for rid in list(self.engine.requests):

@@ -12,10 +12,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -164,10 +165,24 @@ def _cb_run(manager, prompts: Sequence[list], records: Sequence[RequestRecord],
             rec.error = "no result from the continuous batching manager"
 
 
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """Torch work in here creates no OpenMP pool on this thread (a team of one has no
+    workers), so the manager's own compute thread is the only pool: see
+    ``runner.on_fresh_thread`` for what a second pool costs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_hf_continuous(model, tokenizer, workload: Workload, offsets: Sequence[float],
                       warmup: Optional[Workload], *, label: str = "hf_continuous",
                       progress: bool = True) -> dict:
-    manager = _cb_manager(model, workload, warmup)
+    with _single_threaded():  # the paged cache is allocated (and zeroed) here
+        manager = _cb_manager(model, workload, warmup)
     manager.start()
     try:
         if warmup is not None:

@@ -20,7 +20,7 @@ from .driver import Progress, send_on_schedule
 from .metrics import RequestRecord, records_to_json, summarize
 from .workload import Workload
 
-POLL_S = 0.0005
+POLL_S = 0.05  # a fallback: the engine loop wakes the poller when outputs arrive
 
 
 def exact_params(max_tokens: int) -> SamplingParams:
@@ -28,18 +28,19 @@ def exact_params(max_tokens: int) -> SamplingParams:
                           temperature=0.0)
 
 
-def make_loop(settings: Mapping[str, str]) -> EngineLoop:
+def make_loop(settings: Mapping[str, str], on_output=None) -> EngineLoop:
     values = {k: v for k, v in settings.items() if k != "trace_file"}
     values["trace_steps"] = "true"  # the tracer is read directly, no file
-    return EngineLoop(EngineConfig.from_dict(values)).start()
+    return EngineLoop(EngineConfig.from_dict(values), on_output=on_output).start()
 
 
 class _Poller(threading.Thread):
     """Drain every open stream; stamp outputs when seen."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, wake: threading.Event) -> None:
         super().__init__(name="bench-poller", daemon=True)
         self.progress = progress
+        self.wake = wake
         self.incoming: "queue.Queue" = queue.Queue()
         self.open: list = []
         self.expected = 0
@@ -48,12 +49,14 @@ class _Poller(threading.Thread):
 
     def add(self, stream, record: RequestRecord) -> None:
         self.incoming.put((stream, record))
+        self.wake.set()
 
     def run(self) -> None:
         while self._done < self.expected:
             self._take_new()
             if not self._sweep():
-                time.sleep(POLL_S)
+                self.wake.wait(POLL_S)
+                self.wake.clear()
         self.finished.set()
 
     def _take_new(self) -> None:
@@ -84,12 +87,13 @@ class _Poller(threading.Thread):
         return moved
 
 
-def run_requests(loop: EngineLoop, workload: Workload, offsets: Sequence[float], *,
-                 label: str = "inprocess", progress: bool = True,
+def run_requests(loop: EngineLoop, wake: threading.Event, workload: Workload,
+                 offsets: Sequence[float], *, label: str = "inprocess", progress: bool = True,
                  timeout: float = 3600.0) -> list:
+    """``wake``: the event the loop sets on new outputs (``make_loop(on_output=wake.set)``)."""
     records = [RequestRecord(r.id, r.prompt_len, r.max_tokens) for r in workload.requests]
     bar = Progress(label, workload.total_output_tokens, progress)
-    poller = _Poller(bar)
+    poller = _Poller(bar, wake)
     poller.expected = len(records)
     poller.start()
 
@@ -111,14 +115,15 @@ def run_inprocess(settings: Mapping[str, str], workload: Workload, offsets: Sequ
                   warmup: Optional[Workload], *, label: str = "inprocess",
                   progress: bool = True) -> dict:
     t0 = time.perf_counter()
-    loop = make_loop(settings)
+    wake = threading.Event()
+    loop = make_loop(settings, on_output=wake.set)
     startup = time.perf_counter() - t0
     try:
         if warmup is not None:
-            run_requests(loop, warmup, [0.0] * len(warmup), progress=False)
+            run_requests(loop, wake, warmup, [0.0] * len(warmup), progress=False)
         first_step = loop.engine.tracer.num_steps
         stats_before = loop.stats()
-        records = run_requests(loop, workload, offsets, label=label, progress=progress)
+        records = run_requests(loop, wake, workload, offsets, label=label, progress=progress)
     finally:
         loop.shutdown()  # joins the loop thread: the tracer and counters hold still now
     stats_after = loop.engine.get_stats()

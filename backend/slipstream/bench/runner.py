@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -88,11 +89,36 @@ def machine() -> dict:
 
 
 # ------------------------------------------------------------------------ the runs
+def on_fresh_thread(fn: Callable[[], object]) -> object:
+    """Run ``fn`` on a new thread and return its result (or raise its exception).
+
+    A thread that runs a parallel torch op keeps an OpenMP pool until it exits, and while
+    more pool threads than cores exist libgomp stops spinning at barriers: whatever
+    computes on another thread (the engine loop, Hugging Face's continuous-batching thread)
+    then runs 30-100% slower. So the main thread never computes, and each mode's own
+    compute ends with its thread."""
+    result: list = []
+    error: list = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="bench-run")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 def guarded(label: str, kind: str, fn: Callable[[], dict]) -> dict:
     """One mode's failure (a server that will not start, an API that changed) is recorded
-    in the results and the other modes still run."""
+    in the results and the other modes still run. Each mode runs on a fresh thread."""
     try:
-        return fn()
+        return on_fresh_thread(fn)
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed
         log(f"!! {label} failed: {exc!r}\n{traceback.format_exc()}")
         return {"label": label, "kind": kind, "error": repr(exc), "summary": {}}
@@ -183,7 +209,7 @@ def run_batching(opts: BenchOptions) -> dict:
     if {"hf_static", "hf_continuous", "roofline"} & set(opts.modes):
         from .hf_baselines import load_hf
 
-        model_and_tok = load_hf(opts.model)
+        model_and_tok = on_fresh_thread(lambda: load_hf(opts.model))
         runs.extend(run_hf(opts, workload, offsets, warm, model_and_tok))
         if "roofline" in opts.modes:
             roof = guarded("roofline", "roofline",

@@ -67,12 +67,12 @@ class TritonPythonModel:
         self.apply_chat_template = server["apply_chat_template"].strip().lower() in ("1", "true")
         self.metrics_interval = float(server["metrics_interval_ms"]) / 1000.0
         self.logger = pb_utils.Logger
-        self.loop = EngineLoop(EngineConfig.from_dict(engine_params))
+        self.incoming = queue.Queue()
+        self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
+        self.loop = EngineLoop(EngineConfig.from_dict(engine_params), on_output=self.wake.set)
         self.loop.start()
         self.metrics = SlipstreamMetrics(pb_utils, {"model": args["model_name"],
                                                     "version": args["model_version"]})
-        self.incoming = queue.Queue()
-        self.wake = threading.Event()
         self.stopping = False
         self.sender_thread = threading.Thread(target=self._sender_loop, name="slipstream-sender",
                                               daemon=True)
@@ -153,7 +153,9 @@ class TritonPythonModel:
                 except Exception as e:
                     self.logger.log_warn(f"slipstream metrics: {e}")
             if not progressed:
-                self.wake.wait(0.002 if active else self.metrics_interval)
+                # Woken by new outputs or requests; the timeout only paces cancellation
+                # checks and metrics, so the model's CPU threads are not polled away.
+                self.wake.wait(CANCEL_POLL_S if active else self.metrics_interval)
                 self.wake.clear()
 
     def _drain(self, p, now):
