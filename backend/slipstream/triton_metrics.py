@@ -62,6 +62,7 @@ class SlipstreamMetrics:
         self.gauges = {k: self._metric(mf, k, d, mf.GAUGE) for k, (d, _) in GAUGES.items()}
         self.counters = {k: self._metric(mf, k, d, mf.COUNTER) for k, (d, _) in COUNTERS.items()}
         self._last = {k: 0.0 for k in COUNTERS}
+        self._gauge_values: dict = {}
         self.histograms = {}
         kind = getattr(mf, "HISTOGRAM", None)
         for name, (desc, buckets) in HISTOGRAMS.items():
@@ -82,13 +83,13 @@ class SlipstreamMetrics:
     def update(self, stats: Mapping[str, float]) -> None:
         for name, (_, key) in GAUGES.items():
             if key is not None and key in stats:
-                self.gauges[name].set(float(stats[key]))
+                self._set(name, float(stats[key]))
         total = float(stats.get("kv_blocks_total") or 0)
-        self.gauges["kv_cache_usage_ratio"].set(
-            float(stats.get("kv_blocks_used", 0)) / total if total else 0.0)
+        self._set("kv_cache_usage_ratio",
+                  float(stats.get("kv_blocks_used", 0)) / total if total else 0.0)
         queries = float(stats.get("prefix_cache_queries") or 0)
-        self.gauges["prefix_cache_hit_rate"].set(
-            float(stats.get("prefix_cache_hits", 0)) / queries if queries else 0.0)
+        self._set("prefix_cache_hit_rate",
+                  float(stats.get("prefix_cache_hits", 0)) / queries if queries else 0.0)
         for name, (_, key) in COUNTERS.items():
             if key in stats:
                 value = float(stats[key])
@@ -96,6 +97,12 @@ class SlipstreamMetrics:
                 if delta > 0:
                     self.counters[name].increment(delta)
                     self._last[name] = value
+
+    def _set(self, name: str, value: float) -> None:
+        # Each set is a round trip to the Triton process: skip the ones that change nothing.
+        if self._gauge_values.get(name) != value:
+            self.gauges[name].set(value)
+            self._gauge_values[name] = value
 
     def observe_request(self, ttft: Optional[float], tpot: Optional[float], e2e: float) -> None:
         if ttft is not None:

@@ -27,7 +27,7 @@ INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_
                "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                "stop_words", "end_id", "priority")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CANCEL_POLL_S = 0.05
+CANCEL_POLL_S = 0.1  # each is_cancelled() is a round trip to the Triton process
 
 
 def _error(message, code=None):
