@@ -49,7 +49,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     key_cache, value_cache = ctx.key_caches[layer], ctx.value_caches[layer]
-    ctx.ops.store_kv(k, v, key_cache, value_cache, ctx.meta.slot_mapping)
+    ctx.ops.store_step_kv(k, v, key_cache, value_cache, ctx.meta)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = ctx.ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.meta, scale,
                                   sliding_window, softcap)

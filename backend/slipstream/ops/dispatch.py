@@ -1,7 +1,7 @@
 """Pick the paged-attention operators for a device.
 
-``get_ops(device)`` returns a module with ``store_kv``, ``paged_decode_attention``,
-``paged_prefill_attention`` and ``paged_attention``:
+``get_ops(device)`` returns a module with ``store_kv``, ``store_step_kv``,
+``paged_decode_attention``, ``paged_prefill_attention`` and ``paged_attention``:
 
 * :mod:`slipstream.ops.triton_ops` on CUDA when OpenAI Triton imports,
 * :mod:`slipstream.ops.torch_ops` otherwise.

@@ -1,7 +1,7 @@
 """What one ragged forward step tells the attention operators."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Host copies used by the torch path to split work without device syncs.
     query_lens_host: list
     seq_lens_host: list
+    # Per-step values an operator derives once and reuses in every layer (the torch path's
+    # length groups and masks); a new metadata object comes with every step.
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -514,3 +514,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
                                    meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window,
                                    softcap, meta.query_lens_host, meta.seq_lens_host)
+
+
+def store_step_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """The kernel skips slot -1 itself: nothing to work out per step."""
+    store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
