@@ -44,3 +44,59 @@ def test_grouped_decode_equals_padded_decode():
                 s[:, :max(n - 9, 0)] = float("-inf")
             ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
             torch.testing.assert_close(grouped[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def _reference(q, kc, vc, tables, q_lens, seq_lens, scale, window=None, softcap=None):
+    """Per sequence, explicit math: each query row sees its context causally."""
+    bs, hkv, d = kc.shape[1], kc.shape[2], kc.shape[3]
+    h = q.shape[1]
+    out, start = [], 0
+    for i, (n, total) in enumerate(zip(q_lens, seq_lens)):
+        blocks = tables[i, :-(-total // bs)].long()
+        k = kc[blocks].reshape(-1, hkv, d)[:total].repeat_interleave(h // hkv, 1)
+        v = vc[blocks].reshape(-1, hkv, d)[:total].repeat_interleave(h // hkv, 1)
+        s = torch.einsum("thd,lhd->htl", q[start:start + n], k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        q_pos = torch.arange(total - n, total).view(1, -1, 1)
+        k_pos = torch.arange(total).view(1, 1, -1)
+        ok = k_pos <= q_pos
+        if window:
+            ok &= k_pos > q_pos - window
+        s = s.masked_fill(~ok, float("-inf"))
+        out.append(torch.einsum("htl,lhd->thd", s.softmax(-1), v))
+        start += n
+    return torch.cat(out)
+
+
+def test_one_step_plan_serves_every_layer_of_a_mixed_step():
+    """Decode rows of different lengths (several length groups) and prefill chunks with
+    cached context share one plan; layers with and without a window or softcap (Gemma2
+    alternates them) each get their own masks from it."""
+    from slipstream.ops.metadata import AttentionMetadata
+
+    torch.manual_seed(1)
+    bs, hkv, h, d = 4, 2, 6, 8
+    q_lens = [1, 5, 1, 1, 9, 1]
+    seq_lens = [3, 12, 60, 2, 9, 33]
+    tables = torch.full((len(q_lens), 16), -1, dtype=torch.int32)
+    nxt = 1
+    for i, n in enumerate(seq_lens):
+        for j in range(-(-n // bs)):
+            tables[i, j], nxt = nxt, nxt + 1
+    kc, vc = torch.randn(2, nxt, bs, hkv, d)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
+        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    for layer, kw in enumerate(({}, {"sliding_window": 7}, {}, {"softcap": 3.0},
+                                {"sliding_window": 7, "softcap": 3.0})):
+        q = torch.randn(sum(q_lens), h, d)
+        got = torch_ops.paged_attention(q, kc, vc, meta, 0.4, **kw)
+        want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
+                          kw.get("softcap"))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"layer {layer} {kw}")
+    plan = meta.scratch["torch_plan"]
+    assert len(plan.decode) > 1 and len(plan.prefill) == 2
