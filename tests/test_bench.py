@@ -80,7 +80,7 @@ def _server_available() -> bool:
 def test_bench_quick_run_writes_results_and_plots(tmp_path):
     modes = ["inprocess", "hf_static", "hf_continuous", "roofline"]
     if _server_available():
-        modes.insert(0, "continuous")
+        modes.insert(1, "continuous")  # the order runs go in
     out = tmp_path / "results"
     code = cli_main(["bench", "--quick", "--num-requests", "4", "--model",
                      str(tiny_model_dir("llama")), "--modes", ",".join(modes),
@@ -107,3 +107,7 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path):
                                        "roofline_fraction", "triton_overhead"}
     for name in ("throughput.png", "latency_cdf.png", "batch_timeline.png"):
         assert (out / name).stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["targets"] == results["targets"]
+    assert [r["summary"] for r in summary["runs"]] == [r["summary"] for r in results["runs"]]
+    assert not any("records" in r or "timeline" in r for r in summary["runs"])

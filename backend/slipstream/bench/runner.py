@@ -228,12 +228,25 @@ def run_batching(opts: BenchOptions) -> dict:
     return finish(results, out_dir)
 
 
+PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s")
+
+
+def summary_of(results: dict) -> dict:
+    """``results`` without the per-request and per-step data: small enough to commit."""
+    out = {k: v for k, v in results.items() if k not in PER_REQUEST_KEYS}
+    out["runs"] = [{k: v for k, v in run.items() if k not in PER_REQUEST_KEYS}
+                   for run in results.get("runs", [])]
+    return out
+
+
 def finish(results: dict, out_dir: Path) -> dict:
     results["plots"] = plots.write_all(results, out_dir)
     path = out_dir / "results.json"
     path.write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / "summary.json").write_text(json.dumps(summary_of(results), indent=1, default=str))
     log("\n" + report.table(results))
     if results.get("targets"):
         log(report.targets_text(results))
-    log(f"\nresults: {path}\nplots:   {', '.join(results['plots'])}")
+    log(f"\nresults: {path} (summary.json: without per-request data)\n"
+        f"plots:   {', '.join(results['plots'])}")
     return results
