@@ -111,3 +111,29 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path):
     assert summary["targets"] == results["targets"]
     assert [r["summary"] for r in summary["runs"]] == [r["summary"] for r in results["runs"]]
     assert not any("records" in r or "timeline" in r for r in summary["runs"])
+
+
+def test_rounds_alternate_order_and_report_the_median(monkeypatch):
+    from slipstream.bench import runner
+
+    calls = []
+    speed = {("inprocess", 0): 10.0, ("inprocess", 1): 30.0, ("inprocess", 2): 20.0,
+             ("continuous", 0): 5.0, ("continuous", 1): None, ("continuous", 2): 7.0}
+
+    def fake_run_mode(mode, sh, r):
+        calls.append((mode, r))
+        tps = speed[(mode, r)]
+        return {"label": mode, "round": r,
+                "summary": {"tokens_per_s": tps} if tps else {}}
+
+    monkeypatch.setattr(runner, "run_mode", fake_run_mode)
+    opts = runner.BenchOptions(modes=("inprocess", "continuous"), repeat=3)
+    sh = runner._Shared(opts, None, [], None, None)
+    runs = runner.run_rounds(sh)
+    assert calls == [("inprocess", 0), ("continuous", 0), ("continuous", 1), ("inprocess", 1),
+                     ("inprocess", 2), ("continuous", 2)]
+    reps = {r["label"]: r for r in runner.representatives(runs)}
+    assert reps["inprocess"]["round"] == 2 and reps["inprocess"]["summary"]["tokens_per_s"] == 20.0
+    # a failed round (no tokens/s) ranks slowest: the median of (fail, 5, 7) is 5
+    assert reps["continuous"]["round"] == 0
+    assert reps["continuous"]["rounds_tokens_per_s"] == [5.0, None, 7.0]

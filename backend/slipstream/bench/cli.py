@@ -59,6 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="engine KV cache pool (default 1 GiB: the workload fits at once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                    help="extra engine setting for every engine run, repeatable")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every mode, alternating their order; each mode's median "
+                        "round is reported (default 1; use 3+ on a noisy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -72,7 +75,7 @@ def options(args: argparse.Namespace):
         output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
-        settings=_sets(args.set))
+        settings=_sets(args.set), repeat=max(args.repeat, 1))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,6 +73,11 @@ def table(results: dict) -> str:
                      f"{(f'{makespan:.1f}s' if makespan else '-'):>10}   "
                      f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
                      f"{s.get('num_errors', 0):>4}{s.get('num_wrong_length', 0):>5}")
+    for run in results.get("runs", []):
+        rounds = [t for t in run.get("rounds_tokens_per_s") or [] if t]
+        if len(rounds) > 1:
+            lines.append(f"{run['label']:<16}tok/s by round: "
+                         + ", ".join(f"{t:.1f}" for t in rounds) + " (the median one above)")
     roof = results.get("roofline") or {}
     if roof.get("error"):
         lines.append(f"{'roofline':<16}failed: {roof['error'][:100]}")

@@ -1,9 +1,10 @@
 """The batching scenario: one workload through every mode, then the roofline, then files.
 
-Order: the in-process engine with the continuous server's exact engine settings first (a
-gRPC client leaves threads in this process that slowed a later in-process run by ~10%), the
-three server modes (each its own tritonserver, started and stopped in turn), the two Hugging
-Face baselines, and last the roofline (it rewrites the plain model's weight layout).
+Order: the in-process engine with the continuous server's exact engine settings, the three
+server modes (each its own tritonserver, started and stopped in turn), the two Hugging Face
+baselines; with ``repeat`` > 1 that many rounds, every other one in reverse order, and the
+median round of each mode is reported. Last the roofline (it rewrites the plain model's weight
+layout), on the steps of the reported continuous run.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class BenchOptions:
     static_batch_size: int = 8
     kv_cache_memory_bytes: int = GIB  # the whole offline workload fits: no preemption
     settings: dict = field(default_factory=dict)  # extra engine settings (--set)
+    repeat: int = 1  # rounds of every mode; the median round of each is reported
 
 
 def log(message: str) -> None:
@@ -125,45 +127,90 @@ def guarded(label: str, kind: str, fn: Callable[[], dict]) -> dict:
         return {"label": label, "kind": kind, "error": repr(exc), "summary": {}}
 
 
-def run_server_modes(opts, workload, offsets, warm, out_dir) -> list:
-    runs = []
-    for mode in SERVER_MODES:
-        if mode in opts.modes:
-            log(f"== server, batching={mode}")
-            runs.append(guarded(mode, "triton", lambda: server_run.run_mode(
-                mode, server_overrides(opts, mode), workload, offsets, warm, out_dir,
-                progress=opts.progress)))
-    return runs
+@dataclass
+class _Shared:
+    """What every mode of one benchmark run uses."""
+
+    opts: BenchOptions
+    workload: Workload
+    offsets: list
+    warm: Workload
+    out_dir: Path
+    hf_model_and_tok: Optional[tuple] = None  # loaded on first use
+
+    def hf(self) -> tuple:
+        if self.hf_model_and_tok is None:
+            from .hf_baselines import load_hf
+
+            self.hf_model_and_tok = on_fresh_thread(lambda: load_hf(self.opts.model))
+        return self.hf_model_and_tok
 
 
-def run_inprocess(opts, workload, offsets, warm) -> dict:
-    from .inprocess import run_inprocess as run
+def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
+    """One run of one mode (guarded: a failure is recorded, the others go on)."""
+    opts, wl, offsets, warm = sh.opts, sh.workload, sh.offsets, sh.warm
+    suffix = f"_r{round_index}" if opts.repeat > 1 else ""
+    if mode in SERVER_MODES:
+        log(f"== server, batching={mode}{suffix}")
+        run = guarded(mode, "triton", lambda: server_run.run_mode(
+            mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
+            progress=opts.progress))
+    elif mode == "inprocess":
+        from .inprocess import run_inprocess
 
-    log("== in-process engine (no Triton), the continuous server's settings")
-    repo = server_run.render(server_overrides(opts, "continuous"),
-                             Path(tempfile.mkdtemp(prefix="slipstream-bench-inproc-")))
-    result = guarded("inprocess", "inprocess", lambda: run(
-        server_run.engine_settings(repo), workload, offsets, warm, progress=opts.progress))
-    gc.collect()
-    return result
+        log(f"== in-process engine (no Triton), the continuous server's settings{suffix}")
+        repo = server_run.render(server_overrides(opts, "continuous"),
+                                 Path(tempfile.mkdtemp(prefix="slipstream-bench-inproc-")))
+        run = guarded(mode, "inprocess", lambda: run_inprocess(
+            server_run.engine_settings(repo), wl, offsets, warm, progress=opts.progress))
+    elif mode == "hf_static":
+        from . import hf_baselines as hf
 
+        log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}{suffix}")
+        model, tok = sh.hf()
+        run = guarded(mode, "hf", lambda: hf.run_hf_static(
+            model, tok, wl, offsets, warm, batch_size=opts.static_batch_size,
+            progress=opts.progress))
+    elif mode == "hf_continuous":
+        from . import hf_baselines as hf
 
-def run_hf(opts, workload, offsets, warm, model_and_tok) -> list:
-    from . import hf_baselines as hf
-
-    model, tok = model_and_tok
-    runs = []
-    if "hf_static" in opts.modes:
-        log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}")
-        runs.append(guarded("hf_static", "hf", lambda: hf.run_hf_static(
-            model, tok, workload, offsets, warm, batch_size=opts.static_batch_size,
-            progress=opts.progress)))
-    if "hf_continuous" in opts.modes:
-        log("== Hugging Face continuous batching (sdpa)")
-        runs.append(guarded("hf_continuous", "hf", lambda: hf.run_hf_continuous(
-            model, tok, workload, offsets, warm, progress=opts.progress)))
+        log(f"== Hugging Face continuous batching (sdpa){suffix}")
+        model, tok = sh.hf()
+        run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
+            model, tok, wl, offsets, warm, progress=opts.progress))
         hf.release(model)
+    else:
+        raise ValueError(f"not a runnable mode: {mode}")
+    run["label"], run["round"] = mode, round_index
+    gc.collect()
+    return run
+
+
+def run_rounds(sh: _Shared) -> list:
+    """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
+    that a drift in the machine's speed falls evenly on every mode."""
+    order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
+             if m in sh.opts.modes]
+    runs = []
+    for r in range(sh.opts.repeat):
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            runs.append(run_mode(mode, sh, r))
     return runs
+
+
+def representatives(runs: list) -> list:
+    """One run per mode, the median by tokens/s (failed rounds count as slowest), each with
+    every round's tokens/s in ``rounds_tokens_per_s``; modes in first-run order."""
+    by_mode: dict = {}
+    for run in runs:
+        by_mode.setdefault(run["label"], []).append(run)
+    out = []
+    for mode, group in by_mode.items():
+        ranked = sorted(group, key=lambda r: r["summary"].get("tokens_per_s") or 0.0)
+        chosen = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
+        chosen["rounds_tokens_per_s"] = [r["summary"].get("tokens_per_s") for r in group]
+        out.append(chosen)
+    return out
 
 
 def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
@@ -203,21 +250,14 @@ def run_batching(opts: BenchOptions) -> dict:
     warm = warmup_workload(tokenizer, opts.seed)
     log(f"workload: {lengths_summary(workload)}")
     t0 = time.perf_counter()
-    runs = []
-    if "inprocess" in opts.modes:
-        runs.append(run_inprocess(opts, workload, offsets, warm))
-    runs.extend(run_server_modes(opts, workload, offsets, warm, out_dir))
+    sh = _Shared(opts, workload, offsets, warm, out_dir)
+    runs = representatives(run_rounds(sh))
     roof = None
-    if {"hf_static", "hf_continuous", "roofline"} & set(opts.modes):
-        from .hf_baselines import load_hf
-
-        model_and_tok = on_fresh_thread(lambda: load_hf(opts.model))
-        runs.extend(run_hf(opts, workload, offsets, warm, model_and_tok))
-        if "roofline" in opts.modes:
-            roof = guarded("roofline", "roofline",
-                           lambda: run_roofline(runs, model_and_tok[0], workload))
-        del model_and_tok
-        gc.collect()
+    if "roofline" in opts.modes:
+        model = sh.hf()[0]
+        roof = guarded("roofline", "roofline", lambda: run_roofline(runs, model, workload))
+    sh.hf_model_and_tok = None
+    gc.collect()
     results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
                "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
