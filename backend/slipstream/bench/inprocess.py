@@ -1,9 +1,9 @@
 """The same workload on the engine in this process (``EngineLoop``), without Triton or gRPC.
 
 It takes the very engine settings the server's continuous mode loads, submits the same
-text, and reads outputs the way the Triton model's sender thread does (one thread polling
-every request's stream), so the difference to the Triton run is the Triton + gRPC
-streaming path alone.
+text, and reads outputs the way the Triton model's sender thread does (one thread, woken by
+the engine loop when outputs arrive, draining every request's stream), so the difference to
+the Triton run is the Triton + gRPC streaming path alone.
 """
 from __future__ import annotations
 
