@@ -15,16 +15,24 @@ def test_length_groups_bound_padding_and_cover_every_sequence():
         assert len(g) * max(nbs) <= 1.25 * sum(nbs) + 2
 
 
-def test_grouped_decode_equals_padded_decode():
-    torch.manual_seed(0)
-    bs, hkv, h, d = 4, 2, 6, 8
-    lens = [1, 3, 40, 41, 7, 90, 2, 88]
-    tables = torch.full((len(lens), 23), -1, dtype=torch.int32)
+def paged_cache(lens: list, bs: int, hkv: int, d: int) -> tuple:
+    """Block tables giving each sequence its own consecutive blocks (-1 padded), and random
+    K/V caches with exactly those blocks after the scratch block 0."""
+    width = max(-(-n // bs) for n in lens) + 1
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
     nxt = 1
     for i, n in enumerate(lens):
         for j in range(-(-n // bs)):
             tables[i, j], nxt = nxt, nxt + 1
     kc, vc = torch.randn(2, nxt, bs, hkv, d)
+    return tables, kc, vc
+
+
+def test_grouped_decode_equals_padded_decode():
+    torch.manual_seed(0)
+    bs, hkv, h, d = 4, 2, 6, 8
+    lens = [1, 3, 40, 41, 7, 90, 2, 88]
+    tables, kc, vc = paged_cache(lens, bs, hkv, d)
     q = torch.randn(len(lens), h, d)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     for kw in ({}, {"sliding_window": 9}, {"softcap": 5.0}):
@@ -79,12 +87,7 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
     bs, hkv, h, d = 4, 2, 6, 8
     q_lens = [1, 5, 1, 1, 9, 1]
     seq_lens = [3, 12, 60, 2, 9, 33]
-    tables = torch.full((len(q_lens), 16), -1, dtype=torch.int32)
-    nxt = 1
-    for i, n in enumerate(seq_lens):
-        for j in range(-(-n // bs)):
-            tables[i, j], nxt = nxt, nxt + 1
-    kc, vc = torch.randn(2, nxt, bs, hkv, d)
+    tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
