@@ -3,6 +3,7 @@ continuous server, the in-process engine, both Hugging Face baselines and the ro
 Checks the files and fields, never timings (benchmarks are not tests)."""
 import json
 import os
+import tempfile
 import random
 
 import pytest
@@ -77,7 +78,10 @@ def _server_available() -> bool:
         return False
 
 
-def test_bench_quick_run_writes_results_and_plots(tmp_path):
+def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"  # where the runs render their model repositories
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     modes = ["inprocess", "hf_static", "hf_continuous", "roofline"]
     if _server_available():
         modes.insert(1, "continuous")  # the order runs go in
@@ -87,6 +91,7 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path):
                      "--output-dir", str(out), "--no-progress",
                      "--kv-cache-bytes", str(16 * 1024 * 1024)])
     assert code == 0
+    assert not list(scratch.glob("slipstream-bench-*"))  # rendered repositories removed
     results = json.loads((out / "results.json").read_text())
     workload = Workload.load(out / "workload.json")
     assert [r["label"] for r in results["runs"]] == [m for m in modes if m != "roofline"]

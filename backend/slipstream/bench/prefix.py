@@ -9,7 +9,6 @@ it is rescaled to the measured requests' lookups.
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -75,10 +74,8 @@ def _inprocess(opts, caching, workload, offsets, warm, label) -> dict:
     from .inprocess import run_inprocess
 
     log(f"== in-process engine, enable_prefix_caching={caching}")
-    repo = server_run.render(_settings(opts, caching),
-                             Path(tempfile.mkdtemp(prefix="slipstream-bench-prefix-")))
-    run = run_inprocess(server_run.engine_settings(repo), workload, offsets, warm, label=label,
-                        progress=opts.progress)
+    settings = server_run.rendered_settings(_settings(opts, caching))
+    run = run_inprocess(settings, workload, offsets, warm, label=label, progress=opts.progress)
     run["prefix_cache_hit_rate"] = run["engine"].get("prefix_cache_hit_rate", 0.0)
     return run
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import platform
-import tempfile
 import threading
 import time
 import traceback
@@ -159,10 +158,9 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         from .inprocess import run_inprocess
 
         log(f"== in-process engine (no Triton), the continuous server's settings{suffix}")
-        repo = server_run.render(server_overrides(opts, "continuous"),
-                                 Path(tempfile.mkdtemp(prefix="slipstream-bench-inproc-")))
+        settings = server_run.rendered_settings(server_overrides(opts, "continuous"))
         run = guarded(mode, "inprocess", lambda: run_inprocess(
-            server_run.engine_settings(repo), wl, offsets, warm, progress=opts.progress))
+            settings, wl, offsets, warm, progress=opts.progress))
     elif mode == "hf_static":
         from . import hf_baselines as hf
 

@@ -34,6 +34,13 @@ def engine_settings(repo: Path) -> dict:
     return split_parameters(params)[0]
 
 
+def rendered_settings(overrides: Mapping[str, object]) -> dict:
+    """The engine settings the shipped model would load with ``overrides`` (the in-process
+    runs use exactly what the server runs get)."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-") as work:
+        return engine_settings(render(overrides, Path(work)))
+
+
 def scrape(metrics_url: str) -> dict:
     """slipstream_* values of the metrics endpoint (labels dropped; one model served)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
@@ -64,7 +71,13 @@ def run_mode(label: str, overrides: Mapping[str, object], workload: Workload,
              offsets: Sequence[float], warmup: Optional[Workload], out_dir: Path, *,
              progress: bool = True, source=DEFAULT_MODEL_REPOSITORY) -> dict:
     """Everything about one server mode, as the results JSON holds it."""
-    work = Path(tempfile.mkdtemp(prefix=f"slipstream-bench-{label}-"))
+    with tempfile.TemporaryDirectory(prefix=f"slipstream-bench-{label}-") as work:
+        return _run_server(label, overrides, workload, offsets, warmup, out_dir, Path(work),
+                           progress, source)
+
+
+def _run_server(label, overrides, workload, offsets, warmup, out_dir, work, progress,
+                source) -> dict:
     trace_path = (out_dir / f"trace_{label}.json").resolve()
     repo = render({**overrides, "trace_file": str(trace_path)}, work, source)
     server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
