@@ -1,4 +1,5 @@
 """The torch attention path: grouping decode sequences by length changes nothing but speed."""
+import pytest
 import torch
 
 from slipstream.ops import torch_ops
@@ -13,6 +14,16 @@ def test_length_groups_bound_padding_and_cover_every_sequence():
         nbs = [-(-lens[i] // 16) for i in g]
         assert nbs == sorted(nbs)
         assert len(g) * max(nbs) <= 1.25 * sum(nbs) + 2
+
+
+def test_length_groups_keep_each_gather_under_the_cap():
+    lens = [300 + i for i in range(40)]  # alike: one group without a cap
+    assert len(torch_ops.length_groups(lens, block_size=16)) == 1
+    groups = torch_ops.length_groups(lens, block_size=16, max_group_blocks=60)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert all(len(g) * -(-lens[g[-1]] // 16) <= 60 for g in groups)
+    # a sequence larger than the cap still gets a group of its own
+    assert torch_ops.length_groups([5000, 10], block_size=16, max_group_blocks=60) == [[1], [0]]
 
 
 def paged_cache(lens: list, bs: int, hkv: int, d: int) -> tuple:
@@ -40,6 +51,12 @@ def test_grouped_decode_equals_padded_decode():
         grouped = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw,
                                                    seq_lens_host=lens)
         torch.testing.assert_close(grouped, padded, rtol=1e-5, atol=1e-6)
+        small = kc[0].numel() * kc.element_size() * 30  # gathers of at most 30 blocks
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch_ops, "MAX_GATHER_BYTES", small)
+            capped = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw,
+                                                      seq_lens_host=lens)
+        torch.testing.assert_close(capped, padded, rtol=1e-5, atol=1e-6)
         # and both equal a per-sequence softmax over exactly the visible keys
         for i, n in enumerate(lens):
             blocks = tables[i, :-(-n // bs)].long()

@@ -75,17 +75,29 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
     return ok
 
 
-def length_groups(seq_lens: list, block_size: int, slack: float = 1.25) -> list:
+# A decode group gathers its K (and V) into one buffer of at most this many bytes. Larger
+# buffers come from fresh mmap'd pages on every layer (glibc serves requests over 32 MiB that
+# way, page-faulting each one in): batch 60 at 300-750 tokens of context ran 3x slower as one
+# group of ~35 MiB than in groups of ~8 MiB.
+MAX_GATHER_BYTES = 8 << 20
+
+
+def length_groups(seq_lens: list, block_size: int, slack: float = 1.25,
+                  max_group_blocks: Optional[int] = None) -> list:
     """Split decode sequences into groups of similar length (indices sorted by length), so
-    that padding every sequence of a group to its longest wastes at most ``slack``."""
+    that padding every sequence of a group to its longest wastes at most ``slack``, and a
+    group's padded size stays within ``max_group_blocks`` blocks where one is given."""
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
     groups: list = []
     current: list = []
     blocks_sum = 0
     for i in order:
         nb = -(-seq_lens[i] // block_size)
+        padded = (len(current) + 1) * nb
         # +2 blocks per group: tiny groups cost more in per-call overhead than in padding.
-        if current and (len(current) + 1) * nb > slack * (blocks_sum + nb) + 2:
+        too_padded = padded > slack * (blocks_sum + nb) + 2
+        too_big = max_group_blocks is not None and padded > max_group_blocks
+        if current and (too_padded or too_big):
             groups.append(current)
             current, blocks_sum = [], 0
         current.append(i)
@@ -96,11 +108,14 @@ def length_groups(seq_lens: list, block_size: int, slack: float = 1.25) -> list:
 
 
 def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list,
-                   block_size: int, rows: Optional[list] = None) -> list:
+                   block_size: int, block_bytes: int, rows: Optional[list] = None) -> list:
     """Groups of the decode sequences ``0..len(seq_lens_host)-1`` of ``block_tables``;
-    ``rows[i]`` is sequence i's query row (default: row i)."""
+    ``rows[i]`` is sequence i's query row (default: row i); ``block_bytes``: one cache block's
+    size in one of K or V."""
     device = block_tables.device
-    groups = length_groups(seq_lens_host, block_size) if seq_lens_host else [None]
+    cap = max(1, MAX_GATHER_BYTES // block_bytes)
+    groups = length_groups(seq_lens_host, block_size, max_group_blocks=cap) if seq_lens_host \
+        else [None]
     out = []
     for group in groups:
         if group is None or (len(groups) == 1 and rows is None):
@@ -129,11 +144,17 @@ def _prefill_chunk(start: int, q_len: int, seq_len: int, table: torch.Tensor, gr
                          _Masks(q_pos, k_pos, torch.tensor(seq_len, device=device)))
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, group: int) -> StepPlan:
+def _block_bytes(cache: torch.Tensor) -> int:
+    return cache[0].numel() * cache.element_size()
+
+
+def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> StepPlan:
     """``group``: query heads per KV head."""
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    block_size, block_bytes = key_cache.shape[1], _block_bytes(key_cache)
     if meta.decode_only:
-        return StepPlan(_decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size), [])
+        return StepPlan(_decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size,
+                                       block_bytes), [])
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -142,7 +163,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, group: int) -> StepPlan
     if dec:
         seqs = torch.tensor(dec, device=meta.block_tables.device)
         decode = _decode_groups(meta.block_tables[seqs], meta.seq_lens[seqs],
-                                [seq_lens[i] for i in dec], block_size,
+                                [seq_lens[i] for i in dec], block_size, block_bytes,
                                 rows=[starts[i] for i in dec])
     prefill = [_prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i:i + 1], group,
                               block_size)
@@ -150,11 +171,11 @@ def build_plan(meta: AttentionMetadata, block_size: int, group: int) -> StepPlan
     return StepPlan(decode, prefill)
 
 
-def plan_for(meta: AttentionMetadata, block_size: int, group: int) -> StepPlan:
+def plan_for(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> StepPlan:
     """The step's plan, built by its first layer and reused by the others."""
     plan = meta.scratch.get("torch_plan")
     if plan is None:
-        plan = meta.scratch["torch_plan"] = build_plan(meta, block_size, group)
+        plan = meta.scratch["torch_plan"] = build_plan(meta, key_cache, group)
     return plan
 
 
@@ -250,7 +271,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            seq_lens_host: Optional[list] = None) -> torch.Tensor:
     """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``. With host lengths,
     sequences of very different lengths run in groups instead of all padded to the longest."""
-    groups = _decode_groups(block_tables, seq_lens, seq_lens_host or [], key_cache.shape[1])
+    groups = _decode_groups(block_tables, seq_lens, seq_lens_host or [], key_cache.shape[1],
+                            _block_bytes(key_cache))
     out = torch.empty_like(query)
     _run_decode(query, key_cache, value_cache, groups, scale, sliding_window, softcap, out)
     return out
@@ -285,7 +307,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     softcap: Optional[float] = None) -> torch.Tensor:
     """A ragged step: the single-token (decode) sequences run batched, in length groups;
     each multi-token (prefill) chunk runs on its own."""
-    plan = plan_for(meta, key_cache.shape[1], query.shape[1] // key_cache.shape[2])
+    plan = plan_for(meta, key_cache, query.shape[1] // key_cache.shape[2])
     out = torch.empty_like(query)
     _run_decode(query, key_cache, value_cache, plan.decode, scale, sliding_window, softcap, out)
     for chunk in plan.prefill:
