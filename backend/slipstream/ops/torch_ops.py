@@ -75,11 +75,13 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
     return ok
 
 
-# A decode group gathers its K (and V) into one buffer of at most this many bytes. Larger
-# buffers come from fresh mmap'd pages on every layer (glibc serves requests over 32 MiB that
-# way, page-faulting each one in): batch 60 at 300-750 tokens of context ran 3x slower as one
-# group of ~35 MiB than in groups of ~8 MiB.
-MAX_GATHER_BYTES = 8 << 20
+# A decode group gathers its K (and V) into one buffer of at most this many bytes, so that
+# the fused attention reads it back from cache rather than memory: on the 2-core CPU, batch 63
+# at 150-330 tokens of context took ~100 ms of attention per step in 2 MiB groups and ~250 ms
+# in 6 MiB ones, which the per-call overhead of more groups does not outweigh until a group
+# holds only a sequence or two. Above 32 MiB a buffer is even fresh mmap'd pages on every
+# layer (batch 60 at 600-750 tokens: 800 ms as one group).
+MAX_GATHER_BYTES = 2 << 20
 
 
 def length_groups(seq_lens: list, block_size: int, slack: float = 1.25,
