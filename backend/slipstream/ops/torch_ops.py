@@ -75,13 +75,11 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
     return ok
 
 
-# A decode group gathers its K (and V) into one buffer of at most this many bytes, so that
-# the fused attention reads it back from cache rather than memory: on the 2-core CPU, batch 63
-# at 150-330 tokens of context took ~100 ms of attention per step in 2 MiB groups and ~250 ms
-# in 6 MiB ones, which the per-call overhead of more groups does not outweigh until a group
-# holds only a sequence or two. Above 32 MiB a buffer is even fresh mmap'd pages on every
-# layer (batch 60 at 600-750 tokens: 800 ms as one group).
-MAX_GATHER_BYTES = 2 << 20
+# A decode group gathers its K (and V) into one buffer of at most this many bytes. glibc
+# serves requests over 32 MiB with fresh mmap'd pages, page-faulted in on every layer: a
+# SmolLM2 decode step at batch 48 and ~1000 tokens of context (one 36 MiB group) took 1.1 s,
+# in groups of at most 8 MiB 0.47 s; smaller groups gained nothing more (2 MiB: 0.5 s).
+MAX_GATHER_BYTES = 8 << 20
 
 
 def length_groups(seq_lens: list, block_size: int, slack: float = 1.25,
