@@ -41,11 +41,10 @@ class _Masks:
 
 @dataclass
 class _DecodeGroup:
-    """Decode sequences of similar length, padded to ``num_blocks`` blocks together."""
+    """Decode sequences of similar length, padded together to their table's width."""
 
     rows: Optional[torch.Tensor]  # their rows in the caller's query; None = all, in order
     tables: torch.Tensor  # [g, num_blocks]
-    num_blocks: int
     masks: _Masks
 
 
@@ -129,7 +128,7 @@ def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_
         nb = -(-longest // block_size)
         lens4 = lens.view(-1, 1, 1, 1).long()
         k_pos = torch.arange(nb * block_size, device=device).view(1, 1, 1, -1)
-        out.append(_DecodeGroup(idx, tables[:, :nb], nb, _Masks(lens4 - 1, k_pos, lens4)))
+        out.append(_DecodeGroup(idx, tables[:, :nb], _Masks(lens4 - 1, k_pos, lens4)))
     return out
 
 
@@ -180,6 +179,15 @@ def plan_for(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> St
 
 
 # ---------------------------------------------------------------------------- the operators
+def _valid_rows(slot_mapping: torch.Tensor) -> tuple:
+    """(rows with a slot, their slots); rows is None when every row has one."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return None, slot_mapping
+    rows = keep.nonzero().flatten()
+    return rows, slot_mapping[rows]
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor,
              rows: Optional[torch.Tensor] = None) -> None:
@@ -189,10 +197,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
     flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
     if rows is None:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            rows = keep.nonzero().flatten()
-            slot_mapping = slot_mapping[rows]
+        rows, slot_mapping = _valid_rows(slot_mapping)
     if rows is not None:
         key, value = key[rows], value[rows]
     flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
@@ -320,9 +325,6 @@ def store_step_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tenso
     """``store_kv`` with the step's valid rows (slot != -1) worked out once for all layers."""
     rows_and_slots = meta.scratch.get("torch_store")
     if rows_and_slots is None:
-        slots = meta.slot_mapping
-        keep = (slots >= 0).nonzero().flatten()
-        rows_and_slots = (None, slots) if keep.numel() == slots.numel() else (keep, slots[keep])
-        meta.scratch["torch_store"] = rows_and_slots
+        rows_and_slots = meta.scratch["torch_store"] = _valid_rows(meta.slot_mapping)
     rows, slots = rows_and_slots
     store_kv(key, value, key_cache, value_cache, slots, rows)
