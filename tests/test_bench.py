@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from slipstream.bench import timeline
-from slipstream.bench.metrics import RequestRecord, percentile, summarize
-from slipstream.bench.workload import (Workload, arrival_times, generate_workload,
+from slipstream_bench import timeline
+from slipstream_bench.metrics import RequestRecord, percentile, summarize
+from slipstream_bench.workload import (Workload, arrival_times, generate_workload,
                                        sample_lengths, shared_prefix_workload)
-from slipstream.cli import main as cli_main
-from slipstream.model_loader import load_tokenizer
+from slipstream.server.cli import main as cli_main
+from slipstream.worker.model_loader import load_tokenizer
 
 from support import tiny_model_dir
 
@@ -69,7 +69,7 @@ def test_sampled_rows_of_a_chunked_prefill():
 def _server_available() -> bool:
     if os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1":
         return False
-    from slipstream.triton_server import find_tritonserver
+    from slipstream.server.launcher import find_tritonserver
 
     try:
         find_tritonserver()
@@ -119,7 +119,7 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
 
 
 def test_rounds_alternate_order_and_report_the_median(monkeypatch):
-    from slipstream.bench import runner
+    from slipstream_bench import runner
 
     calls = []
     speed = {("inprocess", 0): 10.0, ("inprocess", 1): 30.0, ("inprocess", 2): 20.0,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import random
 
-from slipstream.block_manager import BlockManager
-from slipstream.request import Request
-from slipstream.sampling_params import SamplingParams
+from slipstream.core.block_manager import BlockManager
+from slipstream.core.request import Request
+from slipstream.core.sampling_params import SamplingParams
 
 
 def req(rid, tokens):

@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of the kerne
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from slipstream.cuda_graphs import (  # noqa: E402
+from slipstream.worker.cuda_graphs import (  # noqa: E402
     DecodeGraphRunner, StaticDecodeInputs, bucket_for, capture_sizes)
 
 
@@ -76,8 +76,8 @@ def test_padding_rows_are_inert_for_triton_decode():
     """Load a 3-row batch into a bucket of 4, then store_kv + decode attention on the padded
     view: the padding row writes no slot and yields zeros, the real rows match the reference."""
     pytest.importorskip("triton")
-    from slipstream.ops import torch_ops as ref
-    from slipstream.ops import triton_ops as tk
+    from slipstream.worker.ops import torch_ops as ref
+    from slipstream.worker.ops import triton_kernels as tk
 
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, h, d = 10, 4, 3, 9, 32

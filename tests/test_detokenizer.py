@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from slipstream.detokenizer import IncrementalDetokenizer
-from slipstream.model_loader import load_tokenizer
+from slipstream.worker.model_loader import load_tokenizer
 from support import tiny_model_dir
 
 

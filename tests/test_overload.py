@@ -9,9 +9,9 @@ import time
 import pytest
 
 from slipstream import EngineConfig, SamplingParams
+from slipstream.core.request import RequestOutput
 from slipstream.engine import LLMEngine, merge_output
 from slipstream.engine_loop import EngineLoop, OverloadedError
-from slipstream.request import RequestOutput
 from support import hf_greedy, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -30,7 +30,7 @@ class FakeClock:
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
     module = types.SimpleNamespace(monotonic=fake.monotonic)
-    for name in ("slipstream.scheduler", "slipstream.request"):
+    for name in ("slipstream.core.scheduler", "slipstream.core.request"):
         monkeypatch.setattr(f"{name}.time", module)
     return fake
 

@@ -5,7 +5,7 @@ import pytest
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.model_loader import default_model_dir
+from slipstream.worker.model_loader import default_model_dir
 from support import hf_greedy
 
 pytestmark = pytest.mark.slow

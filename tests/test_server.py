@@ -23,9 +23,9 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine_loop import EngineLoop  # noqa: E402
-from slipstream.model_loader import make_tiny_model_dir  # noqa: E402
-from slipstream.triton_io import split_parameters  # noqa: E402
-from slipstream.triton_server import (TritonServer, find_tritonserver,  # noqa: E402
+from slipstream.server.protocol import split_parameters  # noqa: E402
+from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
+from slipstream.server.launcher import (TritonServer, find_tritonserver,  # noqa: E402
                                       read_parameters, render_model_repository)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
@@ -463,7 +463,7 @@ def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_serve_cli_default_model_answers_paris():
     """The README demo: `slipstream serve --prompt ... --exit-after-prompt` on SmolLM2."""
-    cmd = [sys.executable, "-m", "slipstream.serve", "--http-port", "0", "--grpc-port", "0",
+    cmd = [sys.executable, "-m", "slipstream.server", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--prompt", "What is the capital of France?",
            "--max-tokens", "24", "--exit-after-prompt"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from slipstream import EngineConfig, SamplingParams
+from slipstream.core.request import RequestStatus
 from slipstream.engine import LLMEngine
-from slipstream.request import RequestStatus
 from support import random_workload, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -73,7 +73,7 @@ def test_full_pool_falls_back_to_recompute(reference):
                          enable_prefix_caching=False)
     bytes_per_block = engine.kv_cache.geometry.bytes_per_block
     engine.scheduler.swapper = None  # rebuild the pool with room for 12 blocks only
-    from slipstream.swap import SwapPool
+    from slipstream.worker.swap import SwapPool
     engine.config.swap_space_bytes = 12 * bytes_per_block
     engine.scheduler.swapper = SwapPool(engine.config, engine.kv_cache, engine.block_manager)
     results = engine.generate(PROMPTS, params())

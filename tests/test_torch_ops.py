@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from slipstream.ops import torch_ops
+from slipstream.worker.ops import torch_ops
 
 
 def test_length_groups_bound_padding_and_cover_every_sequence():
@@ -98,7 +98,7 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
     """Decode rows of different lengths (several length groups) and prefill chunks with
     cached context share one plan; layers with and without a window or softcap (Gemma2
     alternates them) each get their own masks from it."""
-    from slipstream.ops.metadata import AttentionMetadata
+    from slipstream.worker.ops.metadata import AttentionMetadata
 
     torch.manual_seed(1)
     bs, hkv, h, d = 4, 2, 6, 8

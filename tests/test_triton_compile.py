@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(r'''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from slipstream.ops import triton_ops as tk
+    from slipstream.worker.ops import triton_kernels as tk
 
     TARGET = GPUTarget("cuda", 90, 32)
     DT = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}

@@ -13,9 +13,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from slipstream.ops import torch_ops as ref  # noqa: E402
-from slipstream.ops import triton_ops as tk  # noqa: E402
-from slipstream.ops.metadata import AttentionMetadata  # noqa: E402
+from slipstream.worker.ops import torch_ops as ref  # noqa: E402
+from slipstream.worker.ops import triton_kernels as tk  # noqa: E402
+from slipstream.worker.ops.metadata import AttentionMetadata  # noqa: E402
 
 BLOCK_SIZE = 4
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -240,7 +240,7 @@ def test_store_then_paged_attention_steps(dtype):
 
 
 def test_dispatch_selects_by_device(monkeypatch):
-    from slipstream.ops import dispatch
+    from slipstream.worker.ops import dispatch
 
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.get_ops(torch.device("cpu")) is ref

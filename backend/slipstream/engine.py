@@ -9,17 +9,17 @@ from typing import Optional, Union
 
 import torch
 
-from . import model_loader
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
-from .kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
-from .model_runner import ModelRunner, transpose_linear_weights
-from .request import Request, RequestOutput, RequestStatus
-from .sampler import Sampler
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .stats import EngineStats
+from slipstream.core.block_manager import BlockManager
+from slipstream.core.config import EngineConfig
+from slipstream.core.request import Request, RequestOutput, RequestStatus
+from slipstream.core.sampling_params import SamplingParams
+from slipstream.core.scheduler import Scheduler, SchedulerOutput
+from slipstream.core.stats import EngineStats
+from slipstream.detokenizer import IncrementalDetokenizer
+from slipstream.worker import model_loader
+from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
+from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
+from slipstream.worker.sampler import Sampler
 
 log = logging.getLogger("slipstream")
 Prompt = Union[str, list]
@@ -93,19 +93,19 @@ class LLMEngine:
     def _make_swapper(self):
         if self.config.preemption_mode == "recompute":
             return None
-        from .swap import SwapPool
+        from slipstream.worker.swap import SwapPool
         return SwapPool(self.config, self.kv_cache, self.block_manager)
 
     def _make_tracer(self):
         if not (self.config.trace_steps or self.config.trace_file):
             return None
-        from .trace import StepTracer
+        from slipstream.trace import StepTracer
         return StepTracer()
 
     def _make_proposer(self):
         if self.config.speculative_method is None:
             return None
-        from .spec_decode import make_proposer
+        from slipstream.spec_decode import make_proposer
         return make_proposer(self.config, self)
 
     # -- requests ----------------------------------------------------------------------------

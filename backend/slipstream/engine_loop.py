@@ -13,10 +13,10 @@ import time
 import traceback
 from typing import Callable, Iterator, Optional
 
-from .config import EngineConfig
-from .engine import LLMEngine, OverloadedError, Prompt
-from .request import RequestOutput
-from .sampling_params import SamplingParams
+from slipstream.core.config import EngineConfig
+from slipstream.core.request import RequestOutput
+from slipstream.core.sampling_params import SamplingParams
+from slipstream.engine import LLMEngine, OverloadedError, Prompt
 
 log = logging.getLogger("slipstream")
 
@@ -168,7 +168,7 @@ class EngineLoop:
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
         """Blocking convenience: the whole output of one request."""
-        from .engine import merge_output
+        from slipstream.engine import merge_output
 
         stream = self.submit(prompt, params, **kw)
         total = RequestOutput(stream.request_id)

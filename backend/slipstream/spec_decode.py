@@ -41,9 +41,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .request import Request, RequestStatus
+from slipstream.core.block_manager import BlockManager
+from slipstream.core.config import EngineConfig
+from slipstream.core.request import Request, RequestStatus
 
 log = logging.getLogger("slipstream")
 
@@ -129,9 +129,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config: EngineConfig, engine) -> None:
         super().__init__(config)
-        from . import model_loader
-        from .kv_cache import KVCache, KVGeometry
-        from .model_runner import ModelRunner, transpose_linear_weights
+        from slipstream.worker import model_loader
+        from slipstream.worker.kv_cache import KVCache, KVGeometry
+        from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
 
         self.engine = engine
         if config.speculative_model == config.model and engine.model is not None:
@@ -204,7 +204,7 @@ class DraftModelProposer(Proposer):
 
     # -- proposing ------------------------------------------------------------------------
     def propose_batch(self, reqs: list) -> list:
-        from .scheduler import ScheduledRequest, SchedulerOutput
+        from slipstream.core.scheduler import ScheduledRequest, SchedulerOutput
 
         self._collect_garbage()
         out = [[] for _ in reqs]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from .request import RequestStatus
+from slipstream.core.request import RequestStatus
 
 DEFAULT_MAX_RECORDS = 100_000
 _BATCH_PID = 1  # one thread (tid = slot) per batch slot

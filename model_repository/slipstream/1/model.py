@@ -1,6 +1,6 @@
 """Triton Python backend (decoupled) for the Slipstream engine.
 
-Kept thin: request parsing is ``slipstream.triton_io``, metrics ``slipstream.triton_metrics``;
+Kept thin: request parsing is ``slipstream.server.protocol``, metrics ``slipstream.server.metrics``;
 the engine (``slipstream.engine_loop.EngineLoop``) runs its own thread. ``execute`` only parses
 and submits, then returns; ONE sender thread drains every request's output stream and sends
 responses through that request's response sender, ending each with the FINAL flag once.
@@ -16,9 +16,9 @@ import triton_python_backend_utils as pb_utils
 
 from slipstream import EngineConfig
 from slipstream.engine_loop import EngineLoop, OverloadedError
-from slipstream.triton_io import (BadRequestError, build_outputs, parse_request,
+from slipstream.server.protocol import (BadRequestError, build_outputs, parse_request,
                                   split_parameters)
-from slipstream.triton_metrics import SlipstreamMetrics
+from slipstream.server.metrics import SlipstreamMetrics
 
 INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output",
                "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",

@@ -1,0 +1,181 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, automatic prefix caching.
+
+Block 0 is reserved as a scratch block: padding rows (static batching, CUDA-graph padding)
+write their throw-away K/V there, so they never touch a request's blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from slipstream.core.request import Request
+
+NULL_BLOCK = 0
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: Optional[int] = None  # set once the block is full and registered
+    token_ids: tuple = ()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def chain_hash(parent: Optional[int], token_ids: tuple) -> int:
+    """A full block is identified by its tokens and everything before it."""
+    return hash((parent, token_ids))
+
+
+@dataclass
+class _PerRequest:
+    block_hashes: list = field(default_factory=list)  # hashes of the request's full blocks
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in LRU order: the front is evicted first. A freed block keeps its hash
+        # (and so stays a prefix-cache hit) until it is handed out again.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.per_request: dict[str, _PerRequest] = {}
+        self.stats = PrefixCacheStats()
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1  # minus the scratch block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ----------------------------------------------------------------
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks already holding the request's leading full blocks.
+
+        The last token is never served from cache: its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = req.all_token_ids
+        hits: list[int] = []
+        parent = None
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(tokens[start:start + self.block_size])
+            h = chain_hash(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    # -- allocation --------------------------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Optional[list] = None) -> bool:
+        cached = cached or []
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        have = len(req.block_table) + len(cached)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        return max(need, 0) + revived <= len(self.free)
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: Optional[list] = None) -> None:
+        """Give ``req`` room for ``num_new_tokens`` more tokens, first taking prefix-cache hits."""
+        state = self.per_request.setdefault(req.request_id, _PerRequest())
+        for block_id in cached or []:
+            self._touch(block_id)
+            req.block_table.append(block_id)
+            state.block_hashes.append(self.blocks[block_id].block_hash)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        if need > len(self.free):
+            raise RuntimeError("KV cache exhausted: check can_allocate before allocate")
+        for _ in range(need):
+            req.block_table.append(self._take_free())
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Publish the request's newly completed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        state = self.per_request.setdefault(req.request_id, _PerRequest())
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
+        tokens = req.all_token_ids
+        while len(state.block_hashes) < num_full:
+            i = len(state.block_hashes)
+            parent = state.block_hashes[-1] if state.block_hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, chunk)
+            state.block_hashes.append(h)
+            block = self.blocks[req.block_table[i]]
+            if block.block_hash is None and h not in self.hash_to_block:
+                block.block_hash, block.token_ids = h, chunk
+                self.hash_to_block[h] = block.block_id
+
+    def free_request(self, req: Request) -> None:
+        """Release every block of ``req`` (tail first, so shared prefixes are evicted last)."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"double free of block {block_id}"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.block_hash is None:
+                    self.free.move_to_end(block_id, last=False)  # unhashed: reuse first
+        req.block_table = []
+        self.per_request.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.block_hash is not None and block.ref_count == 0:
+                block.block_hash, block.token_ids = None, ()
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items()
+                              if self.blocks[b].block_hash == h}
+
+    def check_invariants(self) -> None:
+        used = sum(1 for b in self.blocks[1:] if b.ref_count > 0)
+        assert used + len(self.free) == self.num_usable_blocks, (used, len(self.free))
+        assert all(self.blocks[b].ref_count == 0 for b in self.free)
+        assert NULL_BLOCK not in self.free
+
+    # -- internals -----------------------------------------------------------------------
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict from the prefix cache
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,93 @@
+"""A request's state inside the engine, and what the engine reports back for it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from slipstream.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to the CPU swap pool
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """One sequence. Progress is a single counter, ``num_computed_tokens``: prefill and
+    decode are the same thing (compute the tokens the KV cache does not hold yet)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_id: Optional[int] = None, priority: int = 0,
+                 arrival_time: Optional[float] = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+        self.cumulative_logprob = 0.0
+        self.first_token_time: Optional[float] = None
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
+        self.error: Optional[str] = None
+        self.stop_reason: Optional[str] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed="
+                f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request: deltas since the previous output."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # logprob of each token in token_ids
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    error: Optional[str] = None

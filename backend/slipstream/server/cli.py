@@ -1,0 +1,262 @@
+"""``slipstream`` command line.
+
+Subcommands live in ``COMMANDS``: name -> (help, add_args(parser), run(args) -> exit code), or
+name -> "module.path" of a module defining ``HELP``, ``add_args`` and ``run`` (imported only
+when that subcommand is used). Add one with ``register_command`` or an entry in the dict.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import queue
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from slipstream.server.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, TritonServer,
+                            TritonServerError, read_parameters, render_model_repository)
+
+DEMO_PROMPT = "What is the capital of France?"
+
+
+# --------------------------------------------------------------------------- streaming client
+def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME,
+                  max_tokens: int = 128, temperature: float = 0.0, chat: bool = True,
+                  on_text: Optional[Callable[[str], None]] = None, timeout: float = 600.0) -> dict:
+    """Stream one answer over gRPC; returns {"text", "finish_reason", "ttft_s", "seconds",
+    "num_output_tokens"}. Raises RuntimeError with the server's message on an error."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    inputs = [
+        tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([True]), "BOOL"),
+        tensor("sampling_parameters", np.array([json.dumps(
+            {"max_tokens": max_tokens, "temperature": temperature}).encode()], dtype=np.object_),
+            "BYTES"),
+        tensor("apply_chat_template", np.array([chat]), "BOOL"),
+        tensor("return_finish_reason", np.array([True]), "BOOL"),
+        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+    ]
+    responses: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    start = time.monotonic()
+    ttft = None
+    parts, finish, n_out = [], None, 0
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"server error: {error}")
+            text = result.as_numpy("text_output")
+            if text is not None and text.size:
+                piece = text.reshape(-1)[0].decode("utf-8")
+                if piece and ttft is None:
+                    ttft = time.monotonic() - start
+                parts.append(piece)
+                if on_text:
+                    on_text(piece)
+            reason = result.as_numpy("finish_reason")
+            if reason is not None and reason.size and reason.reshape(-1)[0]:
+                finish = reason.reshape(-1)[0].decode()
+            count = result.as_numpy("num_output_tokens")
+            if count is not None and count.size:
+                n_out += int(count.reshape(-1)[0])
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return {"text": "".join(parts), "finish_reason": finish, "ttft_s": ttft,
+            "seconds": time.monotonic() - start, "num_output_tokens": n_out}
+
+
+# --------------------------------------------------------------------------- serve
+def _parse_sets(items) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face "
+                                   "model directory; same as --set model=...")
+    p.add_argument("--model-repository", default=os.environ.get(
+        "SLIPSTREAM_MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)),
+        help="Triton model repository to serve (copied with the overrides applied)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                   help="override a config.pbtxt parameter (engine setting), repeatable")
+    p.add_argument("--prompt", help="once ready, stream the answer to this prompt over gRPC")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens for --prompt")
+    p.add_argument("--raw-prompt", action="store_true",
+                   help="send --prompt as is, without the model's chat template")
+    p.add_argument("--exit-after-prompt", action="store_true",
+                   help="stop the server after answering --prompt")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--exit-timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--log-file", help="tritonserver log (default: a temp file)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(signal.Signals(signum).name)
+
+
+def _validate(repo: Path) -> dict:
+    """Check the rendered engine settings in-process, before a server is started."""
+    from slipstream import EngineConfig
+    from slipstream.server.protocol import split_parameters
+
+    config = repo / DEFAULT_MODEL_NAME / "config.pbtxt"
+    if not config.exists():
+        return {}
+    engine, _ = split_parameters(read_parameters(config.read_text()))
+    try:
+        EngineConfig.from_dict(engine)
+    except ValueError as e:
+        raise SystemExit(f"invalid engine setting: {e}")
+    return engine
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    overrides = _parse_sets(args.set)
+    if args.model:
+        overrides["model"] = args.model
+    work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
+    repo = render_model_repository(args.model_repository, work / "model_repository", overrides)
+    engine = _validate(repo)
+    if engine.get("model", "default") in ("", "default"):
+        from slipstream.worker.model_loader import default_model_dir  # convert the GGUF once, with a progress bar
+
+        default_model_dir()
+    server = TritonServer(repo, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          startup_timeout=args.startup_timeout, log_path=args.log_file,
+                          log_verbose=args.log_verbose, exit_timeout=args.exit_timeout)
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        print(f"starting tritonserver (model {engine.get('model', 'default')}; log "
+              f"{server.log_path}) ...", flush=True)
+        t0 = time.monotonic()
+        server.start()
+        print(f"ready in {time.monotonic() - t0:.1f} s\n"
+              f"  HTTP     http://{server.http_url}  (POST /v2/models/{DEFAULT_MODEL_NAME}/generate, "
+              f"/generate_stream)\n"
+              f"  gRPC     {server.grpc_url}\n"
+              f"  metrics  {server.metrics_url}", flush=True)
+        if args.prompt:
+            print(f"\n>>> {args.prompt}", flush=True)
+            result = stream_prompt(server.grpc_url, args.prompt, max_tokens=args.max_tokens,
+                                   chat=not args.raw_prompt,
+                                   on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+            rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
+            ttft = result["ttft_s"] or 0.0
+            print(f"\n[{result['num_output_tokens']} tokens, finish_reason="
+                  f"{result['finish_reason']}, first token {ttft * 1000:.0f} ms, "
+                  f"{rate:.1f} tokens/s]", flush=True)
+        if args.prompt and args.exit_after_prompt:
+            return 0
+        print("serving; Ctrl-C to stop", flush=True)
+        while server.running:
+            time.sleep(0.5)
+        print(f"tritonserver exited unexpectedly; log {server.log_path}:\n{server.log_tail()}",
+              file=sys.stderr)
+        code = 1
+    except _Stop as e:
+        print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
+              "Ctrl-C again to kill", flush=True)
+    except TritonServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        try:
+            server.stop()
+        except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
+            print("killing tritonserver", flush=True)
+            server.kill()
+        for s, h in old.items():
+            signal.signal(s, h)
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+# --------------------------------------------------------------------------- the table
+Command = Union[tuple, str]
+COMMANDS: dict = {
+    "serve": ("start tritonserver with the slipstream model (optionally answer --prompt)",
+              add_serve_args, run_serve),
+    "bench": "slipstream_bench.cli",
+}
+
+
+def register_command(name: str, help: str, add_args: Callable, run: Callable) -> None:
+    COMMANDS[name] = (help, add_args, run)
+
+
+def _resolve(entry: Command) -> tuple:
+    if isinstance(entry, str):
+        module = importlib.import_module(entry)
+        return module.HELP, module.add_args, module.run
+    return entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, entry in COMMANDS.items():
+        if isinstance(entry, str):  # lazily imported: do not import it for --help of others
+            p = sub.add_parser(name, help=f"(see slipstream {name} --help)", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            continue
+        help_text, add_args, run = entry
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and isinstance(COMMANDS.get(argv[0]), str):  # lazy subcommand: its own parser
+        help_text, add_args, run = _resolve(COMMANDS[argv[0]])
+        p = argparse.ArgumentParser(prog=f"slipstream {argv[0]}", description=help_text)
+        add_args(p)
+        return int(run(p.parse_args(argv[1:])) or 0)
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

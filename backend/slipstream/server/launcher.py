@@ -1,0 +1,387 @@
+"""Run a real ``tritonserver`` on a model repository: locate it, prepare it, start, wait, stop.
+
+Two installations are supported:
+
+* a Triton container (``tritonserver`` on ``PATH``, backends in ``/opt/tritonserver/backends``):
+  the binary is used as it is;
+* the ``nvidia-pytriton`` wheel, which ships ``tritonserver``, the Python backend and a backend
+  stub for each Python version. The backend directory Triton wants (``python/`` holding
+  ``libtriton_python.so``, ``triton_python_backend_utils.py`` and the stub built for the running
+  Python) is assembled once in a cache directory, and the process gets the wheel's shared
+  libraries and this interpreter's ``libpython`` on ``LD_LIBRARY_PATH`` and this environment's
+  ``bin/`` first on ``PATH`` (so the stub's embedded Python sees the same site-packages).
+
+``TritonServer`` is a context manager used by the tests and by ``slipstream serve``;
+``render_model_repository`` copies a model repository with config parameters replaced, so engine
+settings can change at launch without editing ``config.pbtxt``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_MODEL_NAME = "slipstream"
+
+
+class TritonServerError(RuntimeError):
+    """tritonserver could not be found, did not start, or did not become ready."""
+
+
+# --------------------------------------------------------------------------- locating
+@dataclass
+class TritonInstall:
+    binary: Path
+    backend_dir: Optional[Path]  # None: the binary's built-in default (a Triton container)
+    lib_dirs: list = field(default_factory=list)
+    source: str = "path"  # "path" (container / system install) or "pytriton" (the wheel)
+
+
+def _python_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _pytriton_root() -> Optional[Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    return root if (root / "bin" / "tritonserver").exists() else None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+    return Path(root)
+
+
+def find_tritonserver(prefer: str = "auto") -> TritonInstall:
+    """``prefer``: ``auto`` (PATH first, then the nvidia-pytriton wheel), ``path`` or ``pytriton``.
+
+    ``SLIPSTREAM_TRITONSERVER=/path/to/tritonserver`` forces a binary (a container layout is
+    assumed: its backends next to it in ``../backends``).
+    """
+    forced = os.environ.get("SLIPSTREAM_TRITONSERVER")
+    if forced:
+        binary = Path(forced)
+        if not binary.exists():
+            raise TritonServerError(f"SLIPSTREAM_TRITONSERVER={forced} does not exist")
+        backends = binary.resolve().parent.parent / "backends"
+        return TritonInstall(binary, backends if backends.is_dir() else None, [], "path")
+    if prefer in ("auto", "path"):
+        found = shutil.which("tritonserver")
+        if found:
+            backends = Path(found).resolve().parent.parent / "backends"
+            return TritonInstall(Path(found), backends if backends.is_dir() else None, [], "path")
+        if prefer == "path":
+            raise TritonServerError("tritonserver is not on PATH")
+    root = _pytriton_root()
+    if root is None:
+        raise TritonServerError(
+            "tritonserver not found: run inside a Triton container (tritonserver on PATH) or "
+            "install the nvidia-pytriton wheel (pip install -e '.[server]')")
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    libdir = sysconfig.get_config_var("LIBDIR")
+    lib_dirs = [str(p) for p in (libs, libdir) if p and Path(p).is_dir()]
+    return TritonInstall(root / "bin" / "tritonserver", prepare_backend_dir(root), lib_dirs,
+                         "pytriton")
+
+
+def prepare_backend_dir(pytriton_root: Path) -> Path:
+    """Assemble ``<cache>/triton_backends/<key>/python/`` for the running Python (once)."""
+    stub = pytriton_root / "python_backend_stubs" / _python_tag() / "triton_python_backend_stub"
+    if not stub.exists():
+        raise TritonServerError(f"nvidia-pytriton ships no Python backend stub for Python "
+                                f"{_python_tag()} (looked for {stub})")
+    src = pytriton_root / "backends" / "python"
+    files = {"libtriton_python.so": src / "libtriton_python.so",
+             "triton_python_backend_utils.py": src / "triton_python_backend_utils.py",
+             "triton_python_backend_stub": stub}
+    stamp = json.dumps({n: [str(p), p.stat().st_size, int(p.stat().st_mtime)]
+                        for n, p in sorted(files.items())}, sort_keys=True)
+    key = f"py{_python_tag()}-{uuid.uuid5(uuid.NAMESPACE_URL, stamp).hex[:12]}"
+    backends = cache_dir() / "triton_backends" / key
+    if (backends / "python" / ".complete").exists():
+        return backends
+    backends.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=key + ".tmp", dir=backends.parent))
+    (tmp / "python").mkdir()
+    for name, path in files.items():
+        shutil.copy2(path, tmp / "python" / name)
+    os.chmod(tmp / "python" / "triton_python_backend_stub", 0o755)
+    (tmp / "python" / ".complete").write_text(stamp)
+    try:
+        os.rename(tmp, backends)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (backends / "python" / ".complete").exists():
+            raise
+    return backends
+
+
+def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    if install.lib_dirs:
+        old = env.get("LD_LIBRARY_PATH", "")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(install.lib_dirs + ([old] if old else []))
+    # This interpreter's bin/ first: the stub's embedded Python then resolves this environment.
+    bindir = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep)
+                                             if p and p != bindir])
+    if sys.prefix != sys.base_prefix:
+        env.setdefault("VIRTUAL_ENV", sys.prefix)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+# --------------------------------------------------------------------------- repository
+_PARAM_RE = re.compile(
+    r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:?\s*\{\s*'
+    r'string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}', re.S)
+
+
+def _pbtxt_escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _pbtxt_unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), value)
+
+
+def read_parameters(config_pbtxt: str) -> dict:
+    """The ``parameters`` of a config.pbtxt as a dict of strings."""
+    return {m.group("key"): _pbtxt_unescape(m.group("value"))
+            for m in _PARAM_RE.finditer(config_pbtxt)}
+
+
+def set_parameters(config_pbtxt: str, overrides: Mapping[str, object]) -> str:
+    """Replace (or append) ``parameters`` entries; values are written as strings."""
+    values = {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
+              for k, v in overrides.items()}
+    seen = set()
+
+    def repl(m: re.Match) -> str:
+        key = m.group("key")
+        if key not in values:
+            return m.group(0)
+        seen.add(key)
+        start, end = m.span("value")
+        text = m.group(0)
+        off = m.start()
+        return text[:start - off] + _pbtxt_escape(values[key]) + text[end - off:]
+
+    out = _PARAM_RE.sub(repl, config_pbtxt)
+    extra = [k for k in values if k not in seen]
+    if extra:
+        out = out.rstrip("\n") + "\n" + "".join(
+            f'parameters: {{\n  key: "{k}"\n  value: {{ string_value: "{_pbtxt_escape(values[k])}" }}\n}}\n'
+            for k in extra)
+    return out
+
+
+def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] = None,
+                            models: Optional[Sequence[str]] = None) -> Path:
+    """Copy model repository ``src`` to ``dst`` with config ``parameters`` replaced.
+
+    ``overrides`` apply to every model of the repository (or only to ``models``). A ``model``
+    override that names an existing directory is made absolute.
+    """
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise FileNotFoundError(f"model repository {src} does not exist")
+    overrides = dict(overrides or {})
+    model = overrides.get("model")
+    if isinstance(model, (str, Path)) and str(model) not in ("", "default") and Path(model).is_dir():
+        overrides["model"] = str(Path(model).resolve())
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for config in sorted(dst.glob("*/config.pbtxt")):
+        if models is not None and config.parent.name not in models:
+            continue
+        if overrides:
+            config.write_text(set_parameters(config.read_text(), overrides))
+    return dst
+
+
+# --------------------------------------------------------------------------- the server
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A ``tritonserver`` process: ``with TritonServer(repo) as server: server.grpc_url ...``.
+
+    Ports given as 0 are picked free. The server log goes to ``log_path`` (a temp file unless
+    given); start-up failures raise ``TritonServerError`` with the log's tail.
+    """
+
+    def __init__(self, model_repository=DEFAULT_MODEL_REPOSITORY, *, http_port: int = 8000,
+                 grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
+                 models: Sequence[str] = (DEFAULT_MODEL_NAME,), startup_timeout: float = 600.0,
+                 log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
+                 env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
+                 exit_timeout: float = 30.0) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        self.host = host
+        self.http_port = http_port or free_port(host)
+        self.grpc_port = grpc_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.models = list(models)
+        self.startup_timeout = startup_timeout
+        self.log_verbose = log_verbose
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.prefer = prefer
+        self.exit_timeout = exit_timeout
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path else Path(
+            tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.process: Optional[subprocess.Popen] = None
+        self.install: Optional[TritonInstall] = None
+
+    # endpoints
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list:
+        assert self.install is not None
+        cmd = [str(self.install.binary), "--model-repository", str(self.model_repository),
+               "--http-address", self.host, "--http-port", str(self.http_port),
+               "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
+               "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
+               "--allow-gpu-metrics", "false", "--log-verbose", str(self.log_verbose),
+               "--exit-timeout-secs", str(int(self.exit_timeout)),
+               # Several servers on one machine (tests run beside a dev server) must not share
+               # the Python backend's shared-memory regions.
+               f"--backend-config=python,shm-region-prefix-name=slipstream_{os.getpid()}_"
+               f"{self.grpc_port}_"]
+        if self.install.backend_dir is not None:
+            cmd += ["--backend-directory", str(self.install.backend_dir)]
+        return cmd + self.extra_args
+
+    def start(self, wait: bool = True) -> "TritonServer":
+        if self.process is not None:
+            raise TritonServerError("server already started")
+        self.install = find_tritonserver(self.prefer)
+        env = server_env(self.install)
+        env.update(self.extra_env)
+        self._log = open(self.log_path, "ab", buffering=0)
+        # Own session: Ctrl-C in the terminal reaches our handler only; we stop Triton ourselves.
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-chars:]
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def is_ready(self) -> bool:
+        if self._get("/v2/health/ready") != 200:
+            return False
+        return all(self._get(f"/v2/models/{m}/ready") == 200 for m in self.models)
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        deadline = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        while True:
+            if self.process is None:
+                raise TritonServerError("server not started")
+            code = self.process.poll()
+            if code is not None:
+                raise TritonServerError(
+                    f"tritonserver exited with code {code} before it was ready; log "
+                    f"{self.log_path}:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TritonServerError(
+                    f"tritonserver not ready after {self.startup_timeout:.0f} s; log "
+                    f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def stop(self, timeout: Optional[float] = None) -> Optional[int]:
+        """SIGINT: Triton refuses new requests, lets in-flight ones finish (up to its
+        ``--exit-timeout-secs``), unloads the model (``finalize``) and exits; SIGKILL if it hangs."""
+        proc = self.process
+        if proc is None:
+            return None
+        timeout = self.exit_timeout + 15 if timeout is None else timeout
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.kill()
+
+    def kill(self) -> Optional[int]:
+        """SIGKILL Triton and its backend stubs (our own session), now."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # also stubs left behind by a crash
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        self._log.close()
+        return proc.returncode
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def __enter__(self) -> "TritonServer":
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,303 @@
+"""Turning one Triton inference request into (prompt, SamplingParams, options). Pure Python.
+
+The inputs follow Triton's vLLM backend (``text_input``, ``stream``, ``sampling_parameters``
+as a JSON string, ``exclude_input_in_output``, ``return_*``) plus TensorRT-LLM-style typed
+sampling inputs (``max_tokens``, ``temperature``, ``stop_words``, ``end_id`` ...). A value is
+taken from, in order: its typed input tensor, the ``sampling_parameters`` JSON, the request
+parameters (what ``"parameters": {...}`` of the HTTP generate endpoint becomes).
+
+Nothing here imports Triton: ``parse_request`` takes a dict of input name -> numpy array and
+the request parameters (dict or JSON string), so it is tested without a server.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+
+from slipstream.core.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequestError(ValueError):
+    """The request is malformed; the message is meant for the client."""
+
+
+@dataclass
+class RequestOptions:
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    priority: int = 0
+    apply_chat_template: bool = False
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    options: RequestOptions
+
+
+# input name -> (kind, SamplingParams field or option name)
+_BOOL_OPTIONS = ("stream", "exclude_input_in_output", "return_finish_reason",
+                 "return_num_input_tokens", "return_num_output_tokens",
+                 "return_cumulative_logprob", "return_logprobs", "apply_chat_template")
+_TYPED_INT = {"max_tokens": "max_tokens", "min_tokens": "min_tokens", "top_k": "top_k",
+              "seed": "seed", "end_id": "stop_token_ids"}
+_TYPED_FLOAT = {"temperature": "temperature", "top_p": "top_p",
+                "repetition_penalty": "repetition_penalty",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+# The declared Triton types (config.pbtxt) of the typed inputs, for error messages.
+INPUT_TYPES = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES",
+               **{k: "BOOL" for k in _BOOL_OPTIONS if k != "stream"},
+               "max_tokens": "INT32", "min_tokens": "INT32", "top_k": "INT32", "end_id": "INT32",
+               "priority": "INT32", "seed": "UINT64",
+               **{k: "FP32" for k in _TYPED_FLOAT}, "stop_words": "BYTES"}
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# vLLM sampling-parameter names accepted with a fixed value only.
+_FIXED = {"n": 1, "best_of": 1}
+
+
+def _is_int_dtype(a: np.ndarray) -> bool:
+    return a.dtype.kind in "iu"
+
+
+def _is_float_dtype(a: np.ndarray) -> bool:
+    return a.dtype.kind == "f"
+
+
+def _is_bytes_dtype(a: np.ndarray) -> bool:
+    return a.dtype.kind in "OSU"
+
+
+def _scalar(name: str, a: np.ndarray) -> Any:
+    a = np.asarray(a)
+    if a.size != 1:
+        raise BadRequestError(f"input '{name}' must hold exactly one element, got shape "
+                              f"{list(a.shape)}")
+    return a.reshape(-1)[0]
+
+
+def _decode(name: str, value: Any) -> str:
+    if isinstance(value, (bytes, bytearray, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequestError(f"input '{name}' is not valid UTF-8: {e}") from None
+    if isinstance(value, str):
+        return value
+    raise BadRequestError(f"input '{name}' must be a string (BYTES), got {type(value).__name__}")
+
+
+def _check_dtype(name: str, a: np.ndarray, ok: bool) -> None:
+    if not ok:
+        raise BadRequestError(f"input '{name}' must be {INPUT_TYPES.get(name, '?')}, got numpy "
+                              f"dtype {np.asarray(a).dtype}")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+    raise BadRequestError(f"'{name}' must be a boolean, got {value!r}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise BadRequestError(f"'{name}' must be an integer, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise BadRequestError(f"'{name}' must be an integer, got {value!r}")
+
+
+def _parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
+    if parameters is None or parameters == "":
+        return {}
+    if isinstance(parameters, (str, bytes)):
+        try:
+            parameters = json.loads(parameters)
+        except json.JSONDecodeError as e:
+            raise BadRequestError(f"request parameters are not valid JSON: {e}") from None
+    if not isinstance(parameters, Mapping):
+        raise BadRequestError("request parameters must be a JSON object")
+    return dict(parameters)
+
+
+def parse_request(inputs: Mapping[str, np.ndarray],
+                  parameters: Union[None, str, Mapping[str, Any]] = None, *,
+                  default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                  default_apply_chat_template: bool = False) -> ParsedRequest:
+    """Validate one request. Raises ``BadRequestError`` (a ValueError) with a client-facing text."""
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    request_params = _parameters_dict(parameters)
+
+    # --- text_input
+    if "text_input" not in inputs:
+        raise BadRequestError("missing required input 'text_input'")
+    arr = np.asarray(inputs["text_input"])
+    _check_dtype("text_input", arr, _is_bytes_dtype(arr))
+    prompt = _decode("text_input", _scalar("text_input", arr))
+    if not prompt:
+        raise BadRequestError("input 'text_input' is empty")
+
+    # --- sampling_parameters JSON
+    sp: dict = {}
+    if "sampling_parameters" in inputs:
+        arr = np.asarray(inputs["sampling_parameters"])
+        _check_dtype("sampling_parameters", arr, _is_bytes_dtype(arr))
+        text = _decode("sampling_parameters", _scalar("sampling_parameters", arr))
+        if text.strip():
+            try:
+                sp = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise BadRequestError(f"input 'sampling_parameters' is not valid JSON: {e}") from None
+            if not isinstance(sp, dict):
+                raise BadRequestError("input 'sampling_parameters' must be a JSON object, got "
+                                      f"{type(sp).__name__}")
+
+    # Lowest precedence first: request parameters, then sampling_parameters, then tensors.
+    values: dict = {}
+    for source in (request_params, sp):
+        for key, value in source.items():
+            if source is request_params and key not in _SAMPLING_FIELDS and key not in _FIXED \
+                    and key not in _BOOL_OPTIONS and key not in ("priority", "stop_words"):
+                continue  # request parameters carry other things too (ids, timeouts...)
+            values[key] = value
+
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        if name in ("text_input", "sampling_parameters"):
+            continue
+        if name in _BOOL_OPTIONS:
+            _check_dtype(name, arr, arr.dtype.kind == "b")
+            values[name] = bool(_scalar(name, arr))
+        elif name in _TYPED_INT or name == "priority":
+            _check_dtype(name, arr, _is_int_dtype(arr))
+            v = int(_scalar(name, arr))
+            values[_TYPED_INT.get(name, name)] = [v] if name == "end_id" else v
+        elif name in _TYPED_FLOAT:
+            _check_dtype(name, arr, _is_float_dtype(arr))
+            v = float(_scalar(name, arr))
+            if not math.isfinite(v):
+                raise BadRequestError(f"input '{name}' must be finite, got {v}")
+            values[_TYPED_FLOAT[name]] = v
+        elif name == "stop_words":
+            _check_dtype(name, arr, _is_bytes_dtype(arr))
+            values["stop"] = [_decode(name, x) for x in arr.reshape(-1)]
+        else:
+            raise BadRequestError(f"unknown input '{name}'")
+
+    if "stop_words" in values:  # from JSON / parameters: a string or a list of strings
+        values.setdefault("stop", values.pop("stop_words"))
+        values.pop("stop_words", None)
+
+    # --- options
+    opts = RequestOptions(apply_chat_template=default_apply_chat_template)
+    for name in _BOOL_OPTIONS:
+        if name in values:
+            setattr(opts, name, _as_bool(name, values.pop(name)))
+    if "priority" in values:
+        opts.priority = _as_int("priority", values.pop("priority"))
+    explicit_exclude = any(n == "exclude_input_in_output" for n in inputs) or \
+        "exclude_input_in_output" in sp or "exclude_input_in_output" in request_params
+    if opts.stream:
+        if explicit_exclude and not opts.exclude_input_in_output:
+            raise BadRequestError("streaming with exclude_input_in_output=false is not supported: "
+                                  "streamed responses carry only the generated text")
+        opts.exclude_input_in_output = True
+
+    # --- sampling parameters
+    for name, fixed in _FIXED.items():
+        if name in values:
+            got = values.pop(name)
+            if got is not None and _as_int(name, got) != fixed:
+                raise BadRequestError(f"'{name}' must be {fixed}, got {got!r}")
+    values.setdefault("max_tokens", default_max_tokens)
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    if isinstance(values.get("stop_token_ids"), (int, np.integer)) and \
+            not isinstance(values.get("stop_token_ids"), bool):
+        values["stop_token_ids"] = [int(values["stop_token_ids"])]
+    if (opts.return_logprobs or opts.return_cumulative_logprob) and values.get("logprobs") is None:
+        values["logprobs"] = 0
+    try:
+        params = SamplingParams.from_dict(values)
+    except (ValueError, TypeError) as e:
+        raise BadRequestError(f"invalid sampling parameters: {e}") from None
+    return ParsedRequest(prompt, params, opts)
+
+
+def output_names(options: RequestOptions) -> list:
+    """The output tensors a request asked for (text_output always)."""
+    names = ["text_output"]
+    for flag, name in (("return_finish_reason", "finish_reason"),
+                       ("return_num_input_tokens", "num_input_tokens"),
+                       ("return_num_output_tokens", "num_output_tokens"),
+                       ("return_cumulative_logprob", "cumulative_logprob"),
+                       ("return_logprobs", "logprobs")):
+        if getattr(options, flag):
+            names.append(name)
+    return names
+
+
+def build_outputs(options: RequestOptions, text: str, *, finish_reason: Optional[str],
+                  num_input_tokens: int, num_output_tokens: int, cumulative_logprob: float,
+                  logprobs) -> dict:
+    """name -> numpy array for the requested outputs of one response."""
+    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if options.return_finish_reason:
+        out["finish_reason"] = np.array([str(finish_reason or "").encode("utf-8")],
+                                        dtype=np.object_)
+    if options.return_num_input_tokens:
+        out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.int32)
+    if options.return_num_output_tokens:
+        out["num_output_tokens"] = np.array([num_output_tokens], dtype=np.int32)
+    if options.return_cumulative_logprob:
+        out["cumulative_logprob"] = np.array([cumulative_logprob], dtype=np.float32)
+    if options.return_logprobs:
+        out["logprobs"] = np.array([float(x) for x in (logprobs or [])], dtype=np.float32)
+    return out
+
+
+# Settings of model.py that are not engine settings (everything else in config.pbtxt
+# ``parameters`` goes to EngineConfig.from_dict).
+SERVER_PARAMETERS = {
+    "default_max_tokens": str(DEFAULT_MAX_TOKENS),
+    "apply_chat_template": "false",
+    "metrics_interval_ms": "250",
+}
+
+
+def split_parameters(params: Mapping[str, str]) -> tuple:
+    """(engine settings, server settings) from a model config's parameters."""
+    server = dict(SERVER_PARAMETERS)
+    engine = {}
+    for key, value in params.items():
+        if key in SERVER_PARAMETERS:
+            server[key] = value
+        else:
+            engine[key] = value
+    return engine, server

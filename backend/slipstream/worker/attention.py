@@ -1,0 +1,63 @@
+"""The attention function transformers calls inside every layer: it writes the step's new
+K/V into the paged cache and attends over each sequence's blocks (block-diagonal causal).
+
+transformers passes no per-call state we can use, so the model runner publishes the
+step's metadata and cache tensors in a ``StepContext`` before calling the model.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from slipstream.worker.ops.metadata import AttentionMetadata
+
+ATTENTION_NAME = "slipstream_paged"
+_local = threading.local()
+
+
+@dataclass
+class StepContext:
+    meta: AttentionMetadata
+    key_caches: list  # per layer [num_blocks, block_size, Hkv, D]
+    value_caches: list
+    ops: object  # torch_ops or triton_ops
+
+
+def set_context(ctx: Optional[StepContext]) -> None:
+    _local.ctx = ctx
+
+
+def get_context() -> StepContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("slipstream attention called outside an engine step")
+    return ctx
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                            scaling: Optional[float] = None, dropout: float = 0.0,
+                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                            **kwargs) -> tuple:
+    """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``([1, T, H, D], None)``."""
+    ctx = get_context()
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    key_cache, value_cache = ctx.key_caches[layer], ctx.value_caches[layer]
+    ctx.ops.store_step_kv(k, v, key_cache, value_cache, ctx.meta)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = ctx.ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.meta, scale,
+                                  sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

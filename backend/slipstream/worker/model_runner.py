@@ -1,0 +1,173 @@
+"""Packs a scheduled step into one ragged batch and runs the model on the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from slipstream.core.scheduler import SchedulerOutput
+from slipstream.worker import attention
+from slipstream.worker.cuda_graphs import DecodeGraphRunner
+from slipstream.worker.kv_cache import KVCache
+from slipstream.worker.ops.dispatch import get_ops
+from slipstream.worker.ops.metadata import AttentionMetadata
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one ragged forward."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list  # per scheduled request: the rows whose logits it samples ([] = none)
+
+
+def check_backend_compatible(model: torch.nn.Module) -> None:
+    compatible = getattr(model, "is_backend_compatible", None)
+    ok = compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False)
+    if not ok:
+        raise ValueError(
+            f"{type(model).__name__} does not support transformers' attention interface, so its "
+            "attention cannot run on the paged KV cache; choose a model whose class does "
+            "(Llama, Qwen, Mistral, Gemma, Phi, GPT-NeoX, GPT-2, OPT, ...)")
+
+
+def transpose_linear_weights(model: torch.nn.Module) -> None:
+    """Store every Linear weight column-major: small-batch CPU matmuls run ~2x faster."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
+            module.weight.data = module.weight.data.t().contiguous().t()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None) -> None:
+        check_backend_compatible(model)
+        self.model = model
+        self.kv = kv_cache
+        self.device = device
+        self.block_size = kv_cache.geometry.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.ops = get_ops(device)
+        model.set_attn_implementation(attention.register())
+        self.graphs = self._capture_decode_graphs(max_num_seqs, cuda_graph_sizes)
+
+    # -- CUDA graphs (decode-only steps) ---------------------------------------------------
+    def _capture_decode_graphs(self, max_num_seqs: int, sizes) -> Optional[DecodeGraphRunner]:
+        if self.device.type != "cuda" or not sizes or max_num_seqs <= 0:
+            return None
+        self._cu_seqlens = torch.arange(max_num_seqs + 2, dtype=torch.int32, device=self.device)
+        runner = DecodeGraphRunner(self._decode_forward, max_num_seqs, self.max_blocks_per_seq,
+                                   self.device, batch_sizes=sizes)
+        with torch.inference_mode():
+            runner.capture()
+        return runner if runner.captured else None
+
+    def _decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
+        """One token per sequence, built only from fixed-address tensors (graph-capturable)."""
+        n = input_ids.shape[0]
+        meta = AttentionMetadata(slot_mapping, self._cu_seqlens[:n + 1], seq_lens, block_tables,
+                                 max_seqlen_q=1, max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+                                 block_size=self.block_size, query_lens_host=[1] * n,
+                                 seq_lens_host=[])
+        return self._forward(input_ids, positions, meta, 0)
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        ids: list = []
+        pos: list = []
+        slots: list = []
+        q_lens: list = []
+        seq_lens: list = []
+        tables: list = []
+        sample_rows: list = []
+        bs = self.block_size
+        for item in sched.scheduled:
+            req, n = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids + item.spec_token_ids
+            row0 = len(ids)
+            ids.extend(tokens[start:start + n])
+            pos.extend(range(start, start + n))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            reaches_end = start + n == len(tokens)
+            k = 1 + len(item.spec_token_ids) if reaches_end else 0
+            sample_rows.append(list(range(row0 + n - k, row0 + n)))
+        self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
+        return self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+
+    def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
+        """Static batching's wasted work, made real: padded prompt tokens and finished rows
+        still go through the model (slot -1 writes nothing; they read the scratch block)."""
+        pad_tokens = sum(sched.padded_prompt_len - s.num_new_tokens
+                         for s in sched.scheduled if s.num_new_tokens > 1)
+        if pad_tokens > 0:
+            ids.extend([0] * pad_tokens)
+            pos.extend([0] * pad_tokens)
+            slots.extend([-1] * pad_tokens)
+            q_lens.append(pad_tokens)
+            seq_lens.append(pad_tokens)
+            tables.append([0] * -(-pad_tokens // self.block_size))
+        for _ in range(sched.num_padding_seqs):
+            width = max(sched.padded_prompt_len, 1)
+            ids.extend([0] * width)
+            pos.extend([0] * width)
+            slots.extend([-1] * width)
+            q_lens.append(width)
+            seq_lens.append(width)
+            tables.append([0] * -(-width // self.block_size))
+
+    def _to_batch(self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows) -> StepBatch:
+        width = max(len(t) for t in tables)
+        table_arr = np.full((len(tables), width), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, :len(t)] = t
+        cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table_arr).to(dev),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+            block_size=self.block_size,
+            query_lens_host=q_lens,
+            seq_lens_host=seq_lens,
+        )
+        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
+                         torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)
+
+    def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
+        attention.set_context(attention.StepContext(
+            meta, self.kv.key_caches, self.kv.value_caches, self.ops))
+        try:
+            out = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                             use_cache=False, logits_to_keep=keep)
+        finally:
+            attention.set_context(None)
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Forward the packed batch; logits (fp32) only for the rows that are sampled."""
+        rows = [r for rows in batch.sample_rows for r in rows]
+        meta = batch.meta
+        if self.graphs is not None and meta.decode_only and rows:
+            logits = self.graphs(batch.input_ids, batch.positions, meta.slot_mapping,
+                                 meta.block_tables, meta.seq_lens)
+            return logits[torch.tensor(rows, device=self.device)].float()
+        keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+        logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
+        return logits if rows else logits[:0]
+
+    def execute(self, sched: SchedulerOutput) -> tuple:
+        batch = self.prepare(sched)
+        return self.run(batch), batch.sample_rows

@@ -1,0 +1,66 @@
+"""Pick the paged-attention operators for a device.
+
+``get_ops(device)`` returns a module with ``store_kv``, ``store_step_kv``,
+``paged_decode_attention``, ``paged_prefill_attention`` and ``paged_attention``:
+
+* :mod:`slipstream.worker.ops.triton_kernels` on CUDA when OpenAI Triton imports,
+* :mod:`slipstream.worker.ops.torch_ops` otherwise.
+
+``SLIPSTREAM_ATTENTION=torch`` forces the torch path anywhere; ``SLIPSTREAM_ATTENTION=triton``
+forces the kernels (on CPU they only run under ``TRITON_INTERPRET=1``, set before the first
+import) and raises if triton cannot be imported. Triton is imported lazily, only here, so the
+package works without it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Optional, Union
+
+import torch
+
+from slipstream.worker.ops import torch_ops
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "SLIPSTREAM_ATTENTION"
+_triton_ops: Optional[ModuleType] = None
+_triton_error: Optional[BaseException] = None
+
+
+def _load_triton_ops() -> Optional[ModuleType]:
+    """The kernel module, or None (once, with the reason logged) when triton is unusable."""
+    global _triton_ops, _triton_error
+    if _triton_ops is None and _triton_error is None:
+        try:
+            from slipstream.worker.ops import triton_kernels as triton_ops
+            _triton_ops = triton_ops
+        except Exception as exc:  # ImportError, or a triton build that fails to initialise
+            _triton_error = exc
+            logger.warning("OpenAI Triton kernels unavailable, using torch attention: %s", exc)
+    return _triton_ops
+
+
+def triton_available() -> bool:
+    return _load_triton_ops() is not None
+
+
+def get_ops(device: Union[torch.device, str, None] = None) -> ModuleType:
+    """The ops module for ``device`` (see the module docstring for the rules)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {choice!r}")
+    if choice == "torch":
+        return torch_ops
+    if choice == "triton":
+        ops = _load_triton_ops()
+        if ops is None:
+            raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported: {_triton_error}")
+        return ops
+    if device.type == "cuda":
+        ops = _load_triton_ops()
+        if ops is not None:
+            return ops
+    return torch_ops

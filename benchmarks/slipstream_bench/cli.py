@@ -1,0 +1,91 @@
+"""``slipstream bench``: the arguments, and which scenario they run."""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+HELP = ("benchmark: a workload over Triton gRPC streaming in static/dynamic/continuous "
+        "modes, the in-process engine, Hugging Face baselines, the roofline; JSON + PNG")
+
+
+def _modes(text: str) -> tuple:
+    from slipstream_bench.runner import ALL_MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {ALL_MODES}")
+    return modes
+
+
+def _sets(items) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from slipstream_bench.runner import ALL_MODES
+
+    p.add_argument("--scenario", choices=("batching", "prefix-cache"), default="batching",
+                   help="batching: every mode on one workload; prefix-cache: a shared long "
+                        "system prompt with prefix caching on and off")
+    p.add_argument("--num-requests", type=int, help="requests to generate (default 64; "
+                   "prefix-cache 32; --quick 6)")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    p.add_argument("--workload", metavar="FILE", help="a workload JSON file (as written to "
+                   "OUTPUT_DIR/workload.json) instead of a generated one")
+    p.add_argument("--prompt-lens", help="prompt length distribution, e.g. 'uniform:16:256'")
+    p.add_argument("--output-lens", help="output length distribution, e.g. "
+                   "'0.875*uniform:16:64+0.125*uniform:256:512'")
+    p.add_argument("--rate", type=float, default=math.inf,
+                   help="Poisson arrival rate in requests/s (default inf: all at once)")
+    p.add_argument("--modes", type=_modes, default=ALL_MODES,
+                   help=f"comma list, subset of {','.join(ALL_MODES)} (default all)")
+    p.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"),
+                   help="where results.json, workload.json, traces and PNGs go")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run: few requests, short outputs")
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct) or a HF model directory")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="static/dynamic batch size, and HF generate's batch (default 8)")
+    p.add_argument("--kv-cache-bytes", type=int, default=1024 ** 3,
+                   help="engine KV cache pool (default 1 GiB: the workload fits at once)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                   help="extra engine setting for every engine run, repeatable")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every mode, alternating their order; each mode's median "
+                        "round is reported (default 1; use 3+ on a noisy machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def options(args: argparse.Namespace):
+    from slipstream_bench.runner import BenchOptions
+
+    default_n = 6 if args.quick else (32 if args.scenario == "prefix-cache" else 64)
+    return BenchOptions(
+        model=args.model, num_requests=args.num_requests or default_n, seed=args.seed,
+        workload_file=args.workload, rate=args.rate, modes=args.modes,
+        output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
+        prompt_lens=args.prompt_lens, output_lens=args.output_lens,
+        static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
+        settings=_sets(args.set), repeat=max(args.repeat, 1))
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options(args)
+    if args.scenario == "prefix-cache":
+        from slipstream_bench.prefix import run_prefix_cache
+
+        run_prefix_cache(opts)
+    else:
+        from slipstream_bench.runner import run_batching
+
+        run_batching(opts)
+    return 0

@@ -1,0 +1,293 @@
+"""The batching scenario: one workload through every mode, then the roofline, then files.
+
+Order: the in-process engine with the continuous server's exact engine settings, the three
+server modes (each its own tritonserver, started and stopped in turn), the two Hugging Face
+baselines; with ``repeat`` > 1 that many rounds, every other one in reverse order, and the
+median round of each mode is reported. Last the roofline (it rewrites the plain model's weight
+layout), on the steps of the reported continuous run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from slipstream_bench import plots
+from slipstream_bench import report
+from slipstream_bench import server_run
+from slipstream_bench import timeline
+from slipstream_bench.workload import (Workload, arrival_times, generate_workload, lengths_summary)
+
+SERVER_MODES = ("static", "dynamic", "continuous")
+ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous", "roofline")
+QUICK_PROMPT_LENS = "uniform:8:48"
+QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
+GIB = 1024 ** 3
+
+
+@dataclass
+class BenchOptions:
+    model: str = "default"
+    num_requests: int = 64
+    seed: int = 0
+    workload_file: Optional[str] = None
+    rate: float = math.inf
+    modes: tuple = ALL_MODES
+    output_dir: Path = Path("benchmarks/results")
+    quick: bool = False
+    progress: bool = True
+    prompt_lens: Optional[str] = None
+    output_lens: Optional[str] = None
+    static_batch_size: int = 8
+    kv_cache_memory_bytes: int = GIB  # the whole offline workload fits: no preemption
+    settings: dict = field(default_factory=dict)  # extra engine settings (--set)
+    repeat: int = 1  # rounds of every mode; the median round of each is reported
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def load_tokenizer(model: str):
+    from slipstream.worker.model_loader import load_tokenizer as load, resolve_model_path
+
+    return load(resolve_model_path(model))
+
+
+def make_workload(opts: BenchOptions, tokenizer) -> Workload:
+    if opts.workload_file:
+        return Workload.load(opts.workload_file)
+    from slipstream_bench.workload import DEFAULT_OUTPUT_LENS, DEFAULT_PROMPT_LENS
+
+    quick = opts.quick
+    prompt = opts.prompt_lens or (QUICK_PROMPT_LENS if quick else DEFAULT_PROMPT_LENS)
+    output = opts.output_lens or (QUICK_OUTPUT_LENS if quick else DEFAULT_OUTPUT_LENS)
+    return generate_workload(tokenizer, opts.num_requests, opts.seed, prompt, output)
+
+
+def warmup_workload(tokenizer, seed: int) -> Workload:
+    # Other words than the workload's (another seed): no prefix-cache hits carried over.
+    return generate_workload(tokenizer, 2, seed + 7919, "fixed:32", "fixed:4")
+
+
+def server_overrides(opts: BenchOptions, batching: str) -> dict:
+    return {"model": opts.model, "batching": batching,
+            "max_batch_size": opts.static_batch_size,
+            "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **opts.settings}
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+# ------------------------------------------------------------------------ the runs
+def on_fresh_thread(fn: Callable[[], object]) -> object:
+    """Run ``fn`` on a new thread and return its result (or raise its exception).
+
+    A thread that runs a parallel torch op keeps an OpenMP pool until it exits, and while
+    more pool threads than cores exist libgomp stops spinning at barriers: whatever
+    computes on another thread (the engine loop, Hugging Face's continuous-batching thread)
+    then runs 30-100% slower. So the main thread never computes, and each mode's own
+    compute ends with its thread."""
+    result: list = []
+    error: list = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="bench-run")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def guarded(label: str, kind: str, fn: Callable[[], dict]) -> dict:
+    """One mode's failure (a server that will not start, an API that changed) is recorded
+    in the results and the other modes still run. Each mode runs on a fresh thread."""
+    try:
+        return on_fresh_thread(fn)
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+        log(f"!! {label} failed: {exc!r}\n{traceback.format_exc()}")
+        return {"label": label, "kind": kind, "error": repr(exc), "summary": {}}
+
+
+@dataclass
+class _Shared:
+    """What every mode of one benchmark run uses."""
+
+    opts: BenchOptions
+    workload: Workload
+    offsets: list
+    warm: Workload
+    out_dir: Path
+    hf_model_and_tok: Optional[tuple] = None  # loaded on first use
+
+    def hf(self) -> tuple:
+        if self.hf_model_and_tok is None:
+            from slipstream_bench.hf_baselines import load_hf
+
+            self.hf_model_and_tok = on_fresh_thread(lambda: load_hf(self.opts.model))
+        return self.hf_model_and_tok
+
+
+def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
+    """One run of one mode (guarded: a failure is recorded, the others go on)."""
+    opts, wl, offsets, warm = sh.opts, sh.workload, sh.offsets, sh.warm
+    suffix = f"_r{round_index}" if opts.repeat > 1 else ""
+    if mode in SERVER_MODES:
+        log(f"== server, batching={mode}{suffix}")
+        run = guarded(mode, "triton", lambda: server_run.run_mode(
+            mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
+            progress=opts.progress))
+    elif mode == "inprocess":
+        from slipstream_bench.inprocess import run_inprocess
+
+        log(f"== in-process engine (no Triton), the continuous server's settings{suffix}")
+        settings = server_run.rendered_settings(server_overrides(opts, "continuous"))
+        run = guarded(mode, "inprocess", lambda: run_inprocess(
+            settings, wl, offsets, warm, progress=opts.progress))
+    elif mode == "hf_static":
+        from slipstream_bench import hf_baselines as hf
+
+        log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}{suffix}")
+        model, tok = sh.hf()
+        run = guarded(mode, "hf", lambda: hf.run_hf_static(
+            model, tok, wl, offsets, warm, batch_size=opts.static_batch_size,
+            progress=opts.progress))
+    elif mode == "hf_continuous":
+        from slipstream_bench import hf_baselines as hf
+
+        log(f"== Hugging Face continuous batching (sdpa){suffix}")
+        model, tok = sh.hf()
+        run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
+            model, tok, wl, offsets, warm, progress=opts.progress))
+        hf.release(model)
+    else:
+        raise ValueError(f"not a runnable mode: {mode}")
+    run["label"], run["round"] = mode, round_index
+    gc.collect()
+    return run
+
+
+def run_rounds(sh: _Shared) -> list:
+    """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
+    that a drift in the machine's speed falls evenly on every mode."""
+    order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
+             if m in sh.opts.modes]
+    runs = []
+    for r in range(sh.opts.repeat):
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            runs.append(run_mode(mode, sh, r))
+    return runs
+
+
+def representatives(runs: list) -> list:
+    """One run per mode, the median by tokens/s (failed rounds count as slowest), each with
+    every round's tokens/s in ``rounds_tokens_per_s``; modes in first-run order."""
+    by_mode: dict = {}
+    for run in runs:
+        by_mode.setdefault(run["label"], []).append(run)
+    out = []
+    for mode, group in by_mode.items():
+        ranked = sorted(group, key=lambda r: r["summary"].get("tokens_per_s") or 0.0)
+        chosen = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
+        chosen["rounds_tokens_per_s"] = [r["summary"].get("tokens_per_s") for r in group]
+        out.append(chosen)
+    return out
+
+
+def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
+    from slipstream_bench import roofline
+
+    source = next((r for r in runs if r["label"] == "continuous" and r.get("timeline")),
+                  None) or next((r for r in runs if r["label"] == "inprocess" and
+                                 r.get("timeline")), None)
+    if source is None:
+        log("roofline skipped: no continuous run with a step trace")
+        return None
+    log(f"== roofline: raw forwards at the shapes of the {source['label']} run's steps")
+    steps = steps_from_json(source["timeline"])
+    result = roofline.roofline(model, steps)
+    result["source"] = source["label"]
+    if result.get("best_possible_s"):
+        result["best_tokens_per_s"] = workload.total_output_tokens / result["best_possible_s"]
+        result["efficiency"] = roofline.efficiency(
+            result, source["summary"]["makespan_s"], source["steps"].get("busy_s", 0.0))
+    return result
+
+
+def steps_from_json(items: list) -> list:
+    return [timeline.Step(i, start, dur, [timeline.Slice(rid, slot, p, d)
+                                          for rid, slot, p, d in slices], pads)
+            for i, start, dur, slices, pads in items]
+
+
+# ------------------------------------------------------------------------ the scenario
+def run_batching(opts: BenchOptions) -> dict:
+    out_dir = Path(opts.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(opts.model)
+    workload = make_workload(opts, tokenizer)
+    workload.save(out_dir / "workload.json")
+    offsets = arrival_times(len(workload), opts.rate, opts.seed)
+    warm = warmup_workload(tokenizer, opts.seed)
+    log(f"workload: {lengths_summary(workload)}")
+    t0 = time.perf_counter()
+    sh = _Shared(opts, workload, offsets, warm, out_dir)
+    runs = representatives(run_rounds(sh))
+    roof = None
+    if "roofline" in opts.modes:
+        model = sh.hf()[0]
+        roof = guarded("roofline", "roofline", lambda: run_roofline(runs, model, workload))
+    sh.hf_model_and_tok = None
+    gc.collect()
+    results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
+               "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+               "workload": {**lengths_summary(workload), **workload.description},
+               "arrivals_s": offsets, "runs": runs, "roofline": roof,
+               "wall_s": time.perf_counter() - t0}
+    results["targets"] = report.judged(results)
+    return finish(results, out_dir)
+
+
+PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s")
+
+
+def summary_of(results: dict) -> dict:
+    """``results`` without the per-request and per-step data: small enough to commit."""
+    out = {k: v for k, v in results.items() if k not in PER_REQUEST_KEYS}
+    out["runs"] = [{k: v for k, v in run.items() if k not in PER_REQUEST_KEYS}
+                   for run in results.get("runs", [])]
+    return out
+
+
+def finish(results: dict, out_dir: Path) -> dict:
+    results["plots"] = plots.write_all(results, out_dir)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / "summary.json").write_text(json.dumps(summary_of(results), indent=1, default=str))
+    log("\n" + report.table(results))
+    if results.get("targets"):
+        log(report.targets_text(results))
+    log(f"\nresults: {path} (summary.json: without per-request data)\n"
+        f"plots:   {', '.join(results['plots'])}")
+    return results

@@ -1,0 +1,51 @@
+"""The tree's layers hold: core/ and the worker never reach up into the server or the benchmark."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "backend" / "slipstream"
+FORBIDDEN_FOR_LOWER_LAYERS = ("slipstream.server", "slipstream_bench", "triton_python_backend_utils",
+                              "tritonclient")
+
+
+def _imported_modules(path: Path) -> set:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError(f"{path}: relative import; the layer test reads absolute ones")
+    return names
+
+
+def _violations(folder: str, forbidden: tuple) -> list:
+    found = []
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        for name in _imported_modules(path):
+            if name.startswith(forbidden):
+                found.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    return found
+
+
+def test_core_imports_neither_worker_nor_server_nor_benchmark_nor_torch():
+    assert _violations("core", FORBIDDEN_FOR_LOWER_LAYERS + ("slipstream.worker", "torch")) == []
+
+
+def test_worker_imports_neither_server_nor_benchmark():
+    assert _violations("worker", FORBIDDEN_FOR_LOWER_LAYERS) == []
+
+
+def test_engine_modules_at_package_top_import_no_server_or_benchmark():
+    top = [p for p in PACKAGE.glob("*.py")]
+    found = [f"{p.name} imports {n}" for p in top for n in _imported_modules(p)
+             if n.startswith(FORBIDDEN_FOR_LOWER_LAYERS)]
+    assert found == []
+
+
+def test_layer_checker_sees_a_forbidden_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from slipstream.server.protocol import parse_request\n")
+    assert "slipstream.server.protocol" in _imported_modules(bad)

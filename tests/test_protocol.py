@@ -1,0 +1,197 @@
+"""The Triton request parser and repository rendering, without a server."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slipstream import EngineConfig
+from slipstream.server.protocol import (BadRequestError, RequestOptions, build_outputs, output_names,
+                                  parse_request, split_parameters)
+from slipstream.server.launcher import (read_parameters, render_model_repository,
+                                      set_parameters)
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
+
+
+def s(text):
+    return np.array([text.encode() if isinstance(text, str) else text], dtype=object)
+
+
+def b(value):
+    return np.array([value], dtype=bool)
+
+
+def test_minimal_request_defaults():
+    r = parse_request({"text_input": s("hello")})
+    assert r.prompt == "hello"
+    assert r.params.max_tokens == 16
+    assert r.options == RequestOptions()
+    assert output_names(r.options) == ["text_output"]
+
+
+def test_sampling_parameters_json_with_string_values():
+    sp = json.dumps({"temperature": "0", "max_tokens": "5", "top_k": 3, "stop": "x",
+                     "stop_token_ids": [7], "seed": "42", "n": 1})
+    r = parse_request({"text_input": s("hi"), "sampling_parameters": s(sp)})
+    p = r.params
+    assert (p.temperature, p.max_tokens, p.top_k, p.stop, p.stop_token_ids, p.seed) == \
+        (0.0, 5, 3, ["x"], [7], 42)
+
+
+def test_precedence_tensor_then_json_then_parameters():
+    inputs = {"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": 7, "top_p": 0.5}'),
+              "max_tokens": np.array([3], dtype=np.int32)}
+    r = parse_request(inputs, {"max_tokens": 9, "top_p": 0.9, "temperature": 0.25})
+    assert r.params.max_tokens == 3  # typed tensor
+    assert r.params.top_p == 0.5  # JSON over request parameters
+    assert r.params.temperature == 0.25  # request parameters when nothing else gives it
+
+
+def test_request_parameters_as_json_string_and_unknown_keys_ignored():
+    r = parse_request({"text_input": s("hi")},
+                      json.dumps({"temperature": 0, "stream": True, "triton_timeout": 5}))
+    assert r.params.temperature == 0.0 and r.options.stream and r.options.exclude_input_in_output
+
+
+def test_typed_inputs():
+    inputs = {"text_input": s("hi"), "max_tokens": np.array([4], np.int32),
+              "min_tokens": np.array([2], np.int32), "temperature": np.array([0.5], np.float32),
+              "top_p": np.array([0.8], np.float32), "top_k": np.array([5], np.int32),
+              "repetition_penalty": np.array([1.1], np.float32),
+              "presence_penalty": np.array([0.1], np.float32),
+              "frequency_penalty": np.array([0.2], np.float32),
+              "seed": np.array([123], np.uint64), "end_id": np.array([2], np.int32),
+              "stop_words": np.array([b"foo", b"bar"], dtype=object),
+              "priority": np.array([3], np.int32)}
+    r = parse_request(inputs)
+    p = r.params
+    assert (p.max_tokens, p.min_tokens, p.top_k, p.seed, p.stop_token_ids, p.stop) == \
+        (4, 2, 5, 123, [2], ["foo", "bar"])
+    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.8)
+    assert p.repetition_penalty == pytest.approx(1.1)
+    assert r.options.priority == 3
+    r = parse_request({"text_input": s("hi"), "seed": np.array([5], np.int64)})
+    assert r.params.seed == 5
+
+
+def test_shape_1x1_accepted():
+    r = parse_request({"text_input": np.array([[b"hi"]], dtype=object),
+                       "max_tokens": np.array([[2]], np.int32)})
+    assert r.prompt == "hi" and r.params.max_tokens == 2
+
+
+def test_options_and_outputs():
+    inputs = {"text_input": s("hi"), "return_finish_reason": b(True),
+              "return_num_input_tokens": b(True), "return_num_output_tokens": b(True),
+              "return_cumulative_logprob": b(True), "return_logprobs": b(True),
+              "exclude_input_in_output": b(True)}
+    r = parse_request(inputs)
+    assert r.options.exclude_input_in_output
+    assert r.params.logprobs == 0  # logprobs are needed to return them
+    assert output_names(r.options) == ["text_output", "finish_reason", "num_input_tokens",
+                                       "num_output_tokens", "cumulative_logprob", "logprobs"]
+    out = build_outputs(r.options, "é", finish_reason="stop", num_input_tokens=3,
+                        num_output_tokens=2, cumulative_logprob=-1.5, logprobs=[-1.0, -0.5])
+    assert out["text_output"][0] == "é".encode() and out["finish_reason"][0] == b"stop"
+    assert out["num_input_tokens"].dtype == np.int32 and out["logprobs"].dtype == np.float32
+    assert out["logprobs"].tolist() == [-1.0, -0.5]
+
+
+def test_stream_defaults_to_excluding_the_prompt():
+    r = parse_request({"text_input": s("hi"), "stream": b(True)})
+    assert r.options.stream and r.options.exclude_input_in_output
+
+
+def test_priority_from_every_source_and_kept_out_of_sampling_params():
+    hi = {"text_input": s("hi")}
+    assert parse_request(hi).options.priority == 0
+    assert parse_request(hi, {"priority": 4}).options.priority == 4  # HTTP generate parameters
+    json_inputs = {**hi, "sampling_parameters": s('{"priority": "-2", "max_tokens": 3}')}
+    r = parse_request(json_inputs, {"priority": 4})
+    assert r.options.priority == -2 and r.params.max_tokens == 3
+    tensor = {**json_inputs, "priority": np.array([[7]], np.int64)}
+    assert parse_request(tensor).options.priority == 7  # the typed input wins
+    for bad in ('{"priority": 1.5}', '{"priority": "high"}', '{"priority": true}'):
+        with pytest.raises(BadRequestError, match="priority"):
+            parse_request({**hi, "sampling_parameters": s(bad)})
+    with pytest.raises(BadRequestError, match="priority"):
+        parse_request({**hi, "priority": np.array([1.0], np.float32)})
+
+
+def test_parsed_priority_orders_the_engine_queue():
+    """What model.py does with a parsed request: the priority reaches the scheduler."""
+    from slipstream.engine import LLMEngine
+    from support import tiny_model_dir
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), policy="priority",
+                                    max_num_seqs=1, num_gpu_blocks_override=64, block_size=4))
+    order = []
+    for i, priority in enumerate((5, 0)):
+        parsed = parse_request({"text_input": s(f"request {i}"),
+                                "priority": np.array([priority], np.int32)})
+        req = engine.add_request(parsed.prompt, parsed.params, request_id=f"r{i}",
+                                 priority=parsed.options.priority)
+        assert req.priority == priority
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["r1", "r0"]
+
+
+@pytest.mark.parametrize("inputs,params,message", [
+    ({}, None, "missing required input 'text_input'"),
+    ({"text_input": s("")}, None, "empty"),
+    ({"text_input": np.array([1], np.int32)}, None, "must be BYTES"),
+    ({"text_input": s(b"\xff\xfe")}, None, "not valid UTF-8"),
+    ({"text_input": s("hi"), "sampling_parameters": s("{bad json")}, None, "not valid JSON"),
+    ({"text_input": s("hi"), "sampling_parameters": s("[1]")}, None, "JSON object"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"temperature": -1}')}, None,
+     "temperature must be >= 0"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "lots"}')}, None,
+     "max_tokens"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"bogus": 1}')}, None, "bogus"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, None, "'n' must be 1"),
+    ({"text_input": s("hi"), "max_tokens": np.array([1.5], np.float32)}, None, "must be INT32"),
+    ({"text_input": s("hi"), "temperature": np.array([1], np.int32)}, None, "must be FP32"),
+    ({"text_input": s("hi"), "stream": np.array([1], np.int32)}, None, "must be BOOL"),
+    ({"text_input": s("hi"), "top_p": np.array([np.nan], np.float32)}, None, "finite"),
+    ({"text_input": s("hi"), "max_tokens": np.array([0], np.int32)}, None, "max_tokens"),
+    ({"text_input": s("hi"), "stream": b(True), "exclude_input_in_output": b(False)}, None,
+     "exclude_input_in_output=false"),
+    ({"text_input": s("hi")}, "{not json", "request parameters are not valid JSON"),
+    ({"text_input": s("hi")}, {"stream": "maybe"}, "'stream' must be a boolean"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, None, "exactly one element"),
+])
+def test_bad_requests(inputs, params, message):
+    with pytest.raises(BadRequestError) as err:
+        parse_request(inputs, params)
+    assert message in str(err.value)
+
+
+def test_config_parameters_are_valid_engine_settings():
+    params = read_parameters((REPO / "slipstream" / "config.pbtxt").read_text())
+    engine, server = split_parameters(params)
+    assert {"model", "block_size", "kv_cache_memory_bytes", "max_num_seqs",
+            "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
+            "enable_prefix_caching", "batching", "max_batch_size", "max_queue_delay_ms",
+            "policy"} <= set(engine)
+    EngineConfig.from_dict(engine)  # every engine parameter is a known setting
+    assert server["default_max_tokens"] == "16"
+
+
+def test_set_parameters_replaces_and_appends():
+    text = 'name: "m"\nparameters: {\n  key: "a"\n  value: { string_value: "1" }\n}\n'
+    out = set_parameters(text, {"a": 2, "b": 'x"y', "c": True})
+    assert read_parameters(out) == {"a": "2", "b": 'x"y', "c": "true"}
+
+
+def test_render_model_repository(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    dst = render_model_repository(REPO, tmp_path / "repo",
+                                  {"block_size": 32, "model": str(model_dir)})
+    params = read_parameters((dst / "slipstream" / "config.pbtxt").read_text())
+    assert params["block_size"] == "32" and params["model"] == str(model_dir.resolve())
+    assert (dst / "slipstream" / "1" / "model.py").exists()
+    original = read_parameters((REPO / "slipstream" / "config.pbtxt").read_text())
+    assert original["block_size"] == "16"  # the source is untouched
