@@ -1,0 +1,231 @@
+"""Triton Python backend (decoupled) for the Slipstream engine: the ``TritonPythonModel`` that a
+model directory's ``1/model.py`` re-exports. Imported only inside the Python-backend stub.
+
+Kept thin: request parsing is ``slipstream.server.protocol``, metrics ``slipstream.server.metrics``;
+the engine (``slipstream.engine_loop.EngineLoop``) runs its own thread. ``execute`` only parses
+and submits, then returns; ONE sender thread drains every request's output stream and sends
+responses through that request's response sender, ending each with the FINAL flag once.
+"""
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+
+import triton_python_backend_utils as pb_utils
+
+from slipstream import EngineConfig
+from slipstream.engine_loop import EngineLoop, OverloadedError
+from slipstream.server.protocol import (BadRequestError, build_outputs, parse_request,
+                                  split_parameters)
+from slipstream.server.metrics import SlipstreamMetrics
+
+INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output",
+               "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+               "return_cumulative_logprob", "return_logprobs", "apply_chat_template",
+               "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
+               "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+               "stop_words", "end_id", "priority")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_POLL_S = 0.1  # each is_cancelled() is a round trip to the Triton process
+
+
+def _error(message, code=None):
+    if code is None:
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+    return pb_utils.InferenceResponse(output_tensors=[],
+                                      error=pb_utils.TritonError(message, code))
+
+
+def _code(name):
+    return getattr(getattr(pb_utils, "TritonError", None), name, None)
+
+
+class _Pending:
+    """One in-flight request as the sender thread sees it."""
+
+    def __init__(self, stream, sender, parsed, arrival):
+        self.stream, self.sender, self.parsed, self.arrival = stream, sender, parsed, arrival
+        self.options = parsed.options
+        self.first_token = None
+        self.texts, self.logprobs = [], []
+        self.num_output_tokens = 0
+        self.cancelled = self.progressed = False
+        self.next_cancel_check = 0.0
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        engine_params, server = split_parameters(raw)
+        model = engine_params.get("model", "default")
+        local = os.path.join(args.get("model_repository", ""), model)
+        if model not in ("", "default") and not os.path.isabs(model) and os.path.isdir(local):
+            engine_params["model"] = local  # a path relative to this model's directory
+        self.default_max_tokens = int(server["default_max_tokens"])
+        self.apply_chat_template = server["apply_chat_template"].strip().lower() in ("1", "true")
+        self.metrics_interval = float(server["metrics_interval_ms"]) / 1000.0
+        self.logger = pb_utils.Logger
+        self.incoming = queue.Queue()
+        self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
+        self.loop = EngineLoop(EngineConfig.from_dict(engine_params), on_output=self.wake.set)
+        self.loop.start()
+        self.metrics = SlipstreamMetrics(pb_utils, {"model": args["model_name"],
+                                                    "version": args["model_version"]})
+        self.stopping = False
+        self.sender_thread = threading.Thread(target=self._sender_loop, name="slipstream-sender",
+                                              daemon=True)
+        self.sender_thread.start()
+        self.logger.log_info(f"slipstream engine ready: {engine_params}")
+
+    # ----------------------------------------------------------------- execute
+    def execute(self, requests):
+        for request in requests:
+            arrival = time.monotonic()
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUT_NAMES:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parsed = parse_request(inputs, request.parameters(),
+                                       default_max_tokens=self.default_max_tokens,
+                                       default_apply_chat_template=self.apply_chat_template)
+                kwargs = {"priority": parsed.options.priority}
+                if parsed.options.apply_chat_template:
+                    kwargs["apply_chat_template"] = True
+                stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
+            except OverloadedError as e:
+                self._reject(sender, _error(str(e), _code("UNAVAILABLE")))
+                continue
+            except (BadRequestError, ValueError) as e:
+                self._reject(sender, _error(str(e), _code("INVALID_ARG")))
+                continue
+            except Exception as e:  # never let one request take the batch down
+                self.logger.log_error(traceback.format_exc())
+                self._reject(sender, _error(f"internal error: {e}"))
+                continue
+            self.incoming.put(_Pending(stream, sender, parsed, arrival))
+            self.wake.set()
+        return None
+
+    def _reject(self, sender, response):
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception as e:  # the client is gone: nothing to tell it
+            self.logger.log_warn(f"slipstream: could not send an error response: {e}")
+
+    # ----------------------------------------------------------------- sender thread
+    def _sender_loop(self):
+        active = []
+        next_metrics = 0.0
+        while True:
+            try:
+                while True:
+                    active.append(self.incoming.get_nowait())
+            except queue.Empty:
+                pass
+            if self.stopping and not active:
+                break
+            progressed = False
+            now = time.monotonic()
+            for p in list(active):
+                try:
+                    if self._drain(p, now):
+                        active.remove(p)
+                        progressed = True
+                    elif p.progressed:
+                        progressed = True
+                except Exception as e:  # a failed send: end this request only
+                    self.logger.log_error(f"slipstream sender: {e}\n{traceback.format_exc()}")
+                    active.remove(p)
+                    self.loop.abort(p.stream.request_id)
+                    try:
+                        p.sender.send(_error(f"internal error: {e}"), flags=FINAL)
+                    except Exception:
+                        pass
+            if now >= next_metrics:
+                next_metrics = now + self.metrics_interval
+                try:
+                    self.metrics.update(self.loop.stats())
+                except Exception as e:
+                    self.logger.log_warn(f"slipstream metrics: {e}")
+            if not progressed:
+                # Woken by new outputs or requests; the timeout only paces cancellation
+                # checks and metrics, so the model's CPU threads are not polled away.
+                self.wake.wait(CANCEL_POLL_S if active else self.metrics_interval)
+                self.wake.clear()
+
+    def _drain(self, p, now):
+        """Send what this request's stream holds; True once its FINAL response went out."""
+        p.progressed = False
+        if not p.cancelled and now >= p.next_cancel_check:
+            p.next_cancel_check = now + CANCEL_POLL_S
+            if p.sender.is_cancelled():
+                p.cancelled = True
+                self.loop.abort(p.stream.request_id)
+        while True:
+            try:
+                out = p.stream.get(timeout=0)
+            except queue.Empty:
+                return False
+            p.progressed = True
+            if out.token_ids and p.first_token is None:
+                p.first_token = time.monotonic()
+            p.num_output_tokens += len(out.token_ids)
+            if out.finished:
+                self._finish(p, out)
+                return True
+            if p.cancelled:
+                continue
+            if p.options.stream:
+                p.sender.send(self._response(p, out, out.text, len(out.token_ids), out.logprobs))
+            else:
+                p.texts.append(out.text)
+                p.logprobs.extend(out.logprobs or [])
+
+    def _response(self, p, out, text, num_output_tokens, logprobs):
+        outputs = build_outputs(
+            p.options, text, finish_reason=out.finish_reason,
+            num_input_tokens=out.num_prompt_tokens, num_output_tokens=num_output_tokens,
+            cumulative_logprob=out.cumulative_logprob, logprobs=logprobs)
+        return pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+
+    def _finish(self, p, out):
+        end = time.monotonic()
+        if p.cancelled:
+            p.sender.send(flags=FINAL)
+        elif out.finish_reason == "error" or (out.finish_reason == "abort" and out.error):
+            p.sender.send(_error(f"generation failed: {out.error or 'unknown error'}"), flags=FINAL)
+        elif out.finish_reason == "abort":
+            p.sender.send(_error("request aborted (server shutting down)", _code("UNAVAILABLE")),
+                          flags=FINAL)
+        elif p.options.stream:
+            p.sender.send(self._response(p, out, out.text, len(out.token_ids), out.logprobs),
+                          flags=FINAL)
+        else:
+            p.texts.append(out.text)
+            p.logprobs.extend(out.logprobs or [])
+            text = "".join(p.texts)
+            if not p.options.exclude_input_in_output:
+                text = p.parsed.prompt + text
+            p.sender.send(self._response(p, out, text, p.num_output_tokens, p.logprobs),
+                          flags=FINAL)
+        if not p.cancelled and out.finish_reason in ("stop", "length"):
+            ttft = None if p.first_token is None else p.first_token - p.arrival
+            tpot = None
+            if p.first_token is not None and p.num_output_tokens > 1:
+                tpot = (end - p.first_token) / (p.num_output_tokens - 1)
+            self.metrics.observe_request(ttft, tpot, end - p.arrival)
+
+    # ----------------------------------------------------------------- finalize
+    def finalize(self):
+        self.logger.log_info("slipstream: finalize, stopping the engine")
+        self.loop.shutdown()  # aborts what is left: every stream ends, the sender sends FINAL
+        self.stopping = True
+        self.wake.set()
+        self.sender_thread.join(timeout=30)
