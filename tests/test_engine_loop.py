@@ -60,10 +60,10 @@ def test_abort_ends_stream_and_frees_blocks(loop):
     rest = list(stream)
     assert rest[-1].finish_reason == "abort"
     for _ in range(200):
-        if loop.stats()["kv_blocks_used"] == 0 and loop.stats()["num_running"] == 0:
+        if loop.stats().kv_blocks_used == 0 and loop.stats().num_running == 0:
             break
         threading.Event().wait(0.01)
-    assert loop.stats()["kv_blocks_used"] == 0
+    assert loop.stats().kv_blocks_used == 0
 
 
 def test_bad_request_raises_in_caller_and_loop_keeps_serving(loop):
@@ -90,7 +90,7 @@ def test_step_error_fails_only_affected_requests():
         assert doomed.finish_reason == "error" and "boom" in doomed.error
         ok = lp.generate("second", SamplingParams(max_tokens=5, **GREEDY))
         assert ok.finish_reason == "length" and ok.num_output_tokens == 5
-        assert lp.stats()["kv_blocks_used"] == 0
+        assert lp.stats().kv_blocks_used == 0
 
 
 def test_queue_limit_and_shutdown_abort_everything():

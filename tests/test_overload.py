@@ -99,7 +99,7 @@ def test_queue_limit_counts_requests_not_yet_seen_by_the_loop():
     try:
         first = loop.submit([5, 6, 7], SamplingParams(max_tokens=60, **GREEDY))
         deadline = time.monotonic() + 30
-        while loop.stats()["num_running"] == 0 and time.monotonic() < deadline:
+        while loop.stats().num_running == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
         admitted, refused = [], 0
         for i in range(12):
@@ -122,7 +122,7 @@ def test_request_that_can_never_fit_is_refused_clearly():
     with pytest.raises(ValueError, match="prompt has 40 tokens and can never fit"):
         engine.add_request(list(range(100, 140)))  # no room left for a generated token
     assert not engine.has_unfinished()
-    assert engine.max_seq_len == 40  # the cache, not max_model_len (128), bounds a sequence
+    assert engine.scheduler.max_seq_len == 40  # the cache, not max_model_len (128), bounds a sequence
     # A request that would outgrow the whole cache ends there ("length"), like at
     # max_model_len, instead of preempting itself forever.
     out = engine.generate([list(range(100, 110))], SamplingParams(max_tokens=500, **GREEDY))[0]
@@ -137,4 +137,4 @@ def test_loop_refuses_unfittable_prompt_in_the_callers_thread():
             loop.submit(list(range(100, 160)))
         out = loop.generate([1, 2, 3], SamplingParams(max_tokens=100, **GREEDY))
         assert out.num_output_tokens == 37 and out.finish_reason == "length"
-        assert loop.stats()["kv_blocks_used"] == 0
+        assert loop.stats().kv_blocks_used == 0

@@ -171,7 +171,7 @@ def test_urgent_arrival_preempts_less_urgent_running_request(clock, monkeypatch,
         assert preempted.get(arrival) and set(preempted[arrival]) <= {"low0", "low1"}
         assert finished["urgent"] < min(finished["low0"], finished["low1"])
         if mode == "swap":
-            pool = engine.scheduler.swapper
+            pool = engine.scheduler.swap
             assert pool.stats.swap_outs > 0 and pool.stats.swap_ins == pool.stats.swap_outs
             assert pool.num_used_blocks == 0
     else:

@@ -66,11 +66,11 @@ def test_shared_prompt_blocks_hit_after_the_first_request(runs):
     assert hits_after_first / (shared * (N - 1)) > 0.8
     assert all(c % BLOCK == 0 and c <= shared for c in on["cached"])
     stats = on["engine"].get_stats()
-    assert stats["prefix_cache_hits"] == sum(on["cached"])
+    assert stats.prefix_cache_hits == sum(on["cached"])
     total_prompt = sum(len(p) for p in PROMPTS)
-    assert stats["prefix_cache_queries"] == total_prompt
-    assert stats["prefix_cache_hit_rate"] > 0.75
-    assert runs["off"]["engine"].get_stats()["prefix_cache_hits"] == 0
+    assert stats.prefix_cache_queries == total_prompt
+    assert stats.prefix_cache_hit_rate > 0.75
+    assert runs["off"]["engine"].get_stats().prefix_cache_hits == 0
 
 
 def test_caching_computes_far_fewer_prefill_tokens_and_steps(runs):

@@ -88,9 +88,9 @@ def test_ngram_greedy_outputs_identical(plain_outputs, arch):
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs(arch)
     stats = engine.get_stats()
-    assert stats["spec_draft_tokens"] > 0
+    assert stats.spec_draft_tokens > 0
     if arch == "gpt2":  # the tiny gpt2 falls into loops: prompt lookup predicts them
-        assert stats["spec_accepted_tokens"] > 0 and stats["spec_acceptance_rate"] > 0.3
+        assert stats.spec_accepted_tokens > 0 and stats.spec_acceptance_rate > 0.3
         assert engine.stats.steps < sum(p.max_tokens for p in params) / len(params) * 8
     assert_no_leaks(engine)
 
@@ -101,7 +101,7 @@ def test_ngram_with_preemption_prefix_cache_and_max_model_len(plain_outputs):
     engine = make_engine("gpt2", speculative_method="ngram", num_gpu_blocks_override=40)
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs("gpt2")
-    assert engine.scheduler.num_preemptions > 0 and engine.get_stats()["spec_accepted_tokens"] > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.get_stats().spec_accepted_tokens > 0
     assert_no_leaks(engine)
     short = make_engine("gpt2", speculative_method="ngram", max_model_len=20)
     plain = make_engine("gpt2", max_model_len=20)
@@ -110,7 +110,7 @@ def test_ngram_with_preemption_prefix_cache_and_max_model_len(plain_outputs):
     got = short.generate(heads, p)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(heads, p)]
     assert all(r.num_output_tokens == 10 and r.finish_reason == "length" for r in got)
-    assert short.get_stats()["spec_accepted_tokens"] > 0
+    assert short.get_stats().spec_accepted_tokens > 0
     assert_no_leaks(short)
 
 
@@ -122,13 +122,13 @@ def test_requests_with_penalties_or_min_tokens_do_not_speculate():
                    SamplingParams(max_tokens=12, use_speculation=False, **GREEDY)):
         out = engine.generate([prompt], params)[0]
         assert out.num_output_tokens == 12
-        assert engine.get_stats()["spec_draft_tokens"] == 0, params
+        assert engine.get_stats().spec_draft_tokens == 0, params
     # min_tokens: no drafts until min_tokens outputs exist, then speculation resumes.
     plain = make_engine("gpt2").generate([prompt], SamplingParams(max_tokens=20, min_tokens=10,
                                                                   temperature=0))[0]
     out = engine.generate([prompt], SamplingParams(max_tokens=20, min_tokens=10, temperature=0))[0]
     assert out.token_ids == plain.token_ids
-    assert engine.get_stats()["spec_draft_tokens"] > 0
+    assert engine.get_stats().spec_draft_tokens > 0
     assert_no_leaks(engine)
 
 
@@ -156,7 +156,7 @@ def test_draft_equal_to_target_accepts_nearly_everything(plain_outputs):
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs("llama")
     stats = engine.get_stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] > 0.9
+    assert stats.spec_draft_tokens > 0 and stats.spec_acceptance_rate > 0.9
     # Far fewer target steps than tokens: ~5 tokens per step per request.
     assert engine.stats.steps < max(p.max_tokens for p in params)
     # Batched: the draft runs ~k forwards per engine step, not k per request.
@@ -171,7 +171,7 @@ def test_unrelated_draft_model_is_rejected_but_outputs_stay_exact(plain_outputs)
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs("llama")
     stats = engine.get_stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] < 0.5
+    assert stats.spec_draft_tokens > 0 and stats.spec_acceptance_rate < 0.5
     assert_no_leaks(engine)
 
 
@@ -241,7 +241,7 @@ def test_speculative_sampling_preserves_the_target_distribution():
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts[k] / n - p) for k, p in exact.items())
-    assert engine.get_stats()["spec_draft_tokens"] > 0
-    assert 0 < engine.get_stats()["spec_acceptance_rate"] < 1
+    assert engine.get_stats().spec_draft_tokens > 0
+    assert 0 < engine.get_stats().spec_acceptance_rate < 1
     assert tv < 0.08, (tv, exact, counts)
     assert_no_leaks(engine)

@@ -8,6 +8,7 @@ import torch
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import RequestStatus
+from slipstream.core.scheduler_output import SchedulerOutput, SwapDirection
 from slipstream.engine import LLMEngine
 from support import random_workload, tiny_model_dir
 
@@ -44,7 +45,7 @@ def assert_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     assert engine.block_manager.num_used_blocks == 0
     engine.block_manager.check_invariants()
-    pool = engine.scheduler.swapper
+    pool = engine.scheduler.swap
     pool.check_invariants()
     assert pool.num_used_blocks == 0 and not pool.swapped
 
@@ -57,7 +58,7 @@ def test_swap_preemption_matches_unpreempted_run(reference, mode, workload):
                          enable_prefix_caching=workload == "prefixed")
     results = engine.generate(prompts, params())
     assert [r.token_ids for r in results] == reference[workload]
-    pool = engine.scheduler.swapper
+    pool = engine.scheduler.swap
     assert pool.stats.swap_outs > 0 and pool.stats.swap_ins == pool.stats.swap_outs
     if mode == "auto":
         # Short contexts are recomputed, long ones swapped (the prefixed prompts are all long).
@@ -69,16 +70,13 @@ def test_swap_preemption_matches_unpreempted_run(reference, mode, workload):
 
 
 def test_full_pool_falls_back_to_recompute(reference):
+    bytes_per_block = make_engine().kv_cache.geometry.bytes_per_block
     engine = make_engine(num_gpu_blocks_override=45, preemption_mode="swap",
-                         enable_prefix_caching=False)
-    bytes_per_block = engine.kv_cache.geometry.bytes_per_block
-    engine.scheduler.swapper = None  # rebuild the pool with room for 12 blocks only
-    from slipstream.worker.swap import SwapPool
-    engine.config.swap_space_bytes = 12 * bytes_per_block
-    engine.scheduler.swapper = SwapPool(engine.config, engine.kv_cache, engine.block_manager)
+                         enable_prefix_caching=False, swap_space_bytes=12 * bytes_per_block)
+    pool = engine.scheduler.swap
+    assert pool.num_cpu_blocks == 12
     results = engine.generate(PROMPTS, params())
     assert [r.token_ids for r in results] == reference["plain"]
-    pool = engine.scheduler.swapper
     assert pool.stats.refused > 0 and pool.stats.swap_outs > 0
     assert engine.scheduler.num_preemptions > pool.stats.swap_outs
     assert_clean(engine)
@@ -86,30 +84,61 @@ def test_full_pool_falls_back_to_recompute(reference):
 
 def test_swap_roundtrip_is_bit_exact():
     engine = make_engine(num_gpu_blocks_override=20, preemption_mode="swap")
-    kv, bm, pool = engine.kv_cache, engine.block_manager, engine.scheduler.swapper
+    kv, bm, space = engine.kv_cache, engine.block_manager, engine.scheduler.swap
     kv.data.copy_(torch.randn_like(kv.data))
     req = engine.add_request(list(range(100, 113)), SamplingParams(max_tokens=2, **GREEDY))
     bm.allocate(req, 13)
     req.num_computed_tokens = 13
     before = kv.copy_blocks_out(req.block_table).clone()
-    assert pool.should_swap(req)
-    pool.swap_out(req)
+    assert space.should_swap(req)
+    out = space.swap_out(req)
+    assert out.direction is SwapDirection.OUT and len(out.device_blocks) == 4
     assert req.block_table == [] and req.num_computed_tokens == 13
-    assert bm.num_used_blocks == 0 and pool.num_used_blocks == 4
+    assert bm.num_used_blocks == 0 and space.num_used_blocks == 4
+    engine.swap_pool.copy(out)
     kv.data.zero_()
     bm.allocate(engine.make_request([5] * 9), 9)  # another request takes the freed blocks
-    assert pool.can_swap_in(req)
-    pool.swap_in(req)
-    assert len(req.block_table) == 4 and pool.num_used_blocks == 0
+    assert space.can_swap_in(req)
+    back = space.swap_in(req)
+    engine.swap_pool.copy(back)
+    assert len(req.block_table) == 4 and space.num_used_blocks == 0
+    assert back.device_blocks == req.block_table and back.cpu_blocks == out.cpu_blocks
     assert torch.equal(kv.copy_blocks_out(req.block_table), before)
-    pool.check_invariants()
+    space.check_invariants()
+
+
+def test_swap_copies_run_in_the_order_the_scheduler_decided():
+    """A swap-in whose device blocks a swap-out of the same step released must read its
+    data after that swap-out has copied the old contents away."""
+    engine = make_engine(num_gpu_blocks_override=8, preemption_mode="swap")
+    kv, bm, space = engine.kv_cache, engine.block_manager, engine.scheduler.swap
+    kv.data.copy_(torch.randn_like(kv.data))
+    a = engine.make_request(list(range(100, 108)))
+    b = engine.make_request(list(range(200, 208)))
+    bm.allocate(b, 8)
+    b.num_computed_tokens = 8
+    b_data = kv.copy_blocks_out(b.block_table).clone()
+    b_out = space.swap_out(b)
+    engine.swap_pool.copy(b_out)
+    bm.allocate(a, 8)  # a takes the blocks b left
+    a.num_computed_tokens = 8
+    a_data = kv.copy_blocks_out(a.block_table).clone()
+    sched = SchedulerOutput()
+    sched.swaps.append(space.swap_out(a))
+    sched.swaps.append(space.swap_in(b))
+    assert sched.swaps[1].device_blocks == sched.swaps[0].device_blocks  # same blocks reused
+    engine.swap_pool.apply(sched)
+    assert torch.equal(kv.copy_blocks_out(b.block_table), b_data)
+    bm.free_request(b)
+    engine.swap_pool.copy(space.swap_in(a))
+    assert torch.equal(kv.copy_blocks_out(a.block_table), a_data)
 
 
 def test_abort_while_swapped_returns_pool_blocks():
     engine = make_engine(num_gpu_blocks_override=45, preemption_mode="swap",
                          enable_prefix_caching=False)
     reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params())]
-    pool = engine.scheduler.swapper
+    pool = engine.scheduler.swap
     for _ in range(200):
         engine.step()
         swapped = [r for r in reqs if r.status is RequestStatus.SWAPPED]
@@ -128,12 +157,13 @@ def test_abort_while_swapped_returns_pool_blocks():
 
 
 def test_recompute_mode_has_no_pool():
-    assert make_engine(preemption_mode="recompute").scheduler.swapper is None
+    engine = make_engine(preemption_mode="recompute")
+    assert engine.scheduler.swap is None and engine.swap_pool is None
 
 
 def test_auto_mode_swaps_only_long_contexts():
     engine = make_engine(num_gpu_blocks_override=60, preemption_mode="auto")
-    pool, bm = engine.scheduler.swapper, engine.block_manager
+    pool, bm = engine.scheduler.swap, engine.block_manager
     assert pool.min_swap_tokens == 16  # max(2 blocks, max_num_batched_tokens // 4)
     short = engine.make_request(list(range(100, 110)))
     long = engine.make_request(list(range(100, 140)))

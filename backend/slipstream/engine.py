@@ -2,24 +2,29 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import logging
+import threading
 import time
+import traceback
 from typing import Optional, Union
 
 import torch
 
+from slipstream.core.batch_scheduler import BatchScheduler
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request, RequestOutput, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
-from slipstream.core.scheduler import Scheduler, SchedulerOutput
-from slipstream.core.stats import EngineStats
+from slipstream.core.scheduler import Scheduler, SchedulerBase
+from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
+from slipstream.core.stats import EngineStats, StatsSnapshot
+from slipstream.core.swap_space import SwapSpace
 from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
 from slipstream.worker.sampler import Sampler
+from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
 Prompt = Union[str, list]
@@ -43,8 +48,9 @@ class LLMEngine:
         self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self._make_swapper())
-        self.max_seq_len = self._max_seq_len()
+        self.swap_pool: Optional[SwapPool] = None
+        self.scheduler = self._make_scheduler()
+        self._warn_short_capacity()
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
             config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None)
@@ -81,20 +87,23 @@ class LLMEngine:
                  geometry.bytes_per_token)
         return KVCache(geometry, num_blocks, self.device)
 
-    def _max_seq_len(self) -> int:
-        # A sequence longer than the whole KV cache could only preempt itself over and over;
-        # like max_model_len, the cache's size ends it with finish reason "length".
-        capacity = self.block_manager.num_usable_blocks * self.config.block_size
-        if capacity < self.config.max_model_len:
+    def _warn_short_capacity(self) -> None:
+        if self.scheduler.max_seq_len < self.config.max_model_len:
             log.warning("the KV cache holds %d tokens, less than max_model_len %d: sequences "
-                        "end at %d tokens", capacity, self.config.max_model_len, capacity)
-        return min(capacity, self.config.max_model_len)
+                        "end at %d tokens", self.scheduler.max_seq_len, self.config.max_model_len,
+                        self.scheduler.max_seq_len)
 
-    def _make_swapper(self):
-        if self.config.preemption_mode == "recompute":
-            return None
-        from slipstream.worker.swap import SwapPool
-        return SwapPool(self.config, self.kv_cache, self.block_manager)
+    def _make_scheduler(self) -> SchedulerBase:
+        """Chosen once: the continuous scheduler, or a request-level batching baseline
+        (which never preempts, so it has no swap space)."""
+        if self.config.batching != "continuous":
+            return BatchScheduler(self.config, self.block_manager)
+        swap = None
+        if self.config.preemption_mode != "recompute":
+            blocks = num_cpu_blocks(self.kv_cache, self.config.swap_space_bytes)
+            swap = SwapSpace(self.config, self.block_manager, blocks)
+            self.swap_pool = SwapPool(self.kv_cache, blocks)
+        return Scheduler(self.config, self.block_manager, swap)
 
     def _make_tracer(self):
         if not (self.config.trace_steps or self.config.trace_file):
@@ -185,60 +194,91 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._report(RequestUpdate(req))
 
     def fail(self, request_id: str, message: str) -> Optional[RequestOutput]:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        req.error = message
-        return self._finish(req, RequestStatus.FINISHED_ERROR)
+        self.scheduler.fail(req, message)
+        return self._report(RequestUpdate(req))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list:
-        """Schedule, run one ragged forward, sample, and report every request that moved."""
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> execute -> sample -> update -> outputs, for every request that moved."""
         sched = self.scheduler.schedule()
-        if self.scheduler.swapper is not None:
-            self.scheduler.swapper.apply(sched)
+        if self.swap_pool is not None:
+            self.swap_pool.apply(sched)
         if sched.is_empty:
             if self.tracer is not None and sched.preempted:  # a step that only preempted
                 now = time.perf_counter()
                 self.tracer.record(sched, now, now, self)
             return []
         started = time.perf_counter()
-        logits, sample_rows = self.runner.execute(sched)
-        outputs = self._process(sched, logits, sample_rows)
+        sampled = self._execute(sched)
+        updates = self.scheduler.update_from_output(sched, sampled, self._stop_string)
         self.stats.record_step(sched, time.perf_counter() - started)
+        if self.proposer is not None:
+            self._propose([item.request for item in sched.scheduled])
+        outputs = [self._report(u) for u in updates]
         if self.tracer is not None:
             self.tracer.record(sched, started, time.perf_counter(), self)
         return outputs
 
-    def _process(self, sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list) -> list:
-        sampling = [(item, rows) for item, rows in zip(sched.scheduled, sample_rows) if rows]
-        row_reqs = [item.request for item, rows in sampling for _ in rows]
-        result = self.sampler(logits, row_reqs) if row_reqs else None
-        outputs = []
-        cursor = 0
-        for item, rows in zip(sched.scheduled, sample_rows):
-            req = item.request
-            req.num_computed_tokens += item.num_new_tokens
-            if not rows:
-                self.block_manager.register_full_blocks(req)
-                continue
-            tokens = result.token_ids[cursor:cursor + len(rows)]
-            logprobs = result.logprobs[cursor:cursor + len(rows)]
-            cursor += len(rows)
-            accepted = self._accept(req, item.spec_token_ids, tokens)
-            outputs.append(self._append_tokens(req, tokens[:accepted], logprobs[:accepted]))
-        if self.proposer is not None:
-            self._propose([item.request for item in sched.scheduled])
-        return [o for o in outputs if o is not None]
+    def _execute(self, sched: SchedulerOutput) -> SampledTokens:
+        """Run and sample the step. Fail-soft: if the batch raises, each request is run
+        alone (its KV writes are idempotent), so only the requests that fail by themselves
+        end with an error."""
+        try:
+            return self._execute_batch(sched)
+        except Exception as exc:
+            if len(sched.scheduled) == 1:
+                return self._failed_alone(sched, exc)
+            log.warning("engine step failed (%s); retrying its %d requests one by one",
+                        exc, len(sched.scheduled))
+        merged = SampledTokens.empty(0)
+        for item in sched.scheduled:
+            alone = SchedulerOutput(scheduled=[item])
+            try:
+                part = self._execute_batch(alone)
+            except Exception as exc:
+                part = self._failed_alone(alone, exc)
+            merged.token_ids += part.token_ids
+            merged.logprobs += part.logprobs
+            merged.errors.update(part.errors)
+        return merged
 
-    def _propose(self, reqs: list) -> None:
+    def _execute_batch(self, sched: SchedulerOutput) -> SampledTokens:
+        logits, sample_rows = self.runner.execute(sched)
+        row_reqs = [item.request for item, rows in zip(sched.scheduled, sample_rows) for _ in rows]
+        result = self.sampler(logits, row_reqs) if row_reqs else None
+        sampled = SampledTokens.empty(0)
+        cursor = 0
+        for rows in sample_rows:
+            sampled.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
+            sampled.logprobs.append(result.logprobs[cursor:cursor + len(rows)] if rows else [])
+            cursor += len(rows)
+        return sampled
+
+    @staticmethod
+    def _failed_alone(sched: SchedulerOutput, exc: Exception) -> SampledTokens:
+        log.error("request %s failed in the engine step:\n%s", sched.scheduled[0].request.request_id,
+                  traceback.format_exc())
+        failed = SampledTokens.empty(1)
+        failed.errors[sched.scheduled[0].request.request_id] = f"internal error: {exc}"
+        return failed
+
+    def _stop_string(self, req: Request) -> Optional[str]:
+        detok = self.detokenizers[req.request_id]
+        detok.update(req.all_token_ids)
+        return detok.stopped_on
+
+    def _propose(self, reqs: list[Request]) -> None:
         """Draft tokens for every request that just sampled and may speculate, in one batch."""
         eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and self._speculates(r)
                     and r.num_tokens - r.num_computed_tokens == 1]
@@ -254,78 +294,39 @@ class LLMEngine:
         return (p.use_speculation and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
 
-    def _accept(self, req: Request, drafts: list, tokens: list) -> int:
-        """How many sampled tokens to keep: the drafts the target agreed with, plus one."""
-        if not drafts:
-            return 1
-        n = 0
-        while n < len(drafts) and tokens[n] == drafts[n]:
-            n += 1
-        req.num_computed_tokens -= len(drafts) - n  # rejected drafts' KV is overwritten later
-        req.spec_token_ids = []
-        self.stats.record_speculation(len(drafts), n)
-        return n + 1
-
-    def _append_tokens(self, req: Request, tokens: list, logprobs: list) -> Optional[RequestOutput]:
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        kept_tokens, kept_logprobs = [], []
-        status = None
+    def _report(self, update: RequestUpdate) -> RequestOutput:
+        """The client's view of one update: text delta, and the request retired if it ended."""
+        req = update.request
+        self.stats.generation_tokens += len(update.new_token_ids)
+        if update.num_drafted:
+            self.stats.record_speculation(update.num_drafted, update.num_accepted)
         detok = self.detokenizers[req.request_id]
-        for token, lp in zip(tokens, logprobs or [0.0] * len(tokens)):
-            req.append_token(token)
-            req.cumulative_logprob += lp
-            kept_tokens.append(token)
-            kept_logprobs.append(lp)
-            status = self._stop_status(req, token)
-            if len(tokens) > 1 and detok.stop:  # accepted drafts: stop where the string ends
-                detok.update(req.all_token_ids)
-                status = status or (RequestStatus.FINISHED_STOPPED if detok.stopped_on else None)
-            if status is not None:
-                break
-        self.block_manager.register_full_blocks(req)
-        detok.update(req.all_token_ids)
-        if detok.stopped_on is not None:
-            status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = detok.stopped_on
-        self.stats.generation_tokens += len(kept_tokens)
-        if status is not None:
-            return self._finish(req, status, kept_tokens, kept_logprobs)
-        text = detok.take(final=False)
-        return self._output(req, text, kept_tokens, kept_logprobs)
+        if not req.is_finished:
+            detok.update(req.all_token_ids)
+            return self._output(req, detok.take(final=False), update)
+        self._retire(req)
+        aborted = req.status is RequestStatus.FINISHED_ABORTED
+        if not aborted:
+            detok.update(req.all_token_ids)
+        return self._output(req, "" if aborted else detok.take(final=True), update)
 
-    def _stop_status(self, req: Request, token: int) -> Optional[RequestStatus]:
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if token == req.eos_token_id and not p.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _finish(self, req: Request, status: RequestStatus, tokens: Optional[list] = None,
-                logprobs: Optional[list] = None) -> RequestOutput:
-        self.scheduler.finish(req, status)
+    def _retire(self, req: Request) -> None:
+        """Forget a finished request everywhere outside the scheduler."""
         self.sampler.forget(req.request_id)
         if self.proposer is not None:
             self.proposer.discard(req.request_id)
         self.requests.pop(req.request_id, None)
-        detok = self.detokenizers.pop(req.request_id)
-        self.stats.record_finish(req)
-        text = detok.take(final=True) if status is not RequestStatus.FINISHED_ABORTED else ""
-        return self._output(req, text, tokens or [], logprobs or [])
+        self.detokenizers.pop(req.request_id, None)
+        self.stats.num_finished += 1
 
     @staticmethod
-    def _output(req: Request, text: str, tokens: list, logprobs: list) -> RequestOutput:
-        finished = req.is_finished
+    def _output(req: Request, text: str, update: RequestUpdate) -> RequestOutput:
         return RequestOutput(
-            request_id=req.request_id, text=text, token_ids=list(tokens), logprobs=list(logprobs),
-            finished=finished, finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens, cumulative_logprob=req.cumulative_logprob,
-            error=req.error)
+            request_id=req.request_id, text=text, token_ids=list(update.new_token_ids),
+            logprobs=list(update.new_logprobs), finished=req.is_finished,
+            finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
+            cumulative_logprob=req.cumulative_logprob, error=req.error)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list, params=None, apply_chat_template: bool = False) -> list:
@@ -339,9 +340,10 @@ class LLMEngine:
                 merge_output(merged[out.request_id], out)
         return [merged[r.request_id] for r in reqs]
 
-    def get_stats(self) -> dict:
-        bm = self.block_manager
-        return self.stats.snapshot(self.scheduler, bm)
+    def get_stats(self) -> StatsSnapshot:
+        s = self.scheduler
+        return self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
+                                   self.block_manager)
 
 
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:

@@ -14,8 +14,9 @@ import traceback
 from typing import Callable, Iterator, Optional
 
 from slipstream.core.config import EngineConfig
-from slipstream.core.request import RequestOutput
+from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.core.sampling_params import SamplingParams
+from slipstream.core.stats import StatsSnapshot
 from slipstream.engine import LLMEngine, OverloadedError, Prompt
 
 log = logging.getLogger("slipstream")
@@ -65,7 +66,7 @@ class EngineLoop:
         self._pending = 0  # submitted, not yet seen by the loop thread
         # Waiting requests as the loop thread last saw them; updated in the same critical
         # section that retires a pending request, so waiting + pending never undercounts.
-        self._stats: dict = {}
+        self._stats = StatsSnapshot()
         self._num_waiting = 0
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -97,7 +98,7 @@ class EngineLoop:
         try:
             self.engine = self._build()
             self._stats = self.engine.get_stats()
-            self._num_waiting = self._stats["num_waiting"]
+            self._num_waiting = self._stats.num_waiting
         except BaseException as exc:  # handed to start()'s caller
             failure.append(exc)
             return
@@ -163,8 +164,9 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def stats(self) -> dict:
-        return dict(self._stats)
+    def stats(self) -> StatsSnapshot:
+        """The engine's counters as of its last step (immutable: safe to read anywhere)."""
+        return self._stats
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
         """Blocking convenience: the whole output of one request."""
@@ -198,7 +200,7 @@ class EngineLoop:
 
     def _idle_wait(self) -> None:
         # Dynamic batching holds requests for its delay window: sleep until then or a command.
-        deadline = self.engine.scheduler.batch_mode_waiting_deadline()
+        deadline = self.engine.scheduler.next_wakeup()
         delay = 0.001 if deadline is None else max(min(deadline - time.monotonic(), 0.05), 0.0005)
         try:
             self._handle(self._commands.get(timeout=delay))
@@ -224,8 +226,8 @@ class EngineLoop:
             try:
                 self.engine.add(req, check_queue=False)  # submit admitted it already
             except Exception as exc:
-                self._deliver([RequestOutput(req.request_id, finished=True, finish_reason="error",
-                                             error=str(exc))])
+                self._deliver([RequestOutput(req.request_id, finished=True,
+                                             finish_reason=FinishReason.ERROR, error=str(exc))])
             with self._lock:
                 self._pending -= 1
                 self._num_waiting = len(self.engine.scheduler.waiting)
@@ -237,7 +239,7 @@ class EngineLoop:
     def _refresh_stats(self) -> None:
         self._stats = self.engine.get_stats()
         with self._lock:
-            self._num_waiting = self._stats["num_waiting"]
+            self._num_waiting = self._stats.num_waiting
 
     def _fail_scheduled(self, message: str) -> list:
         engine = self.engine
@@ -267,5 +269,5 @@ class EngineLoop:
                 break
             if command[0] == "add":
                 self._deliver([RequestOutput(command[1].request_id, finished=True,
-                                             finish_reason="abort")])
+                                             finish_reason=FinishReason.ABORT)])
         self._refresh_stats()

@@ -204,7 +204,7 @@ class DraftModelProposer(Proposer):
 
     # -- proposing ------------------------------------------------------------------------
     def propose_batch(self, reqs: list) -> list:
-        from slipstream.core.scheduler import ScheduledRequest, SchedulerOutput
+        from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
         self._collect_garbage()
         out = [[] for _ in reqs]

@@ -93,13 +93,6 @@ def split_tokens(item) -> tuple:
     return real, drafts
 
 
-def padding_tokens(sched) -> int:
-    # Mirrors ModelRunner._add_padding: what static batching computes for nothing.
-    padded = sum(sched.padded_prompt_len - s.num_new_tokens
-                 for s in sched.scheduled if s.num_new_tokens > 1)
-    return max(padded, 0) + sched.num_padding_seqs * max(sched.padded_prompt_len, 1)
-
-
 class StepTracer:
     def __init__(self, max_records: int = DEFAULT_MAX_RECORDS) -> None:
         if max_records <= 0:
@@ -126,8 +119,8 @@ class StepTracer:
         rec.preempted = [r.request_id for r in sched.preempted]
         rec.swapped_out = [r.request_id for r in sched.swapped_out]
         rec.swapped_in = [r.request_id for r in sched.swapped_in]
-        rec.num_padding_seqs = sched.num_padding_seqs
-        rec.num_padding_tokens = padding_tokens(sched)
+        rec.num_padding_seqs = sched.padding.num_padding_seqs
+        rec.num_padding_tokens = sched.padding.num_tokens(sched.scheduled)
         bm, scheduler = engine.block_manager, engine.scheduler
         rec.kv_blocks_used = bm.num_used_blocks
         rec.kv_blocks_total = bm.num_usable_blocks

@@ -7,6 +7,7 @@ the Triton run is the Triton + gRPC streaming path alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
+from slipstream.core.stats import StatsSnapshot
 from slipstream.engine_loop import EngineLoop
 from slipstream_bench import timeline
 from slipstream_bench.driver import Progress, send_on_schedule
@@ -136,14 +138,13 @@ def run_inprocess(settings: Mapping[str, str], workload: Workload, offsets: Sequ
             "records": records_to_json(records), "timeline": timeline.to_json(steps)}
 
 
-def stats_delta(before: dict, after: dict) -> dict:
-    """Counters of the measured run alone (the engine counts from its start)."""
-    out = dict(after)
-    for key in ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
+def stats_delta(before: StatsSnapshot, after: StatsSnapshot) -> dict:
+    """Counters of the measured run alone (the engine counts from its start), as JSON."""
+    counters = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
                 "num_finished", "steps", "busy_seconds", "prefix_cache_queries",
-                "prefix_cache_hits"):
-        if key in after:
-            out[key] = after[key] - before.get(key, 0)
-    queries = out.get("prefix_cache_queries", 0)
-    out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0) / queries if queries else 0.0
+                "prefix_cache_hits", "spec_draft_tokens", "spec_accepted_tokens")
+    delta = dataclasses.replace(after, **{k: getattr(after, k) - getattr(before, k) for k in counters})
+    out = dataclasses.asdict(delta)
+    out["prefix_cache_hit_rate"] = delta.prefix_cache_hit_rate
+    out["spec_acceptance_rate"] = delta.spec_acceptance_rate
     return out

@@ -99,21 +99,26 @@ class BlockManager:
         self.stats.hits += num_hit_tokens
 
     # -- allocation --------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: Optional[list] = None) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Optional[list[int]] = None,
+                     start: Optional[int] = None) -> bool:
         cached = cached or []
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         have = len(req.block_table) + len(cached)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        start = req.num_computed_tokens if start is None else start
+        need = self.blocks_needed(start + num_new_tokens) - have
         return max(need, 0) + revived <= len(self.free)
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: Optional[list] = None) -> None:
-        """Give ``req`` room for ``num_new_tokens`` more tokens, first taking prefix-cache hits."""
+    def allocate(self, req: Request, num_new_tokens: int, cached: Optional[list[int]] = None,
+                 start: Optional[int] = None) -> None:
+        """Give ``req`` room for ``num_new_tokens`` tokens from position ``start`` (default:
+        its progress), first taking prefix-cache hits."""
         state = self.per_request.setdefault(req.request_id, _PerRequest())
         for block_id in cached or []:
             self._touch(block_id)
             req.block_table.append(block_id)
             state.block_hashes.append(self.blocks[block_id].block_hash)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        start = req.num_computed_tokens if start is None else start
+        need = self.blocks_needed(start + num_new_tokens) - len(req.block_table)
         if need > len(self.free):
             raise RuntimeError("KV cache exhausted: check can_allocate before allocate")
         for _ in range(need):
@@ -149,13 +154,6 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)  # unhashed: reuse first
         req.block_table = []
         self.per_request.pop(req.request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.block_hash is not None and block.ref_count == 0:
-                block.block_hash, block.token_ids = None, ()
-        self.hash_to_block = {h: b for h, b in self.hash_to_block.items()
-                              if self.blocks[b].block_hash == h}
 
     def check_invariants(self) -> None:
         used = sum(1 for b in self.blocks[1:] if b.ref_count > 0)

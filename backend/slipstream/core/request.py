@@ -9,6 +9,17 @@ from typing import Optional
 from slipstream.core.sampling_params import SamplingParams
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended. A ``str`` enum: equal to its wire name ("stop", ...)."""
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, max_model_len or the KV cache's capacity
+    ABORT = "abort"  # cancelled by the client or by shutdown
+    ERROR = "error"  # this request failed; ``RequestOutput.error`` says why
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -20,7 +31,19 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.finish_reason is not None
+
+    @property
+    def finish_reason(self) -> Optional[FinishReason]:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
 
 
 class Request:
@@ -43,10 +66,8 @@ class Request:
         self.block_table: list[int] = []
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0
-        self.first_token_time: Optional[float] = None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.error: Optional[str] = None
-        self.stop_reason: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,10 +103,10 @@ class RequestOutput:
 
     request_id: str
     text: str = ""
-    token_ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # logprob of each token in token_ids
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # logprob of each token in token_ids
     finished: bool = False
-    finish_reason: Optional[str] = None  # stop | length | abort | error
+    finish_reason: Optional[FinishReason] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

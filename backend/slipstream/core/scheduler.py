@@ -4,66 +4,48 @@ Each step, running requests get their next tokens first (a decode is one token; 
 prefilled prompt continues with its next chunk), then waiting requests are admitted with
 prefill chunks that fill what is left of ``max_num_batched_tokens``. When KV blocks run
 out, the request the policy ranks last is preempted (recompute or swap).
+
+The scheduler owns request progress: ``schedule`` decides what each request computes and
+``update_from_output`` applies what the worker sampled (progress, draft rollback, prefix-cache
+registration, stop checks, finishing). Nothing else writes ``num_computed_tokens``.
 """
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.policies import make_policy, pick_first, pick_victim
 from slipstream.core.request import Request, RequestStatus
+from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
+                                              SchedulerOutput)
+from slipstream.core.swap_space import SwapSpace
+
+# Given a request whose tokens just grew, the stop string its text now contains, if any
+# (the engine's detokenizer answers: text is not the scheduler's business).
+StopStringCheck = Callable[[Request], Optional[str]]
 
 
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # Draft tokens appended for this step (speculative decoding); they are the last
-    # ``len(spec_token_ids)`` of the new tokens.
-    spec_token_ids: list = field(default_factory=list)
-    # The request's progress when it was scheduled (the step trace tells prefill from
-    # decode with them; the engine has moved both on by the time the trace is taken).
-    num_computed_before: int = field(init=False, default=0)
-    num_tokens_before: int = field(init=False, default=0)
+class SchedulerBase(ABC):
+    """Queues, finishing and ``update_from_output``, shared by the continuous scheduler and
+    the request-level batching baselines. ``schedule`` is theirs."""
 
-    def __post_init__(self) -> None:
-        self.num_computed_before = self.request.num_computed_tokens
-        self.num_tokens_before = self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list = field(default_factory=list)  # ScheduledRequest, in batch order
-    num_padding_seqs: int = 0  # static batching: dummy rows that cost real compute
-    padded_prompt_len: int = 0  # static batching: prompts padded to this length
-    preempted: list = field(default_factory=list)
-    swapped_in: list = field(default_factory=list)
-    swapped_out: list = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swapper=None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 swap: Optional[SwapSpace] = None) -> None:
         self.config = config
         self.bm = block_manager
         self.key = make_policy(config.policy, config.aging_seconds)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.swapper = swapper  # optional CPU swap pool (preemption by swap)
+        self.swap = swap  # CPU swap space (preemption by swap), or None
         self.num_preemptions = 0
-        # static/dynamic batching: the batch in flight and its original size
-        self.batch: list[Request] = []
+        # A sequence longer than the whole KV cache could only preempt itself over and
+        # over; like max_model_len, the cache's size ends it with finish reason "length".
+        capacity = block_manager.num_usable_blocks * block_manager.block_size
+        self.max_seq_len = min(capacity, config.max_model_len)
 
     # -- queue management ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -76,6 +58,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def next_wakeup(self) -> Optional[float]:
+        """When ``schedule`` may next return work although nothing new arrives
+        (``time.monotonic()`` seconds), or None: it will not without an arrival."""
+        return None
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (any state) and free its KV blocks at once."""
         req.status = status
@@ -83,14 +70,100 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.swapper is not None:
-            self.swapper.discard(req)
+        if self.swap is not None:
+            self.swap.discard(req)
         self.bm.free_request(req)
 
-    # -- scheduling ----------------------------------------------------------------------
+    def fail(self, req: Request, message: str) -> None:
+        req.error = message
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+
+    @abstractmethod
     def schedule(self) -> SchedulerOutput:
-        if self.config.batching != "continuous":
-            return self._schedule_batch_mode()
+        """Choose this step's requests and token counts; allocate their KV blocks."""
+
+    # -- applying a step's results -----------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, sampled: SampledTokens,
+                           stop_string: StopStringCheck) -> list[RequestUpdate]:
+        """Advance every scheduled request by what the step computed and sampled; finish
+        those that stopped. Returns one update per request that sampled or ended. A
+        request whose own rows failed, or whose stop check raises, ends alone with an error."""
+        updates = []
+        for item, tokens, logprobs in zip(sched.scheduled, sampled.token_ids, sampled.logprobs):
+            req = item.request
+            if req.is_finished:
+                continue
+            error = sampled.errors.get(req.request_id)
+            if error is None:
+                try:
+                    update = self._advance(item, tokens, logprobs, stop_string)
+                except Exception as exc:  # this request's tokens or text: it alone fails
+                    error = f"internal error: {exc}"
+            if error is not None:
+                self.fail(req, error)
+                update = RequestUpdate(req)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _advance(self, item: ScheduledRequest, tokens: list[int], logprobs: list[float],
+                 stop_string: StopStringCheck) -> Optional[RequestUpdate]:
+        req = item.request
+        req.num_computed_tokens += item.num_new_tokens
+        if not tokens:  # a prefill chunk short of the prompt's end
+            self.bm.register_full_blocks(req)
+            return None
+        update = RequestUpdate(req, num_drafted=len(item.spec_token_ids))
+        accepted = self._accept_drafts(req, item.spec_token_ids, tokens)
+        update.num_accepted = accepted - 1 if item.spec_token_ids else 0
+        status = None
+        for token, lp in zip(tokens[:accepted], logprobs[:accepted] or [0.0] * accepted):
+            req.append_token(token)
+            req.cumulative_logprob += lp
+            update.new_token_ids.append(token)
+            update.new_logprobs.append(lp)
+            status = self._token_stop(req, token)
+            if status is None and req.params.stop:
+                update.stop_string = stop_string(req)  # per token: drafts may overshoot it
+                if update.stop_string is not None:
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        self.bm.register_full_blocks(req)
+        if status is not None:
+            self.finish(req, status)
+        return update
+
+    def _accept_drafts(self, req: Request, drafts: list[int], tokens: list[int]) -> int:
+        """How many sampled tokens to keep: the drafts the target agreed with, plus one.
+        Rejected drafts' KV stays in the blocks and is overwritten by later steps."""
+        req.spec_token_ids = []
+        n = 0
+        while n < len(drafts) and tokens[n] == drafts[n]:
+            n += 1
+        req.num_computed_tokens -= len(drafts) - n
+        return n + 1
+
+    def _token_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _tokens_wanted(self, req: Request) -> int:
+        wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        return min(wanted, self.config.max_model_len - req.num_computed_tokens)
+
+
+class Scheduler(SchedulerBase):
+    """The continuous (in-flight) scheduler."""
+
+    def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
@@ -98,10 +171,6 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget, now)
         return out
-
-    def _tokens_wanted(self, req: Request) -> int:
-        wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
-        return min(wanted, self.config.max_model_len - req.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
         # Serve running requests in policy order so the lowest-ranked ones are the
@@ -122,7 +191,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _spec_slice(self, req: Request, num_new: int) -> list:
+    def _spec_slice(self, req: Request, num_new: int) -> list[int]:
         # Drafts are the last tokens of the step: keep those that fit after the request's
         # real tokens (budget or max_model_len may cut some), drop the rest.
         if not req.spec_token_ids:
@@ -153,16 +222,14 @@ class Scheduler:
                     break
                 budget = self._schedule_resumed(req, out, budget)
                 continue
-            cached = self._lookup_prefix(req)
+            cached = self.bm.find_cached_prefix(req)
             num_cached_tokens = len(cached) * self.bm.block_size
             num_new = self._tokens_wanted_from(req, num_cached_tokens)
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            req.num_computed_tokens = num_cached_tokens
-            if not self.bm.can_allocate(req, num_new, cached):
-                if not self._preempt_for(req, num_new, cached, out, now):
-                    req.num_computed_tokens = 0
+            if not self.bm.can_allocate(req, num_new, cached, start=num_cached_tokens):
+                if not self._preempt_for(req, num_new, cached, num_cached_tokens, out, now):
                     break
             self._admit(req, num_new, cached, num_cached_tokens, out)
             # Recounted rather than decremented: an eviction above gives its tokens back.
@@ -172,22 +239,20 @@ class Scheduler:
         wanted = req.num_tokens - num_computed
         return min(wanted, self.config.max_model_len - num_computed)
 
-    def _lookup_prefix(self, req: Request) -> list:
-        return self.bm.find_cached_prefix(req)
-
-    def _admit(self, req: Request, num_new: int, cached: list, num_cached_tokens: int,
+    def _admit(self, req: Request, num_new: int, cached: list[int], num_cached_tokens: int,
                out: SchedulerOutput) -> None:
         if req.num_preemptions == 0:
             self.bm.record_lookup(req.num_prompt_tokens, num_cached_tokens)
             req.num_cached_tokens = num_cached_tokens
+        req.num_computed_tokens = num_cached_tokens
         self.bm.allocate(req, num_new, cached)
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append(ScheduledRequest(req, num_new))
 
-    def _preempt_for(self, req: Request, num_new: int, cached: list, out: SchedulerOutput,
-                     now: float) -> bool:
+    def _preempt_for(self, req: Request, num_new: int, cached: list[int], start: int,
+                     out: SchedulerOutput, now: float) -> bool:
         """Priority policies: a more urgent arrival may evict less urgent running requests,
         including ones already scheduled in this step (they are taken out of it)."""
         if self.config.policy == "fifo":
@@ -195,7 +260,7 @@ class Scheduler:
         candidates = self._less_urgent_running(req, now)
         held = Counter(b for r in candidates for b in r.block_table)
         freeable = sum(1 for b, n in held.items() if self.bm.blocks[b].ref_count == n)
-        need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(cached)
+        need = self.bm.blocks_needed(start + num_new) - len(cached)
         if need > self.bm.num_free_blocks + freeable:
             return False  # evicting every candidate would not make room: evict none
         while True:
@@ -204,41 +269,38 @@ class Scheduler:
             if victim is None:
                 return False
             self.preempt(victim, out)
-            if self.bm.can_allocate(req, num_new, cached):
+            if self.bm.can_allocate(req, num_new, cached, start=start):
                 return True
 
-    def _less_urgent_running(self, req: Request, now: float) -> list:
+    def _less_urgent_running(self, req: Request, now: float) -> list[Request]:
         return [r for r in self.running if self.key(r, now) > self.key(req, now)]
 
-    def preempt(self, req: Request, out: Optional[SchedulerOutput] = None) -> None:
-        """Take ``req`` off the GPU: swap its KV out, or drop it to recompute later."""
+    def preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take ``req`` off the device: swap its KV out, or drop it to recompute later."""
         self.running.remove(req)
-        if out is not None:  # scheduled earlier in this step: it no longer runs in it
-            out.scheduled[:] = [s for s in out.scheduled if s.request is not req]
+        # Scheduled earlier in this step: it no longer runs in it.
+        out.scheduled[:] = [s for s in out.scheduled if s.request is not req]
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.spec_token_ids = []
-        if self.swapper is not None and self.swapper.should_swap(req):
-            self.swapper.swap_out(req)
+        if self.swap is not None and self.swap.should_swap(req):
+            transfer = self.swap.swap_out(req)
             req.status = RequestStatus.SWAPPED
-            if out is not None:
-                out.swapped_out.append(req)
+            out.swaps.append(transfer)
         else:
             self.bm.free_request(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
         self.waiting.append(req)
-        if out is not None:
-            out.preempted.append(req)
+        out.preempted.append(req)
 
     def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
-        if not self.swapper.can_swap_in(req):
+        if not self.swap.can_swap_in(req):
             return False
-        self.swapper.swap_in(req)
+        out.swaps.append(self.swap.swap_in(req))
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.swapped_in.append(req)
         return True
 
     def _schedule_resumed(self, req: Request, out: SchedulerOutput, budget: int) -> int:
@@ -250,52 +312,3 @@ class Scheduler:
         self.bm.allocate(req, num_new)
         out.scheduled.append(ScheduledRequest(req, num_new))
         return budget - num_new
-
-    # -- static / dynamic batching baselines ------------------------------------------
-    def _schedule_batch_mode(self) -> SchedulerOutput:
-        """Request-level batching: a batch is formed only when the previous one has fully
-        drained, then runs in lockstep, prompts padded to the longest, finished rows kept
-        as padding until its longest request ends."""
-        out = SchedulerOutput()
-        if all(r.is_finished for r in self.batch):
-            self.batch = []
-            if not self._form_batch():
-                return out
-        live = [r for r in self.batch if not r.is_finished]
-        for req in live:
-            num_new = self._tokens_wanted(req)
-            if not self.bm.can_allocate(req, num_new):
-                raise RuntimeError(
-                    "KV cache too small for the static batch: lower max_batch_size or raise the KV budget")
-            self.bm.allocate(req, num_new)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-        out.num_padding_seqs = len(self.batch) - len(live)
-        if self.config.batching == "static":
-            out.num_padding_seqs += self.config.max_batch_size - len(self.batch)
-        prefill = [s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1]
-        out.padded_prompt_len = max(prefill, default=0)
-        return out
-
-    def _form_batch(self) -> bool:
-        if not self.waiting:
-            return False
-        if self.config.batching == "dynamic":
-            oldest = min(r.arrival_time for r in self.waiting)
-            waited_ms = (time.monotonic() - oldest) * 1000
-            if len(self.waiting) < self.config.max_batch_size and waited_ms < self.config.max_queue_delay_ms:
-                return False
-        now = time.monotonic()
-        ordered = sorted(self.waiting, key=lambda r: self.key(r, now))
-        for req in ordered[:self.config.max_batch_size]:
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.batch.append(req)
-        return True
-
-    def batch_mode_waiting_deadline(self) -> Optional[float]:
-        """Dynamic batching: when the pending batch will be released by its delay window."""
-        if self.config.batching != "dynamic" or self.batch or not self.waiting:
-            return None
-        oldest = min(r.arrival_time for r in self.waiting)
-        return oldest + self.config.max_queue_delay_ms / 1000

@@ -1,7 +1,42 @@
-"""Engine counters: what a metrics endpoint or a benchmark reads."""
+"""Engine counters, and the snapshot of them that metrics endpoints and benchmarks read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from slipstream.core.block_manager import BlockManager
+from slipstream.core.scheduler_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """The engine's state and counters at one moment (``LLMEngine.get_stats``)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    prompt_tokens_total: int = 0  # prompt tokens computed (prefill work actually done)
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+    num_finished: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
 
 @dataclass
@@ -16,40 +51,28 @@ class EngineStats:
     batched_tokens_total: int = 0
     batched_seqs_total: int = 0
 
-    def record_step(self, sched, seconds: float) -> None:
+    def record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         self.steps += 1
         self.busy_seconds += seconds
         self.batched_tokens_total += sched.num_tokens
         self.batched_seqs_total += len(sched.scheduled)
         for item in sched.scheduled:
-            req = item.request
-            prompt_left = max(req.num_prompt_tokens - (req.num_computed_tokens - item.num_new_tokens), 0)
+            prompt_left = max(item.request.num_prompt_tokens - item.num_computed_before, 0)
             self.prompt_tokens += min(prompt_left, item.num_new_tokens)
-
-    def record_finish(self, req) -> None:
-        self.num_finished += 1
 
     def record_speculation(self, drafted: int, accepted: int) -> None:
         self.spec_drafted += drafted
         self.spec_accepted += accepted
 
-    def snapshot(self, scheduler, block_manager) -> dict:
+    def snapshot(self, num_running: int, num_waiting: int, num_preemptions: int,
+                 block_manager: BlockManager) -> StatsSnapshot:
         pc = block_manager.stats
-        return {
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "kv_blocks_used": block_manager.num_used_blocks,
-            "kv_blocks_total": block_manager.num_usable_blocks,
-            "prefix_cache_queries": pc.queries,
-            "prefix_cache_hits": pc.hits,
-            "prefix_cache_hit_rate": pc.hit_rate,
-            "prompt_tokens_total": self.prompt_tokens,
-            "generation_tokens_total": self.generation_tokens,
-            "preemptions_total": scheduler.num_preemptions,
-            "num_finished": self.num_finished,
-            "steps": self.steps,
-            "busy_seconds": self.busy_seconds,
-            "spec_draft_tokens": self.spec_drafted,
-            "spec_accepted_tokens": self.spec_accepted,
-            "spec_acceptance_rate": self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0,
-        }
+        return StatsSnapshot(
+            num_running=num_running, num_waiting=num_waiting,
+            kv_blocks_used=block_manager.num_used_blocks,
+            kv_blocks_total=block_manager.num_usable_blocks,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+            prompt_tokens_total=self.prompt_tokens, generation_tokens_total=self.generation_tokens,
+            preemptions_total=num_preemptions, num_finished=self.num_finished, steps=self.steps,
+            busy_seconds=self.busy_seconds, spec_draft_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted)

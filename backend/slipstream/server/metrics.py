@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from slipstream.core.stats import StatsSnapshot
+
 PREFIX = "slipstream_"
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 
-GAUGES = {  # metric suffix -> (description, stats() key or None for derived)
+GAUGES = {  # metric suffix -> (description, StatsSnapshot attribute)
     "requests_running": ("Requests being decoded or prefilled", "num_running"),
     "requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
     "kv_blocks_used": ("KV cache blocks in use", "kv_blocks_used"),
     "kv_blocks_total": ("KV cache blocks in the pool", "kv_blocks_total"),
-    "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", None),
+    "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
     "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / tokens looked up",
-                              None),
+                              "prefix_cache_hit_rate"),
     "spec_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens",
                              "spec_acceptance_rate"),
 }
@@ -80,23 +82,15 @@ class SlipstreamMetrics:
             return family.Metric(labels=self.labels, buckets=buckets)
         return family.Metric(labels=self.labels)
 
-    def update(self, stats: Mapping[str, float]) -> None:
-        for name, (_, key) in GAUGES.items():
-            if key is not None and key in stats:
-                self._set(name, float(stats[key]))
-        total = float(stats.get("kv_blocks_total") or 0)
-        self._set("kv_cache_usage_ratio",
-                  float(stats.get("kv_blocks_used", 0)) / total if total else 0.0)
-        queries = float(stats.get("prefix_cache_queries") or 0)
-        self._set("prefix_cache_hit_rate",
-                  float(stats.get("prefix_cache_hits", 0)) / queries if queries else 0.0)
-        for name, (_, key) in COUNTERS.items():
-            if key in stats:
-                value = float(stats[key])
-                delta = value - self._last[name]
-                if delta > 0:
-                    self.counters[name].increment(delta)
-                    self._last[name] = value
+    def update(self, stats: StatsSnapshot) -> None:
+        for name, (_, attr) in GAUGES.items():
+            self._set(name, float(getattr(stats, attr)))
+        for name, (_, attr) in COUNTERS.items():
+            value = float(getattr(stats, attr))
+            delta = value - self._last[name]
+            if delta > 0:
+                self.counters[name].increment(delta)
+                self._last[name] = value
 
     def _set(self, name: str, value: float) -> None:
         # Each set is a round trip to the Triton process: skip the ones that change nothing.

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from slipstream.core.scheduler import SchedulerOutput
+from slipstream.core.scheduler_output import SchedulerOutput
 from slipstream.worker import attention
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
 from slipstream.worker.kv_cache import KVCache
@@ -22,7 +22,7 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: list  # per scheduled request: the rows whose logits it samples ([] = none)
+    sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
 
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
@@ -105,17 +105,7 @@ class ModelRunner:
     def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
         """Static batching's wasted work, made real: padded prompt tokens and finished rows
         still go through the model (slot -1 writes nothing; they read the scratch block)."""
-        pad_tokens = sum(sched.padded_prompt_len - s.num_new_tokens
-                         for s in sched.scheduled if s.num_new_tokens > 1)
-        if pad_tokens > 0:
-            ids.extend([0] * pad_tokens)
-            pos.extend([0] * pad_tokens)
-            slots.extend([-1] * pad_tokens)
-            q_lens.append(pad_tokens)
-            seq_lens.append(pad_tokens)
-            tables.append([0] * -(-pad_tokens // self.block_size))
-        for _ in range(sched.num_padding_seqs):
-            width = max(sched.padded_prompt_len, 1)
+        for width in sched.padding.row_lengths(sched.scheduled):
             ids.extend([0] * width)
             pos.extend([0] * width)
             slots.extend([-1] * width)
@@ -168,6 +158,7 @@ class ModelRunner:
         logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
         return logits if rows else logits[:0]
 
-    def execute(self, sched: SchedulerOutput) -> tuple:
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]]]:
+        """Logits of the sampled rows, and which rows each scheduled request owns."""
         batch = self.prepare(sched)
         return self.run(batch), batch.sample_rows
