@@ -75,21 +75,42 @@ def test_bad_request_raises_in_caller_and_loop_keeps_serving(loop):
 
 
 def test_step_error_fails_only_affected_requests():
+    """A forward that raises whenever one poisoned request is in the batch: that request
+    ends with the error, the two requests batched with it finish exactly as they do alone."""
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    solo = LLMEngine(config()).generate(["healthy one", "healthy two"], params)
     with EngineLoop(config()) as lp:
         original = lp.engine.runner.execute
-        calls = {"n": 0}
+        batch_sizes = []
 
-        def flaky(sched):
-            calls["n"] += 1
-            if calls["n"] == 2:
+        def poisoned(sched):
+            ids = [item.request.request_id for item in sched.scheduled]
+            batch_sizes.append(len(ids))
+            if "poisoned" in ids and ids_decoded(sched, "poisoned") >= 3:
                 raise RuntimeError("boom")
             return original(sched)
 
-        lp.engine.runner.execute = flaky
-        doomed = lp.generate("first", SamplingParams(max_tokens=5, **GREEDY))
+        def ids_decoded(sched, rid):
+            return next(i.request.num_output_tokens for i in sched.scheduled
+                        if i.request.request_id == rid)
+
+        lp.engine.runner.execute = poisoned
+        streams = [lp.submit("healthy one", params), lp.submit("poisoned prompt", params,
+                                                               request_id="poisoned"),
+                   lp.submit("healthy two", params)]
+        results = []
+        for stream in streams:
+            total = RequestOutput(stream.request_id)
+            for out in stream:
+                merge_output(total, out)
+            results.append(total)
+        first, doomed, second = results
         assert doomed.finish_reason == "error" and "boom" in doomed.error
-        ok = lp.generate("second", SamplingParams(max_tokens=5, **GREEDY))
-        assert ok.finish_reason == "length" and ok.num_output_tokens == 5
+        assert doomed.num_output_tokens == 3  # it ran fine until it raised
+        for got, ref in ((first, solo[0]), (second, solo[1])):
+            assert got.finish_reason == "length" and got.error is None
+            assert got.token_ids == ref.token_ids and got.text == ref.text
+        assert max(batch_sizes) == 3  # they really shared steps with the poisoned request
         assert lp.stats().kv_blocks_used == 0
 
 

@@ -29,3 +29,17 @@ def test_dispatch_without_triton_falls_back_to_torch_ops():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_both_ops_modules_implement_the_attention_ops_interface():
+    import inspect
+
+    from slipstream.worker.ops import torch_ops, triton_kernels
+    from slipstream.worker.ops.base import AttentionOps
+
+    for module in (torch_ops, triton_kernels):
+        assert isinstance(module, AttentionOps), module.__name__
+        for name in ("store_step_kv", "paged_attention"):
+            want = list(inspect.signature(getattr(AttentionOps, name)).parameters)[1:]  # no self
+            assert list(inspect.signature(getattr(module, name)).parameters) == want, (
+                module.__name__, name)

@@ -16,6 +16,7 @@ import traceback
 import triton_python_backend_utils as pb_utils
 
 from slipstream import EngineConfig
+from slipstream.core.request import FinishReason
 from slipstream.engine_loop import EngineLoop, OverloadedError
 from slipstream.server.protocol import (BadRequestError, build_outputs, parse_request,
                                   split_parameters)
@@ -199,9 +200,10 @@ class TritonPythonModel:
         end = time.monotonic()
         if p.cancelled:
             p.sender.send(flags=FINAL)
-        elif out.finish_reason == "error" or (out.finish_reason == "abort" and out.error):
+        elif out.finish_reason is FinishReason.ERROR or (
+                out.finish_reason is FinishReason.ABORT and out.error):
             p.sender.send(_error(f"generation failed: {out.error or 'unknown error'}"), flags=FINAL)
-        elif out.finish_reason == "abort":
+        elif out.finish_reason is FinishReason.ABORT:
             p.sender.send(_error("request aborted (server shutting down)", _code("UNAVAILABLE")),
                           flags=FINAL)
         elif p.options.stream:
@@ -215,7 +217,7 @@ class TritonPythonModel:
                 text = p.parsed.prompt + text
             p.sender.send(self._response(p, out, text, p.num_output_tokens, p.logprobs),
                           flags=FINAL)
-        if not p.cancelled and out.finish_reason in ("stop", "length"):
+        if not p.cancelled and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             ttft = None if p.first_token is None else p.first_token - p.arrival
             tpot = None
             if p.first_token is not None and p.num_output_tokens > 1:

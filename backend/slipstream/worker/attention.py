@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from slipstream.worker.ops.base import AttentionOps
 from slipstream.worker.ops.metadata import AttentionMetadata
 
 ATTENTION_NAME = "slipstream_paged"
@@ -21,9 +22,9 @@ _local = threading.local()
 @dataclass
 class StepContext:
     meta: AttentionMetadata
-    key_caches: list  # per layer [num_blocks, block_size, Hkv, D]
-    value_caches: list
-    ops: object  # torch_ops or triton_ops
+    key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, D]
+    value_caches: list[torch.Tensor]
+    ops: AttentionOps  # torch_ops or triton_kernels
 
 
 def set_context(ctx: Optional[StepContext]) -> None:

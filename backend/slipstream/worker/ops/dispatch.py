@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 
 from slipstream.worker.ops import torch_ops
+from slipstream.worker.ops.base import AttentionOps
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ def _load_triton_ops() -> Optional[ModuleType]:
     global _triton_ops, _triton_error
     if _triton_ops is None and _triton_error is None:
         try:
-            from slipstream.worker.ops import triton_kernels as triton_ops
-            _triton_ops = triton_ops
+            from slipstream.worker.ops import triton_kernels
+            _triton_ops = triton_kernels
         except Exception as exc:  # ImportError, or a triton build that fails to initialise
             _triton_error = exc
             logger.warning("OpenAI Triton kernels unavailable, using torch attention: %s", exc)
@@ -46,7 +47,7 @@ def triton_available() -> bool:
     return _load_triton_ops() is not None
 
 
-def get_ops(device: Union[torch.device, str, None] = None) -> ModuleType:
+def get_ops(device: Union[torch.device, str, None] = None) -> AttentionOps:
     """The ops module for ``device`` (see the module docstring for the rules)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     choice = os.environ.get(ENV_VAR, "").strip().lower()
