@@ -141,13 +141,13 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
 
-    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list:
+    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
         chat messages (``{"role", "content"}`` dicts, always templated), or token ids."""
         with self._tokenizer_lock:
             return self._tokenize(prompt, apply_chat_template)
 
-    def _tokenize(self, prompt: Prompt, apply_chat_template: bool) -> list:
+    def _tokenize(self, prompt: Prompt, apply_chat_template: bool) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return self._apply_chat_template(list(prompt))
         if isinstance(prompt, str):
@@ -329,7 +329,9 @@ class LLMEngine:
             cumulative_logprob=req.cumulative_logprob, error=req.error)
 
     # -- offline use --------------------------------------------------------------------------
-    def generate(self, prompts: list, params=None, apply_chat_template: bool = False) -> list:
+    def generate(self, prompts: list[Prompt],
+                 params: Union[None, SamplingParams, list[SamplingParams]] = None,
+                 apply_chat_template: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, apply_chat_template=apply_chat_template)

@@ -61,10 +61,10 @@ class Proposer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    def propose(self, req: Request) -> list:
+    def propose(self, req: Request) -> list[int]:
         return self.propose_batch([req])[0]
 
-    def propose_batch(self, reqs: list) -> list:
+    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
         return [self.propose(r) for r in reqs]
 
     def discard(self, request_id: str) -> None:
@@ -81,17 +81,17 @@ class NgramProposer(Proposer):
         if self.n_max < self.n_min:
             raise ValueError("ngram_prompt_lookup_max must be >= ngram_prompt_lookup_min")
 
-    def propose(self, req: Request) -> list:
+    def propose(self, req: Request) -> list[int]:
         k = max_drafts(req, self.config)
         if k <= 0:
             return []
         return ngram_lookup(req.all_token_ids, k, self.n_min, self.n_max)
 
-    def propose_batch(self, reqs: list) -> list:
+    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
         return [self.propose(r) for r in reqs]
 
 
-def ngram_lookup(tokens: list, k: int, n_min: int, n_max: int) -> list:
+def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Drafts from the most recent earlier occurrence of the longest matching suffix."""
     length = len(tokens)
     if length < n_min + 1 or k <= 0:
@@ -121,7 +121,7 @@ class _Shadow:
     seq: Request
     synced: int
     k: int = 0
-    drafts: list = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
 
 
 class DraftModelProposer(Proposer):
@@ -176,7 +176,7 @@ class DraftModelProposer(Proposer):
             if req is None or req.status is not RequestStatus.RUNNING:
                 self.discard(rid)
 
-    def _map(self, tokens: list) -> list:
+    def _map(self, tokens: list[int]) -> list[int]:
         # Target ids the draft embedding table lacks (vocab padding) are never sampled in
         # practice; feed 0 so the draft stays usable. Only draft quality could suffer.
         dv = self.draft_vocab
@@ -203,7 +203,7 @@ class DraftModelProposer(Proposer):
         return shadow
 
     # -- proposing ------------------------------------------------------------------------
-    def propose_batch(self, reqs: list) -> list:
+    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
         from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
         self._collect_garbage()

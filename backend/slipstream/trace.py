@@ -18,9 +18,10 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
-from slipstream.core.request import RequestStatus
+from slipstream.core.request import Request, RequestStatus
+from slipstream.core.scheduler_output import ScheduledRequest
 
 DEFAULT_MAX_RECORDS = 100_000
 _BATCH_PID = 1  # one thread (tid = slot) per batch slot
@@ -48,14 +49,14 @@ class StepRecord:
     step: int
     start: float  # time.perf_counter() seconds
     end: float
-    entries: list = field(default_factory=list)  # TraceEntry, in batch order
+    entries: list[TraceEntry] = field(default_factory=list)  # in batch order
     kv_blocks_used: int = 0  # after the step (blocks of requests finished in it are free)
     kv_blocks_total: int = 0
     num_waiting: int = 0
     num_running: int = 0
-    preempted: list = field(default_factory=list)  # request ids preempted while scheduling
-    swapped_out: list = field(default_factory=list)
-    swapped_in: list = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
     num_padding_seqs: int = 0  # static/dynamic batching: rows that are pure padding
     num_padding_tokens: int = 0  # padded prompt tokens plus the padding rows' tokens
 
@@ -76,7 +77,7 @@ class StepRecord:
         return self.end - self.start
 
 
-def split_tokens(item) -> tuple:
+def split_tokens(item: ScheduledRequest) -> tuple[int, int]:
     """(prefill, decode) tokens of one ``ScheduledRequest``.
 
     Decode means the step computes the request's one newest token (and its drafts) past
@@ -99,8 +100,8 @@ class StepTracer:
             raise ValueError("max_records must be positive")
         self.records: deque = deque(maxlen=max_records)
         self.num_steps = 0  # every step recorded, including those dropped from the buffer
-        self._slots: dict = {}  # request id -> slot
-        self._holders: dict = {}  # request id -> Request, to see when it leaves the batch
+        self._slots: dict[str, int] = {}  # request id -> slot
+        self._holders: dict[str, Request] = {}  # to see when a request leaves the batch
 
     @property
     def num_dropped(self) -> int:
@@ -154,7 +155,7 @@ class StepTracer:
                 del self._slots[rid]
 
     # -- export ------------------------------------------------------------------------------
-    def to_chrome_trace(self) -> dict:
+    def to_chrome_trace(self) -> dict[str, Any]:
         """The records as Chrome trace events (``ts``/``dur`` in microseconds)."""
         records = list(self.records)
         origin = records[0].start if records else 0.0

@@ -42,7 +42,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                             scaling: Optional[float] = None, dropout: float = 0.0,
                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                            **kwargs) -> tuple:
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``([1, T, H, D], None)``."""
     ctx = get_context()
     layer = module.layer_idx

@@ -38,7 +38,7 @@ PAD_SEQ_LEN = 1
 PAD_BLOCK = -1
 
 
-def capture_sizes(max_batch_size: int, batch_sizes: Optional[Iterable[int]] = None) -> list:
+def capture_sizes(max_batch_size: int, batch_sizes: Optional[Iterable[int]] = None) -> list[int]:
     """The sorted buckets to capture: ``batch_sizes`` (default powers of two) capped at
     ``max_batch_size``; ``max_batch_size`` itself is added when it is not a bucket, so every
     batch up to it has a graph."""

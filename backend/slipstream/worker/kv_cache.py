@@ -65,11 +65,11 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def copy_blocks_out(self, block_ids: list) -> torch.Tensor:
+    def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
         """Gather blocks for swapping: ``[2, layers, n, block_size, Hkv, D]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         return self.data.index_select(2, idx)
 
-    def copy_blocks_in(self, block_ids: list, payload: torch.Tensor) -> None:
+    def copy_blocks_in(self, block_ids: list[int], payload: torch.Tensor) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         self.data.index_copy_(2, idx, payload.to(self.data.device))

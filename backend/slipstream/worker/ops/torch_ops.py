@@ -62,8 +62,8 @@ class _PrefillChunk:
 
 @dataclass
 class StepPlan:
-    decode: list  # _DecodeGroup
-    prefill: list  # _PrefillChunk
+    decode: list[_DecodeGroup]
+    prefill: list[_PrefillChunk]
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
@@ -81,8 +81,8 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
 MAX_GATHER_BYTES = 8 << 20
 
 
-def length_groups(seq_lens: list, block_size: int, slack: float = 1.25,
-                  max_group_blocks: Optional[int] = None) -> list:
+def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25,
+                  max_group_blocks: Optional[int] = None) -> list[list[int]]:
     """Split decode sequences into groups of similar length (indices sorted by length), so
     that padding every sequence of a group to its longest wastes at most ``slack``, and a
     group's padded size stays within ``max_group_blocks`` blocks where one is given."""
