@@ -126,6 +126,3 @@ def warm_up(grpc_url: str, workload: Workload, model: str = MODEL_NAME) -> None:
     run_triton(grpc_url, workload, [0.0] * len(workload), label="warm-up", progress=False,
                timeout=600.0, model=model)
 
-
-def first_error(records: Sequence[RequestRecord]) -> Optional[str]:
-    return next((r.error for r in records if r.error), None)

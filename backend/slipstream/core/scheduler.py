@@ -51,10 +51,6 @@ class SchedulerBase(ABC):
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
