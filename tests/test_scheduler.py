@@ -47,7 +47,6 @@ def sample(sched: SchedulerOutput, token: int = 7, agree_with_drafts: int = 0) -
     tokens; with drafts, the first ``agree_with_drafts`` draft rows agree with the target."""
     out = SampledTokens.empty(0)
     for item in sched.scheduled:
-        req = item.request
         reaches_end = item.num_computed_before + item.num_new_tokens == (
             item.num_tokens_before + len(item.spec_token_ids))
         if not reaches_end:

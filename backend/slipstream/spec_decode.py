@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-import torch
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
