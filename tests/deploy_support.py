@@ -51,6 +51,20 @@ def require_tool(name: str) -> str:
     return path
 
 
+def require_module(name: str):
+    """A Python package of the `deploy` extra: missing is a failure in CI, a skip elsewhere."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"{name} is not installed (pip install -e '.[deploy]')")
+
+
 @functools.lru_cache(maxsize=None)
 def render(kustomization: str) -> tuple:
     """`kubectl kustomize deploy/<kustomization>` as a tuple of objects."""

@@ -17,7 +17,7 @@ import yaml
 from deploy_support import (ADAPTER_VALUES, DASHBOARD, DEPLOY, KUSTOMIZATIONS, OVERLAYS, ROOT,
                             container, dockerfile, dockerfile_exec_form, find,
                             http_path_probes, image_path_to_repo, plain_env, pod_spec,
-                            port_numbers, project, render, require_tool)
+                            port_numbers, project, render, require_module, require_tool)
 from slipstream.server.launcher import TritonInstall, TritonServer, gpu_present
 from slipstream.server.metrics import GAUGES, PREFIX
 
@@ -29,8 +29,7 @@ CRD_KINDS = {"ServiceMonitor"}
 
 
 def validate(obj: dict, version=None) -> None:
-    import kubernetes_validate
-
+    kubernetes_validate = require_module("kubernetes_validate")
     kubernetes_validate.validate(obj, version or kubernetes_validate.latest_version(), strict=True)
 
 
@@ -50,7 +49,6 @@ def test_kustomization_renders(kustomization):
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_rendered_objects_validate_against_the_kubernetes_schema(kustomization, version):
-    pytest.importorskip("kubernetes_validate")
     checked = 0
     for obj in render(kustomization):
         if obj["kind"] in CRD_KINDS:
@@ -62,7 +60,7 @@ def test_rendered_objects_validate_against_the_kubernetes_schema(kustomization, 
 
 def test_schema_validation_rejects_a_misspelled_field():
     """The validator is strict: a typo in the Deployment would not pass unnoticed."""
-    kv = pytest.importorskip("kubernetes_validate")
+    kv = require_module("kubernetes_validate")
     deployment = copy.deepcopy(find(render("overlays/cpu"), "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kv.ValidationError):
