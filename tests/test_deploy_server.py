@@ -34,7 +34,7 @@ pytestmark = [
                        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"),
 ]
 OVERLAY = "cpu"
-STREAM_TOKENS = 48
+STREAM_TOKENS = 24
 
 
 class ContainerProcess:
@@ -242,12 +242,12 @@ def test_genai_perf_kserve_vllm_request_streams_over_grpc(pod):
         t.set_data_from_numpy(value)
         return t
 
-    inputs = [  # --endpoint-type kserve --backend vllm --streaming --output-tokens-mean 16
+    inputs = [  # --endpoint-type kserve --backend vllm --streaming --output-tokens-mean 8
         tensor("text_input", np.array([b"Tybalt is gone and Romeo banished"], dtype=object), "BYTES"),
         tensor("exclude_input_in_output", np.array([True]), "BOOL"),
         tensor("stream", np.array([True]), "BOOL"),
         tensor("sampling_parameters",
-               np.array([b'{"max_tokens":"16","min_tokens":"16"}'], dtype=object), "BYTES")]
+               np.array([b'{"max_tokens":"8","min_tokens":"8"}'], dtype=object), "BYTES")]
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{pod.ports['grpc']}")
     client.start_stream(callback=lambda result, error: responses.put((result, error)))

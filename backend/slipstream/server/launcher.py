@@ -231,6 +231,14 @@ def gpu_present(dev: Path = Path("/dev")) -> bool:
     return any(dev.glob("nvidia[0-9]*"))
 
 
+def _log_file(log_path) -> Optional[Path]:
+    """Where Triton's log goes: None for stdout (STDOUT_LOG), a temp file when none is given."""
+    if log_path == STDOUT_LOG:
+        return None
+    return Path(log_path) if log_path else Path(
+        tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -266,8 +274,7 @@ class TritonServer:
         self.exit_timeout = exit_timeout
         self.gpu_metrics = gpu_present() if gpu_metrics is None else gpu_metrics
         self._own_log = log_path is None
-        self.log_path: Optional[Path] = None if log_path == STDOUT_LOG else Path(log_path) \
-            if log_path else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.log_path = _log_file(log_path)
         self.process: Optional[subprocess.Popen] = None
         self.install: Optional[TritonInstall] = None
 
