@@ -115,7 +115,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-timeout", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish")
-    p.add_argument("--log-file", help="tritonserver log (default: a temp file)")
+    p.add_argument("--log-file", help="tritonserver log (default: a temp file; '-': stdout, "
+                                      "as in a container)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
 
 
@@ -162,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     code = 0
     try:
         print(f"starting tritonserver (model {engine.get('model', 'default')}; log "
-              f"{server.log_path}) ...", flush=True)
+              f"{server.log_path or 'on stdout'}) ...", flush=True)
         t0 = time.monotonic()
         server.start()
         print(f"ready in {time.monotonic() - t0:.1f} s\n"

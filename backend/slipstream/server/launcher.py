@@ -223,6 +223,22 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
 
 
 # --------------------------------------------------------------------------- the server
+STDOUT_LOG = "-"  # log_path that sends Triton's log to this process's stdout (containers)
+
+
+def gpu_present(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA GPU is visible (the device plugin and ``docker --gpus`` mount /dev/nvidiaN)."""
+    return any(dev.glob("nvidia[0-9]*"))
+
+
+def _log_file(log_path) -> Optional[Path]:
+    """Where Triton's log goes: None for stdout (STDOUT_LOG), a temp file when none is given."""
+    if log_path == STDOUT_LOG:
+        return None
+    return Path(log_path) if log_path else Path(
+        tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -233,7 +249,9 @@ class TritonServer:
     """A ``tritonserver`` process: ``with TritonServer(repo) as server: server.grpc_url ...``.
 
     Ports given as 0 are picked free. The server log goes to ``log_path`` (a temp file unless
-    given); start-up failures raise ``TritonServerError`` with the log's tail.
+    given; ``"-"``: this process's stdout, where a container's log is collected); start-up
+    failures raise ``TritonServerError`` with the log's tail. Triton's GPU metrics are on where
+    a GPU is present (``gpu_metrics=None``), since DCGM has nothing to report without one.
     """
 
     def __init__(self, model_repository=DEFAULT_MODEL_REPOSITORY, *, http_port: int = 8000,
@@ -241,7 +259,7 @@ class TritonServer:
                  models: Sequence[str] = (DEFAULT_MODEL_NAME,), startup_timeout: float = 600.0,
                  log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
-                 exit_timeout: float = 30.0) -> None:
+                 exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -254,9 +272,9 @@ class TritonServer:
         self.extra_env = dict(env or {})
         self.prefer = prefer
         self.exit_timeout = exit_timeout
+        self.gpu_metrics = gpu_present() if gpu_metrics is None else gpu_metrics
         self._own_log = log_path is None
-        self.log_path = Path(log_path) if log_path else Path(
-            tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+        self.log_path = _log_file(log_path)
         self.process: Optional[subprocess.Popen] = None
         self.install: Optional[TritonInstall] = None
 
@@ -279,7 +297,8 @@ class TritonServer:
                "--http-address", self.host, "--http-port", str(self.http_port),
                "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
                "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
-               "--allow-gpu-metrics", "false", "--log-verbose", str(self.log_verbose),
+               "--allow-gpu-metrics", "true" if self.gpu_metrics else "false",
+               "--log-verbose", str(self.log_verbose),
                "--exit-timeout-secs", str(int(self.exit_timeout)),
                # Several servers on one machine (tests run beside a dev server) must not share
                # the Python backend's shared-memory regions.
@@ -295,7 +314,7 @@ class TritonServer:
         self.install = find_tritonserver(self.prefer)
         env = server_env(self.install)
         env.update(self.extra_env)
-        self._log = open(self.log_path, "ab", buffering=0)
+        self._log = open(self.log_path, "ab", buffering=0) if self.log_path else None
         # Own session: Ctrl-C in the terminal reaches our handler only; we stop Triton ourselves.
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -308,6 +327,8 @@ class TritonServer:
         return self
 
     def log_tail(self, chars: int = 6000) -> str:
+        if self.log_path is None:
+            return "(the log went to stdout)"
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -371,7 +392,8 @@ class TritonServer:
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
         return proc.returncode
 
     @property
