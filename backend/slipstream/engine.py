@@ -19,7 +19,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
-from slipstream.worker.sampler import Sampler
+from slipstream.worker.sampler import Sampler, prepare as prepare_sampling
 
 log = logging.getLogger("slipstream")
 Prompt = Union[str, list]
@@ -118,6 +118,9 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.get_input_embeddings().num_embeddings
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.config.max_model_len)
+        with self._tokenizer_lock:
+            prepare_sampling(params, self.tokenizer, vocab)
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         limit = self.config.max_model_len
@@ -169,8 +172,8 @@ class LLMEngine:
         if check_queue and limit and len(self.scheduler.waiting) >= limit:
             raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.params.stop)
+        self.detokenizers[req.request_id] = IncrementalDetokenizer.for_params(
+            self.tokenizer, req.prompt_token_ids, req.params)
         self.scheduler.add(req)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -284,7 +287,10 @@ class LLMEngine:
             if status is not None:
                 break
         self.block_manager.register_full_blocks(req)
-        detok.update(req.all_token_ids)
+        # As in vLLM, the EOS / stop token's own text is not part of the output.
+        stop_token = status is RequestStatus.FINISHED_STOPPED and \
+            not req.params.include_stop_str_in_output
+        detok.update(req.all_token_ids[:-1] if stop_token else req.all_token_ids)
         if detok.stopped_on is not None:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = detok.stopped_on
@@ -325,7 +331,7 @@ class LLMEngine:
             finished=finished, finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens, cumulative_logprob=req.cumulative_logprob,
-            error=req.error)
+            error=req.error, timing=req.timing() if finished else None)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list, params=None, apply_chat_template: bool = False) -> list:
@@ -344,11 +350,19 @@ class LLMEngine:
         return self.stats.snapshot(self.scheduler, bm)
 
 
+def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``keep`` tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
     """Fold an incremental output into a running total."""
     total.text += delta.text
     total.token_ids.extend(delta.token_ids)
     total.logprobs.extend(delta.logprobs)
     for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
-                 "num_cached_tokens", "cumulative_logprob", "error"):
+                 "num_cached_tokens", "cumulative_logprob", "error", "timing"):
         setattr(total, name, getattr(delta, name))

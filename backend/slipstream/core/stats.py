@@ -1,6 +1,7 @@
 """Engine counters: what a metrics endpoint or a benchmark reads."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -21,8 +22,11 @@ class EngineStats:
         self.busy_seconds += seconds
         self.batched_tokens_total += sched.num_tokens
         self.batched_seqs_total += len(sched.scheduled)
+        step_start = time.monotonic() - seconds  # recorded after the step ran
         for item in sched.scheduled:
             req = item.request
+            if req.first_scheduled_time is None:  # the end of its queue time
+                req.first_scheduled_time = step_start
             prompt_left = max(req.num_prompt_tokens - (req.num_computed_tokens - item.num_new_tokens), 0)
             self.prompt_tokens += min(prompt_left, item.num_new_tokens)
 
