@@ -175,7 +175,7 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
             result.engine.update(MAPPED[key](value))
     elif key in FIXED:
         if not _equal(value, FIXED[key]):
-            raise ValueError(f"{key}={value!r} is not supported ({WHY_FIXED[key]}); only "
+            raise ValueError(f"{key}={value!r} is not supported ({WHY_FIXED[key]}), only "
                              f"{json.dumps(FIXED[key])} is")
     elif key == "disable_log_stats":
         result.disable_log_stats = _flag(value, key)
