@@ -135,3 +135,18 @@ def test_model_json_must_be_a_json_object(tmp_path):
 def test_max_logprobs_from_model_json(tmp_path):
     settings = load_settings({}, "slipstream", write(tmp_path, {"max_logprobs": 5}))
     assert settings.max_logprobs == 5
+
+
+def test_shipped_sample_repository_checks_out():
+    """samples/model_repository: vllm_backend's sample with the backend renamed."""
+    from pathlib import Path
+
+    from slipstream.server.repository import check_models, find_models
+
+    repo = Path(__file__).resolve().parents[1] / "samples" / "model_repository"
+    models = find_models(repo)
+    assert [(m.name, m.backend) for m in models] == [("vllm_model", "slipstream")]
+    settings = check_models(models)["vllm_model"]
+    assert settings.engine["model"] == "default" and settings.report_metrics
+    assert find_models(Path(__file__).resolve().parents[1] / "model_repository")[0].name == \
+        "slipstream"  # the Python-backend layout is found by its model.py

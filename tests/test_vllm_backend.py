@@ -12,6 +12,8 @@ the tests share load at start, in parallel; the load / unload tests load their o
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -617,3 +619,24 @@ def test_openai_frontend_request_shape_gives_usage_and_logprobs(server, stream):
             chosen.append(int(ranked[0][0]))
             assert len(position) <= 3
     assert chosen == list(tokens)
+
+
+def serve_cli(*args, timeout=600):
+    cmd = [sys.executable, "-m", "slipstream.server", "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_serve_cli_serves_an_unchanged_vllm_repository_with_the_alias(tmp_path):
+    """A repository written for Triton's vLLM backend, backend "vllm" left as it is:
+    `slipstream serve --vllm-alias` installs the slipstream backend under that name."""
+    need_tritonserver()
+    write_model(tmp_path, "vllm_model", backend="vllm")
+    refused = serve_cli("--model-repository", str(tmp_path), "--exit-after-prompt")
+    assert refused.returncode != 0 and "--vllm-alias" in refused.stderr + refused.stdout
+    proc = serve_cli("--model-repository", str(tmp_path), "--vllm-alias", "--prompt", PROMPTS[1],
+                     "--raw-prompt", "--max-tokens", "16", "--exit-after-prompt")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vllm_model" in proc.stdout
+    assert hf_completion(PROMPTS[1])[1] in proc.stdout.split(PROMPTS[1], 1)[1]
