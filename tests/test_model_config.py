@@ -150,3 +150,15 @@ def test_shipped_sample_repository_checks_out():
     assert settings.engine["model"] == "default" and settings.report_metrics
     assert find_models(Path(__file__).resolve().parents[1] / "model_repository")[0].name == \
         "slipstream"  # the Python-backend layout is found by its model.py
+
+
+def test_install_backend_writes_the_backend_under_each_name(tmp_path, capsys):
+    from pathlib import Path
+
+    from slipstream.server.cli import main
+
+    assert main(["install-backend", "--backend-directory", str(tmp_path), "--alias", "vllm"]) == 0
+    source = (Path(__file__).resolve().parents[1] / "backends" / "slipstream" / "model.py")
+    for name in ("slipstream", "vllm"):
+        assert (tmp_path / name / "model.py").read_text() == source.read_text()
+    assert "installed" in capsys.readouterr().out

@@ -222,11 +222,34 @@ def run_serve(args: argparse.Namespace) -> int:
     return code
 
 
+# --------------------------------------------------------------------------- install-backend
+def add_install_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend-directory", default="/opt/tritonserver/backends",
+                   help="Triton's backend directory (default /opt/tritonserver/backends)")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="also install it under this backend name (e.g. vllm), repeatable")
+
+
+def run_install_backend(args: argparse.Namespace) -> int:
+    """Write <dir>/slipstream/model.py (and one per alias): what a Triton installation needs
+    for ``backend: "slipstream"`` models, besides this package importable by its Python."""
+    from slipstream.server.launcher import BACKEND_NAME, backend_model_py
+
+    for name in [BACKEND_NAME, *args.alias]:
+        target = Path(args.backend_directory) / name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "model.py").write_text(backend_model_py())
+        print(f"installed {target / 'model.py'}")
+    return 0
+
+
 # --------------------------------------------------------------------------- the table
 Command = Union[tuple, str]
 COMMANDS: dict = {
     "serve": ("start tritonserver with the slipstream model (optionally answer --prompt)",
               add_serve_args, run_serve),
+    "install-backend": ("install the slipstream Python-based backend into a Triton backend "
+                        "directory", add_install_backend_args, run_install_backend),
     "bench": "slipstream_bench.cli",
 }
 

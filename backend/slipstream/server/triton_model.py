@@ -255,8 +255,7 @@ class TritonPythonModel:
 
     def _finish(self, p, out):
         end = time.monotonic()
-        if not p.cancelled:  # recorded before the last response, so a client sees them after
-            self.metrics.on_finish(p.track, out, end)
+        self.metrics.on_finish(p.track, out, end)  # before the last response: a client sees it
         if p.cancelled:
             self.logger.log_info(f"slipstream: request {p.stream.request_id} cancelled")
             p.sender.send(flags=FINAL)
