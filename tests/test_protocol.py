@@ -142,6 +142,10 @@ def test_what_cannot_be_honoured_is_refused_with_vllm_texts(sampling, message):
         parse_request({"text_input": s("hi"), "sampling_parameters": s(json.dumps(sampling))})
     assert message in str(err.value)
     assert parse_request({"text_input": s("hi"), "sampling_parameters": s('{"n": 1}')})
+    with pytest.raises(BadRequestError, match="Received n=3"):  # HTTP "parameters" too
+        parse_request({"text_input": s("hi")}, {"n": 3})
+    with pytest.raises(BadRequestError, match="structured outputs"):
+        parse_request({"text_input": s("hi")}, {"guided_choice": ["a", "b"]})
 
 
 def test_lora_name_is_refused_from_json_and_from_request_parameters():

@@ -35,8 +35,10 @@ pytestmark = pytest.mark.skipif(
 
 PROMPTS = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
 MODEL = "vllm_opt"
+# Each model is a backend stub process: they are few, and shared where the features are apart
+# (vllm_metrics also has the health check on: upstream's health_check_enabled configuration).
 STARTUP_MODELS = [MODEL, "vllm_metrics", "vllm_metrics_false", "vllm_log_stats_off",
-                  "vllm_health_on", "vllm_failing_unchecked", "vllm_failing_checked"]
+                  "vllm_failing_unchecked", "vllm_failing_checked"]
 # The engine fails its health check from the second check on: vllm_backend's CI mocks vLLM's
 # check_health() the same way (L0_check_health_vllm/test.sh).
 FAILING_HEALTH_MODEL_PY = '''
@@ -96,11 +98,10 @@ def build_repository(repo):
     write_model(repo, "vllm_load_test")
     write_model(repo, "vllm_invalid_1", model_json={"invalid_attribute": True})
     write_model(repo, "vllm_invalid_2", model_json={"model": "invalid_model"})
-    write_model(repo, "vllm_metrics", parameters=on)
+    write_model(repo, "vllm_metrics", parameters={**on, "ENABLE_VLLM_HEALTH_CHECK": "true"})
     write_model(repo, "vllm_metrics_false", parameters={"REPORT_CUSTOM_METRICS": "false"})
     write_model(repo, "vllm_log_stats_off", parameters=on,
                 model_json={"disable_log_stats": True})
-    write_model(repo, "vllm_health_on", parameters={"ENABLE_VLLM_HEALTH_CHECK": "true"})
     for name, check in (("vllm_failing_unchecked", None), ("vllm_failing_checked", "true")):
         write_model(repo, name, backend="python", model_py=FAILING_HEALTH_MODEL_PY,
                     parameters={"ENABLE_VLLM_HEALTH_CHECK": check} if check else None)
@@ -131,7 +132,7 @@ def server(repo):
     need_tritonserver()
     loads = [f"--load-model={name}" for name in STARTUP_MODELS]
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, models=STARTUP_MODELS,
-                      startup_timeout=600, log_verbose=1,
+                      startup_timeout=600,
                       extra_args=["--model-control-mode=explicit", *loads]) as srv:
         yield srv
 
@@ -502,7 +503,7 @@ def assert_model_ready(client, model, expected):
     assert states == [expected]
 
 
-@pytest.mark.parametrize("model", [MODEL, "vllm_health_on", "vllm_failing_unchecked"])
+@pytest.mark.parametrize("model", [MODEL, "vllm_metrics", "vllm_failing_unchecked"])
 def test_vllm_is_healthy(server, client, model):
     """check_health_test.py::test_vllm_is_healthy: health check unspecified / enabled on a
     sound engine; unspecified on an engine whose check would fail (it is never asked). The

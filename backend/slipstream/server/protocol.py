@@ -69,6 +69,8 @@ _FIXED = {"n": 1, "best_of": 1}
 STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding", "guided_json", "guided_regex",
                           "guided_choice", "guided_grammar", "response_format")
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs engine argument
+# Request-parameter names kept for refuse_unsupported, so they are refused, not ignored.
+_REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
 LORA_NOT_ENABLED = "LoRA feature is not enabled."
 
 
@@ -188,7 +190,7 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     values: dict = {}
     for source in (request_params, sp):
         for key, value in source.items():
-            if source is request_params and key not in _SAMPLING_FIELDS and key not in _FIXED \
+            if source is request_params and key not in _SAMPLING_FIELDS and key not in _REFUSED \
                     and key not in _BOOL_OPTIONS and key not in ("priority", "stop_words"):
                 continue  # request parameters carry other things too (ids, timeouts...)
             values[key] = value
