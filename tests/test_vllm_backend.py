@@ -641,3 +641,17 @@ def test_serve_cli_serves_an_unchanged_vllm_repository_with_the_alias(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vllm_model" in proc.stdout
     assert hf_completion(PROMPTS[1])[1] in proc.stdout.split(PROMPTS[1], 1)[1]
+
+
+def test_exported_metric_names_follow_prometheus_conventions(server):
+    """What promtool checks: a counter's name ends in _total, nothing else's does (the engine's
+    KV pool size was once a gauge called slipstream_kv_blocks_total)."""
+    vllm_infer_twice(server, "vllm_metrics")
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    kinds = dict(re.findall(r"^# TYPE ((?:slipstream_|vllm:)\S+) (\w+)$", text, re.MULTILINE))
+    assert {"slipstream_kv_blocks_capacity", "vllm:kv_cache_usage_perc",
+            "vllm:request_success_total", "vllm:time_per_output_token_seconds"} <= set(kinds)
+    wrong = {name: kind for name, kind in kinds.items()
+             if (kind == "counter") != name.endswith("_total")
+             or (kind != "counter" and re.search(r"_(count|sum|bucket)$", name))}
+    assert wrong == {}
