@@ -7,9 +7,9 @@ the model config (auto-completed inputs/outputs, ``1/model.json``, parameters)
 (``slipstream.engine_loop.EngineLoop``) runs its own thread. The same class serves the Python
 backend layout (``model_repository/slipstream/1/model.py``) and the Python-based backend
 ``backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
-backend does. ``execute`` only parses
-and submits, then returns; ONE sender thread drains every request's output stream and sends
-responses through that request's response sender, ending each with the FINAL flag once.
+backend does. ``execute`` only parses and submits, then returns; ONE sender thread drains
+every request's output stream and sends responses through that request's response sender,
+ending each with the FINAL flag once.
 """
 import json
 import queue
