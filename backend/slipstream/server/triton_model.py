@@ -133,7 +133,7 @@ class TritonPythonModel:
                     kwargs["apply_chat_template"] = True
                 stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
             except OverloadedError as e:
-                self._reject(sender, _error(str(e), _code("UNAVAILABLE")))
+                self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
                 continue
             except (BadRequestError, ValueError) as e:
                 self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
