@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.protocol import (BadRequestError, RequestOptions, build_outputs, output_names,
-                                  parse_request, split_parameters)
+from slipstream.server.protocol import (BadRequestError, RequestOptions, build_outputs,
+                                        logprobs_entries, lora_error, output_names,
+                                        parse_request, split_parameters)
 from slipstream.server.launcher import (read_parameters, render_model_repository,
                                       set_parameters)
 
@@ -88,14 +89,73 @@ def test_options_and_outputs():
               "exclude_input_in_output": b(True)}
     r = parse_request(inputs)
     assert r.options.exclude_input_in_output
-    assert r.params.logprobs == 0  # logprobs are needed to return them
+    assert r.params.logprobs is None  # as in vLLM: the logprobs output is then "null"
     assert output_names(r.options) == ["text_output", "finish_reason", "num_input_tokens",
                                        "num_output_tokens", "cumulative_logprob", "logprobs"]
     out = build_outputs(r.options, "é", finish_reason="stop", num_input_tokens=3,
-                        num_output_tokens=2, cumulative_logprob=-1.5, logprobs=[-1.0, -0.5])
+                        num_output_tokens=2, cumulative_logprob=-1.5)
     assert out["text_output"][0] == "é".encode() and out["finish_reason"][0] == b"stop"
-    assert out["num_input_tokens"].dtype == np.int32 and out["logprobs"].dtype == np.float32
-    assert out["logprobs"].tolist() == [-1.0, -0.5]
+    assert out["logprobs"].tolist() == [b"null"]
+
+
+def test_vllm_backend_wire_format_types_and_shapes():
+    """As Triton's vLLM backend sends them: clients and its OpenAI frontend read these."""
+    options = RequestOptions(return_finish_reason=True, return_num_input_tokens=True,
+                             return_num_output_tokens=True, return_cumulative_logprob=True,
+                             return_logprobs=True)
+    out = build_outputs(options, "x", finish_reason=None, num_input_tokens=7,
+                        num_output_tokens=1, cumulative_logprob=-0.25, logprobs_json="[]")
+    assert out["finish_reason"].tolist() == [b"None"]  # str(None) until the last response
+    assert out["num_input_tokens"].dtype == np.uint32 and out["num_input_tokens"].shape == ()
+    assert out["num_output_tokens"].dtype == np.uint32 and out["num_output_tokens"].shape == (1,)
+    assert out["cumulative_logprob"].dtype == np.float32
+    assert out["logprobs"].dtype == object and out["logprobs"].tolist() == [b"[]"]
+
+
+def test_logprobs_entries_in_vllm_json_layout():
+    from slipstream.core.request import TokenLogprob
+    from support import tiny_model_dir
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    hello, world = tokenizer(" hello world", add_special_tokens=False)["input_ids"]
+    sampled = [TokenLogprob(-0.5, 1, ((hello, -0.5), (world, -1.5))), TokenLogprob(-2.0, 3, ())]
+    entries = logprobs_entries([hello, world], sampled, tokenizer)
+    assert json.loads(json.dumps(entries)) == [
+        {str(hello): {"logprob": -0.5, "rank": 1, "decoded_token": " hello"},
+         str(world): {"logprob": -1.5, "rank": 2, "decoded_token": " world"}},
+        {str(world): {"logprob": -2.0, "rank": 3, "decoded_token": " world"}}]
+    assert logprobs_entries([hello], sampled[:1], tokenizer, detokenize=False)[0][str(hello)][
+        "decoded_token"] is None
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"n": 2}, "Received n=2, but only single choice (n=1) is currently supported"),
+    ({"best_of": "3"}, "Received best_of=3, but only single choice (best_of=1) is currently"),
+    ({"structured_outputs": '{"choice": ["a", "b"]}'}, "structured outputs"),
+    ({"guided_json": {"type": "object"}}, "structured outputs"),
+    ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({"prompt_logprobs": 30}, "Requested prompt logprobs of 30"),
+])
+def test_what_cannot_be_honoured_is_refused_with_vllm_texts(sampling, message):
+    with pytest.raises(BadRequestError) as err:
+        parse_request({"text_input": s("hi"), "sampling_parameters": s(json.dumps(sampling))})
+    assert message in str(err.value)
+    assert parse_request({"text_input": s("hi"), "sampling_parameters": s('{"n": 1}')})
+    with pytest.raises(BadRequestError, match="Received n=3"):  # HTTP "parameters" too
+        parse_request({"text_input": s("hi")}, {"n": 3})
+    with pytest.raises(BadRequestError, match="structured outputs"):
+        parse_request({"text_input": s("hi")}, {"guided_choice": ["a", "b"]})
+
+
+def test_lora_name_is_refused_from_json_and_from_request_parameters():
+    hi = {"text_input": s("hi")}
+    assert lora_error(hi) is None
+    assert lora_error({**hi, "sampling_parameters": s('{"lora_name": "doll"}')}) == \
+        "LoRA feature is not enabled."
+    assert lora_error(hi, json.dumps({"lora_name": "sheep"})) == "LoRA feature is not enabled."
+    assert lora_error(hi, {"lora_name": None, "temperature": 0}) is None
+    assert lora_error({**hi, "sampling_parameters": s("{broken")}) is None  # parse says why
 
 
 def test_stream_defaults_to_excluding_the_prompt():
@@ -150,14 +210,15 @@ def test_parsed_priority_orders_the_engine_queue():
     ({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "lots"}')}, None,
      "max_tokens"),
     ({"text_input": s("hi"), "sampling_parameters": s('{"bogus": 1}')}, None, "bogus"),
-    ({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, None, "'n' must be 1"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, None, "(n=1)"),
     ({"text_input": s("hi"), "max_tokens": np.array([1.5], np.float32)}, None, "must be INT32"),
     ({"text_input": s("hi"), "temperature": np.array([1], np.int32)}, None, "must be FP32"),
     ({"text_input": s("hi"), "stream": np.array([1], np.int32)}, None, "must be BOOL"),
     ({"text_input": s("hi"), "top_p": np.array([np.nan], np.float32)}, None, "finite"),
     ({"text_input": s("hi"), "max_tokens": np.array([0], np.int32)}, None, "max_tokens"),
     ({"text_input": s("hi"), "stream": b(True), "exclude_input_in_output": b(False)}, None,
-     "exclude_input_in_output=false"),
+     "When streaming, `exclude_input_in_output` = False is not allowed."),
+    ({"text_input": s("hi"), "image": s("aGk=")}, None, "input 'image' is not supported"),
     ({"text_input": s("hi")}, "{not json", "request parameters are not valid JSON"),
     ({"text_input": s("hi")}, {"stream": "maybe"}, "'stream' must be a boolean"),
     ({"text_input": np.array([b"a", b"b"], dtype=object)}, None, "exactly one element"),

@@ -12,9 +12,16 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded with the first output token, for co
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list, stop: Optional[list] = None) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list, stop: Optional[list] = None, *,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.skip_special_tokens = skip_special_tokens
+        # Only slow (Python) tokenizers honour it; fast ones ignore it, as in vLLM.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.detokenize = detokenize
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.prefix_offset = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(prompt_token_ids)
@@ -22,13 +29,24 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of ``text`` already returned
         self.stopped_on: Optional[str] = None
 
+    @classmethod
+    def for_params(cls, tokenizer, prompt_token_ids: list, params) -> "IncrementalDetokenizer":
+        """The detokenizer a request's ``SamplingParams`` ask for."""
+        return cls(tokenizer, prompt_token_ids, params.stop,
+                   skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   include_stop_str_in_output=params.include_stop_str_in_output,
+                   detokenize=params.detokenize)
+
     def _decode(self, ids: list) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+        kwargs = {} if self.spaces_between_special_tokens else {
+            "spaces_between_special_tokens": False}
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False, **kwargs)
 
     def update(self, all_token_ids: list) -> None:
         """Absorb newly appended tokens (``all_token_ids`` is prompt + output so far)."""
-        if self.stopped_on is not None:
+        if self.stopped_on is not None or not self.detokenize:
             return
         before = self._decode(all_token_ids[self.prefix_offset:self.read_offset])
         after = self._decode(all_token_ids[self.prefix_offset:])
@@ -47,8 +65,9 @@ class IncrementalDetokenizer:
             if at != -1 and (best is None or at < best[0]):
                 best = (at, s)
         if best is not None:
-            self.text = self.text[:best[0]]
-            self.stopped_on = best[1]
+            at, stop = best
+            self.text = self.text[:at + len(stop) if self.include_stop_str_in_output else at]
+            self.stopped_on = stop
 
     def take(self, final: bool) -> str:
         """The text delta safe to send now (everything that is left when ``final``)."""

@@ -23,7 +23,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
-from slipstream.worker.sampler import Sampler
+from slipstream.worker.sampler import Sampler, prepare as prepare_sampling
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
@@ -127,6 +127,9 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.get_input_embeddings().num_embeddings
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.config.max_model_len)
+        with self._tokenizer_lock:
+            prepare_sampling(params, self.tokenizer, vocab)
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         limit = self.config.max_model_len
@@ -178,8 +181,8 @@ class LLMEngine:
         if check_queue and limit and len(self.scheduler.waiting) >= limit:
             raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, req.params.stop)
+        self.detokenizers[req.request_id] = IncrementalDetokenizer.for_params(
+            self.tokenizer, req.prompt_token_ids, req.params)
         self.scheduler.add(req)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -301,13 +304,18 @@ class LLMEngine:
         if update.num_drafted:
             self.stats.record_speculation(update.num_drafted, update.num_accepted)
         detok = self.detokenizers[req.request_id]
+        if update.new_token_ids and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         if not req.is_finished:
             detok.update(req.all_token_ids)
             return self._output(req, detok.take(final=False), update)
         self._retire(req)
         aborted = req.status is RequestStatus.FINISHED_ABORTED
         if not aborted:
-            detok.update(req.all_token_ids)
+            # As in vLLM, the EOS / stop token's own text is not part of the output.
+            stop_token = (req.status is RequestStatus.FINISHED_STOPPED and update.stop_string is None
+                          and not req.params.include_stop_str_in_output)
+            detok.update(req.all_token_ids[:-1] if stop_token else req.all_token_ids)
         return self._output(req, "" if aborted else detok.take(final=True), update)
 
     def _retire(self, req: Request) -> None:
@@ -326,7 +334,8 @@ class LLMEngine:
             logprobs=list(update.new_logprobs), finished=req.is_finished,
             finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
-            cumulative_logprob=req.cumulative_logprob, error=req.error)
+            cumulative_logprob=req.cumulative_logprob, error=req.error,
+            timing=req.timing() if req.is_finished else None)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt],
@@ -348,11 +357,19 @@ class LLMEngine:
                                    self.block_manager)
 
 
+def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:
+    """vLLM's ``truncate_prompt_tokens``: keep the last ``keep`` tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
     """Fold an incremental output into a running total."""
     total.text += delta.text
     total.token_ids.extend(delta.token_ids)
     total.logprobs.extend(delta.logprobs)
     for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
-                 "num_cached_tokens", "cumulative_logprob", "error"):
+                 "num_cached_tokens", "cumulative_logprob", "error", "timing"):
         setattr(total, name, getattr(delta, name))

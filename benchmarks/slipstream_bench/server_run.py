@@ -111,6 +111,6 @@ def counter_deltas(before: dict, after: dict) -> dict:
         short = name[len("slipstream_"):]
         if short in COUNTERS or short.endswith("_count") or short.endswith("_sum"):
             out[short] = value - before.get(name, 0.0)
-        else:  # gauges; kv_blocks_total is one despite its name
+        else:  # gauges
             out[short] = value
     return out

@@ -46,6 +46,28 @@ _FINISH_REASONS = {
 }
 
 
+class TokenLogprob(float):
+    """A sampled token's log-probability (under the raw model distribution) that also carries,
+    when the request asked for logprobs, its 1-based rank in the vocabulary and the top-N
+    ``(token id, logprob)`` alternatives. A float, so the engine sums and stores it unchanged."""
+
+    def __new__(cls, value: float, rank: Optional[int] = None, top: tuple = ()) -> "TokenLogprob":
+        obj = super().__new__(cls, value)
+        obj.rank, obj.top = rank, tuple(top)
+        return obj
+
+
+@dataclass
+class RequestTiming:
+    """When a finished request arrived, was first scheduled, produced its first token and
+    finished (``time.monotonic()``); the queue / prefill / decode histograms read these."""
+
+    arrival: float
+    first_scheduled: Optional[float]
+    first_token: Optional[float]
+    finished: float
+
+
 class Request:
     """One sequence. Progress is a single counter, ``num_computed_tokens``: prefill and
     decode are the same thing (compute the tokens the KV cache does not hold yet)."""
@@ -66,6 +88,8 @@ class Request:
         self.block_table: list[int] = []
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0
+        self.first_token_time: Optional[float] = None
+        self.first_scheduled_time: Optional[float] = None  # set by EngineStats.record_step
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.error: Optional[str] = None
 
@@ -92,6 +116,10 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    def timing(self) -> RequestTiming:
+        return RequestTiming(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                             time.monotonic())
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed="
                 f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})")
@@ -112,3 +140,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     cumulative_logprob: float = 0.0
     error: Optional[str] = None
+    timing: Optional[RequestTiming] = None  # on the finished output only

@@ -1,6 +1,12 @@
-"""Per-request sampling parameters (vLLM names and defaults)."""
+"""Per-request sampling parameters (vLLM names and defaults).
+
+Everything vLLM's ``SamplingParams`` accepts that a text model can honour is here; what needs
+the tokenizer (``bad_words``) or the vocabulary size (``logit_bias``, ``allowed_token_ids``) is
+resolved and range-checked when the engine makes the request (``worker.sampler.prepare``).
+"""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -22,12 +28,27 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None = off; N = the sampled token's logprob (+ top-N ids)
     use_speculation: bool = True  # opt out of speculative decoding for this request
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    logit_bias: Optional[dict] = None  # token id -> bias added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list] = None  # only these may be sampled
+    bad_words: list = field(default_factory=list)  # words whose last token is banned after the rest
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    prompt_logprobs: Optional[int] = None  # accepted for vLLM parity; no output carries them
+    detokenize: bool = True  # False: token ids only, empty text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        # Filled from bad_words by worker.sampler.prepare (needs the tokenizer).
+        self.bad_words_token_ids: list = []
         self.validate()
 
     @property
@@ -68,6 +89,46 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             integer("logprobs", 0)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0)
+        number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        self._validate_token_constraints()
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize", "use_speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings are only supported when detokenize is True")
+
+    def _validate_token_constraints(self) -> None:
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"allowed_token_ids must be non-negative integers, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be an object mapping token ids to biases")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not _is_token_id(key):
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be numbers, got {value!r}")
+                bias[int(key)] = min(max(float(value), -100.0), 100.0)  # OpenAI's range
+            self.logit_bias = bias
+
+    @property
+    def uses_vocabulary_constraints(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -81,9 +142,19 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs"}
-_FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
-_BOOL_FIELDS = {"ignore_eos", "use_speculation"}
+_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens"}
+_FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "min_p"}
+_BOOL_FIELDS = {"ignore_eos", "use_speculation", "include_stop_str_in_output",
+                "skip_special_tokens", "spaces_between_special_tokens", "detokenize"}
+
+
+def _is_token_id(value: Any) -> bool:
+    """An int >= 0, or its decimal string (JSON object keys are strings)."""
+    if isinstance(value, str):
+        return value.strip().isdigit()
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _coerce(key: str, raw: Any) -> Any:
@@ -103,8 +174,10 @@ def _coerce(key: str, raw: Any) -> Any:
             if low in ("false", "0", "no"):
                 return False
             raise ValueError
-        if key == "stop_token_ids" and isinstance(raw, str):
+        if key in ("stop_token_ids", "allowed_token_ids") and isinstance(raw, str):
             return [int(x) for x in raw.replace(",", " ").split()]
-    except ValueError:
+        if key == "logit_bias" and isinstance(raw, str):
+            return json.loads(raw)
+    except ValueError:  # json.JSONDecodeError is one too
         raise ValueError(f"{key}: cannot parse {raw!r}") from None
     return raw

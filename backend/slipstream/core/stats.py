@@ -1,6 +1,7 @@
 """Engine counters, and the snapshot of them that metrics endpoints and benchmarks read."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from slipstream.core.block_manager import BlockManager
@@ -56,8 +57,12 @@ class EngineStats:
         self.busy_seconds += seconds
         self.batched_tokens_total += sched.num_tokens
         self.batched_seqs_total += len(sched.scheduled)
+        step_start = time.monotonic() - seconds  # recorded after the step ran
         for item in sched.scheduled:
-            prompt_left = max(item.request.num_prompt_tokens - item.num_computed_before, 0)
+            req = item.request
+            if req.first_scheduled_time is None:  # the end of its queue time
+                req.first_scheduled_time = step_start
+            prompt_left = max(req.num_prompt_tokens - item.num_computed_before, 0)
             self.prompt_tokens += min(prompt_left, item.num_new_tokens)
 
     def record_speculation(self, drafted: int, accepted: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from slipstream.server.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, TritonServer,
-                            TritonServerError, read_parameters, render_model_repository)
+                            TritonServerError, render_model_repository)
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -118,6 +118,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", help="tritonserver log (default: a temp file; '-': stdout, "
                                       "as in a container)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--vllm-alias", action="store_true",
+                   help="also install the slipstream backend under the name 'vllm': a repository "
+                        "written for Triton's vLLM backend (backend: \"vllm\", 1/model.json) "
+                        "loads unchanged, and tools that look for backend 'vllm' (Triton's "
+                        "OpenAI frontend) treat its models as vLLM ones")
 
 
 class _Stop(Exception):
@@ -128,20 +133,19 @@ def _raise_stop(signum, frame):
     raise _Stop(signal.Signals(signum).name)
 
 
-def _validate(repo: Path) -> dict:
-    """Check the rendered engine settings in-process, before a server is started."""
-    from slipstream import EngineConfig
-    from slipstream.server.protocol import split_parameters
+def _validate(repo: Path, aliases=()) -> dict:
+    """Check every Slipstream model of the rendered repository (config.pbtxt parameters and
+    1/model.json) in-process, before a server is started: name -> engine settings."""
+    from slipstream.server.repository import check_models, find_models
 
-    config = repo / DEFAULT_MODEL_NAME / "config.pbtxt"
-    if not config.exists():
-        return {}
-    engine, _ = split_parameters(read_parameters(config.read_text()))
     try:
-        EngineConfig.from_dict(engine)
+        checked = check_models(find_models(repo, aliases))
     except ValueError as e:
         raise SystemExit(f"invalid engine setting: {e}")
-    return engine
+    if not checked:
+        raise SystemExit(f"{repo} holds no model served by the slipstream backend"
+                         + ("" if aliases else " (backend \"vllm\" models need --vllm-alias)"))
+    return {name: settings.engine for name, settings in checked.items()}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -150,15 +154,20 @@ def run_serve(args: argparse.Namespace) -> int:
         overrides["model"] = args.model
     work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
     repo = render_model_repository(args.model_repository, work / "model_repository", overrides)
-    engine = _validate(repo)
-    if engine.get("model", "default") in ("", "default"):
+    aliases = ["vllm"] if args.vllm_alias else []
+    engines = _validate(repo, aliases)
+    names = list(engines)
+    prompt_model = DEFAULT_MODEL_NAME if DEFAULT_MODEL_NAME in engines else names[0]
+    engine = engines[prompt_model]
+    if any(e.get("model", "default") in ("", "default") for e in engines.values()):
         from slipstream.worker.model_loader import default_model_dir  # convert the GGUF once, with a progress bar
 
         default_model_dir()
     server = TritonServer(repo, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           startup_timeout=args.startup_timeout, log_path=args.log_file,
-                          log_verbose=args.log_verbose, exit_timeout=args.exit_timeout)
+                          log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
+                          models=names, backend_aliases=aliases)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
@@ -167,13 +176,15 @@ def run_serve(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         server.start()
         print(f"ready in {time.monotonic() - t0:.1f} s\n"
-              f"  HTTP     http://{server.http_url}  (POST /v2/models/{DEFAULT_MODEL_NAME}/generate, "
+              f"  models   {', '.join(names)}\n"
+              f"  HTTP     http://{server.http_url}  (POST /v2/models/{prompt_model}/generate, "
               f"/generate_stream)\n"
               f"  gRPC     {server.grpc_url}\n"
               f"  metrics  {server.metrics_url}", flush=True)
         if args.prompt:
             print(f"\n>>> {args.prompt}", flush=True)
-            result = stream_prompt(server.grpc_url, args.prompt, max_tokens=args.max_tokens,
+            result = stream_prompt(server.grpc_url, args.prompt, model=prompt_model,
+                                   max_tokens=args.max_tokens,
                                    chat=not args.raw_prompt,
                                    on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
             rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
@@ -212,11 +223,34 @@ def run_serve(args: argparse.Namespace) -> int:
     return code
 
 
+# --------------------------------------------------------------------------- install-backend
+def add_install_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend-directory", default="/opt/tritonserver/backends",
+                   help="Triton's backend directory (default /opt/tritonserver/backends)")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="also install it under this backend name (e.g. vllm), repeatable")
+
+
+def run_install_backend(args: argparse.Namespace) -> int:
+    """Write <dir>/slipstream/model.py (and one per alias): what a Triton installation needs
+    for ``backend: "slipstream"`` models, besides this package importable by its Python."""
+    from slipstream.server.launcher import BACKEND_NAME, backend_model_py
+
+    for name in [BACKEND_NAME, *args.alias]:
+        target = Path(args.backend_directory) / name
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "model.py").write_text(backend_model_py())
+        print(f"installed {target / 'model.py'}")
+    return 0
+
+
 # --------------------------------------------------------------------------- the table
 Command = Union[tuple, str]
 COMMANDS: dict = {
     "serve": ("start tritonserver with the slipstream model (optionally answer --prompt)",
               add_serve_args, run_serve),
+    "install-backend": ("install the slipstream Python-based backend into a Triton backend "
+                        "directory", add_install_backend_args, run_install_backend),
     "bench": "slipstream_bench.cli",
 }
 

@@ -11,6 +11,12 @@ Two installations are supported:
   libraries and this interpreter's ``libpython`` on ``LD_LIBRARY_PATH`` and this environment's
   ``bin/`` first on ``PATH`` (so the stub's embedded Python sees the same site-packages).
 
+Either way the backend directory holds the Python-based backend ``slipstream/model.py``
+(``backends/slipstream`` of this repository), so ``backend: "slipstream"`` models load; a
+container that lacks it gets a cache directory linking its own backends plus this one. Aliases
+(``vllm``) install the same backend under another name, for repositories written for Triton's
+vLLM backend and for tools that look at a model's backend name.
+
 ``TritonServer`` is a context manager used by the tests and by ``slipstream serve``;
 ``render_model_repository`` copies a model repository with config parameters replaced, so engine
 settings can change at launch without editing ``config.pbtxt``.
@@ -38,6 +44,11 @@ from typing import Mapping, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "slipstream"
+BACKEND_NAME = "slipstream"
+BACKEND_SOURCE = REPO_ROOT / "backends" / BACKEND_NAME / "model.py"
+# What backends/slipstream/model.py says, for installs without the repository's files.
+BACKEND_MODEL_PY = ("from slipstream.server.triton_model import TritonPythonModel  "
+                    "# noqa: F401\n")
 
 
 class TritonServerError(RuntimeError):
@@ -73,24 +84,22 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def find_tritonserver(prefer: str = "auto") -> TritonInstall:
+def find_tritonserver(prefer: str = "auto", backend_aliases: Sequence[str] = ()) -> TritonInstall:
     """``prefer``: ``auto`` (PATH first, then the nvidia-pytriton wheel), ``path`` or ``pytriton``.
 
     ``SLIPSTREAM_TRITONSERVER=/path/to/tritonserver`` forces a binary (a container layout is
-    assumed: its backends next to it in ``../backends``).
+    assumed: its backends next to it in ``../backends``). ``backend_aliases``: other names the
+    slipstream backend is installed under (``vllm``).
     """
     forced = os.environ.get("SLIPSTREAM_TRITONSERVER")
-    if forced:
-        binary = Path(forced)
-        if not binary.exists():
-            raise TritonServerError(f"SLIPSTREAM_TRITONSERVER={forced} does not exist")
-        backends = binary.resolve().parent.parent / "backends"
-        return TritonInstall(binary, backends if backends.is_dir() else None, [], "path")
+    found = forced or (shutil.which("tritonserver") if prefer in ("auto", "path") else None)
+    if forced and not Path(forced).exists():
+        raise TritonServerError(f"SLIPSTREAM_TRITONSERVER={forced} does not exist")
+    if found:
+        backends = Path(found).resolve().parent.parent / "backends"
+        return TritonInstall(Path(found), overlay_backend_dir(
+            backends if backends.is_dir() else None, backend_aliases), [], "path")
     if prefer in ("auto", "path"):
-        found = shutil.which("tritonserver")
-        if found:
-            backends = Path(found).resolve().parent.parent / "backends"
-            return TritonInstall(Path(found), backends if backends.is_dir() else None, [], "path")
         if prefer == "path":
             raise TritonServerError("tritonserver is not on PATH")
     root = _pytriton_root()
@@ -101,12 +110,18 @@ def find_tritonserver(prefer: str = "auto") -> TritonInstall:
     libs = root.parent.parent / "nvidia_pytriton.libs"
     libdir = sysconfig.get_config_var("LIBDIR")
     lib_dirs = [str(p) for p in (libs, libdir) if p and Path(p).is_dir()]
-    return TritonInstall(root / "bin" / "tritonserver", prepare_backend_dir(root), lib_dirs,
-                         "pytriton")
+    return TritonInstall(root / "bin" / "tritonserver",
+                         prepare_backend_dir(root, backend_aliases), lib_dirs, "pytriton")
 
 
-def prepare_backend_dir(pytriton_root: Path) -> Path:
-    """Assemble ``<cache>/triton_backends/<key>/python/`` for the running Python (once)."""
+def backend_model_py() -> str:
+    """The slipstream backend's ``model.py``: the repository's, else its one line."""
+    return BACKEND_SOURCE.read_text() if BACKEND_SOURCE.is_file() else BACKEND_MODEL_PY
+
+
+def prepare_backend_dir(pytriton_root: Path, aliases: Sequence[str] = ()) -> Path:
+    """Assemble ``<cache>/triton_backends/<key>/`` for the running Python (once): ``python/``
+    from the wheel, ``slipstream/model.py`` and one copy per alias."""
     stub = pytriton_root / "python_backend_stubs" / _python_tag() / "triton_python_backend_stub"
     if not stub.exists():
         raise TritonServerError(f"nvidia-pytriton ships no Python backend stub for Python "
@@ -115,26 +130,66 @@ def prepare_backend_dir(pytriton_root: Path) -> Path:
     files = {"libtriton_python.so": src / "libtriton_python.so",
              "triton_python_backend_utils.py": src / "triton_python_backend_utils.py",
              "triton_python_backend_stub": stub}
-    stamp = json.dumps({n: [str(p), p.stat().st_size, int(p.stat().st_mtime)]
-                        for n, p in sorted(files.items())}, sort_keys=True)
+    model_py = backend_model_py()
+    names = [BACKEND_NAME, *sorted(set(aliases) - {BACKEND_NAME})]
+    stamp = json.dumps({"files": {n: [str(p), p.stat().st_size, int(p.stat().st_mtime)]
+                                  for n, p in sorted(files.items())},
+                        "backends": names, "model.py": model_py}, sort_keys=True)
     key = f"py{_python_tag()}-{uuid.uuid5(uuid.NAMESPACE_URL, stamp).hex[:12]}"
-    backends = cache_dir() / "triton_backends" / key
-    if (backends / "python" / ".complete").exists():
+
+    def fill(tmp: Path) -> None:
+        (tmp / "python").mkdir()
+        for name, path in files.items():
+            shutil.copy2(path, tmp / "python" / name)
+        os.chmod(tmp / "python" / "triton_python_backend_stub", 0o755)
+        for name in names:
+            (tmp / name).mkdir(exist_ok=True)
+            (tmp / name / "model.py").write_text(model_py)
+
+    return _cached_dir(key, stamp, fill)
+
+
+def overlay_backend_dir(backends: Optional[Path], aliases: Sequence[str] = ()) -> Optional[Path]:
+    """A container's backend directory as it is when it already holds ``slipstream`` (and no
+    alias is asked for); otherwise a cache directory linking its backends, plus ours."""
+    names = [BACKEND_NAME, *sorted(set(aliases) - {BACKEND_NAME})]
+    if backends is None:  # no backends next to the binary: it knows where its own are
+        return None
+    if (backends / BACKEND_NAME).is_dir() and names == [BACKEND_NAME]:
         return backends
-    backends.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=key + ".tmp", dir=backends.parent))
-    (tmp / "python").mkdir()
-    for name, path in files.items():
-        shutil.copy2(path, tmp / "python" / name)
-    os.chmod(tmp / "python" / "triton_python_backend_stub", 0o755)
-    (tmp / "python" / ".complete").write_text(stamp)
+    model_py = backend_model_py()
+    entries = sorted(p.name for p in backends.iterdir())
+    stamp = json.dumps({"source": str(backends), "entries": entries, "backends": names,
+                        "model.py": model_py}, sort_keys=True)
+    key = f"overlay-{uuid.uuid5(uuid.NAMESPACE_URL, stamp).hex[:12]}"
+
+    def fill(tmp: Path) -> None:
+        for entry in entries:
+            if entry not in names:
+                os.symlink(backends / entry, tmp / entry)
+        for name in names:
+            (tmp / name).mkdir()
+            (tmp / name / "model.py").write_text(model_py)
+
+    return _cached_dir(key, stamp, fill)
+
+
+def _cached_dir(key: str, stamp: str, fill) -> Path:
+    """``<cache>/triton_backends/<key>``, built once by ``fill(tmp)`` and renamed into place."""
+    target = cache_dir() / "triton_backends" / key
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=key + ".tmp", dir=target.parent))
+    fill(tmp)
+    (tmp / ".complete").write_text(stamp)
     try:
-        os.rename(tmp, backends)
+        os.rename(tmp, target)
     except OSError:  # another process won the race
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (backends / "python" / ".complete").exists():
+        if not (target / ".complete").exists():
             raise
-    return backends
+    return target
 
 
 def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None) -> dict:
@@ -259,7 +314,8 @@ class TritonServer:
                  models: Sequence[str] = (DEFAULT_MODEL_NAME,), startup_timeout: float = 600.0,
                  log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
-                 exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None) -> None:
+                 exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None,
+                 backend_aliases: Sequence[str] = ()) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -273,6 +329,7 @@ class TritonServer:
         self.prefer = prefer
         self.exit_timeout = exit_timeout
         self.gpu_metrics = gpu_present() if gpu_metrics is None else gpu_metrics
+        self.backend_aliases = list(backend_aliases)
         self._own_log = log_path is None
         self.log_path = _log_file(log_path)
         self.process: Optional[subprocess.Popen] = None
@@ -311,7 +368,7 @@ class TritonServer:
     def start(self, wait: bool = True) -> "TritonServer":
         if self.process is not None:
             raise TritonServerError("server already started")
-        self.install = find_tritonserver(self.prefer)
+        self.install = find_tritonserver(self.prefer, self.backend_aliases)
         env = server_env(self.install)
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab", buffering=0) if self.log_path else None

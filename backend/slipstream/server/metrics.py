@@ -1,17 +1,34 @@
-"""Custom Triton metrics of the slipstream model, built on ``pb_utils.MetricFamily``.
+"""Custom Triton metrics of a Slipstream model, built on ``pb_utils.MetricFamily``.
+
+Two sets of families, chosen per model (``metric_families``):
+
+* ``slipstream_*``: engine gauges and counters refreshed from ``EngineLoop.stats()`` (a
+  ``StatsSnapshot``), and
+  per-request latency histograms;
+* ``vllm:*``: Triton vLLM backend's families with its names, labels and buckets, plus the ones
+  vLLM's Grafana dashboard and the Kubernetes Gateway API Inference Extension read
+  (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total``,
+  queue / prefill / decode times ...), so those work unchanged. As in vLLM, prompt tokens count
+  whole prompts (prefix-cache hits included) and ``time_per_output_token`` is observed once per
+  generated token after the first.
 
 ``pb_utils`` (``triton_python_backend_utils``) is passed in, so the package never imports
-Triton. Gauges and counters are refreshed from ``EngineLoop.stats()``; the latency histograms
-are observed per request by the sender thread. Where the Python backend has no HISTOGRAM
-kind (before Triton 24.10), each histogram falls back to ``<name>_count`` / ``<name>_sum``
-counters (a Prometheus summary without quantiles).
+Triton. Every metric call is a round trip to the Triton process: they run on one recorder
+thread, off the thread that sends responses; counters are summed locally and flushed at each
+refresh and when a request finishes. Where the Python backend has no HISTOGRAM kind (before
+Triton 24.10), each histogram becomes ``<name>_count`` / ``<name>_sum`` counters.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.core.stats import StatsSnapshot
 
+# ---------------------------------------------------------------------------- the families
 PREFIX = "slipstream_"
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -21,7 +38,7 @@ GAUGES = {  # metric suffix -> (description, StatsSnapshot attribute)
     "requests_running": ("Requests being decoded or prefilled", "num_running"),
     "requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
     "kv_blocks_used": ("KV cache blocks in use", "kv_blocks_used"),
-    "kv_blocks_total": ("KV cache blocks in the pool", "kv_blocks_total"),
+    "kv_blocks_capacity": ("KV cache blocks in the pool", "kv_blocks_total"),
     "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
     "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / tokens looked up",
                               "prefix_cache_hit_rate"),
@@ -46,6 +63,87 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": ("Time from arrival to the last response", E2E_BUCKETS),
 }
 
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+VLLM_REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+def one_two_five_buckets(limit: int) -> list:
+    """1, 2, 5, 10, 20, 50 ... up to ``limit`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+# vLLM name -> (description, kind, buckets or None); kinds are MetricFamily attribute names.
+def vllm_families(max_model_len: int) -> dict:
+    tokens = one_two_five_buckets(max_model_len)
+    times = VLLM_REQUEST_TIME_BUCKETS
+    return {
+        "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "COUNTER", None),
+        "vllm:generation_tokens_total": ("Number of generation tokens processed.", "COUNTER",
+                                         None),
+        "vllm:num_preemptions_total": ("Cumulative number of preemption from the engine.",
+                                       "COUNTER", None),
+        "vllm:prefix_cache_queries_total": ("Prefix cache queries, in terms of number of "
+                                            "queried tokens.", "COUNTER", None),
+        "vllm:prefix_cache_hits_total": ("Prefix cache hits, in terms of number of cached "
+                                         "tokens.", "COUNTER", None),
+        "vllm:num_requests_running": ("Number of requests in model execution batches.",
+                                      "GAUGE", None),
+        "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "GAUGE",
+                                      None),
+        "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "GAUGE",
+                                     None),
+        "vllm:gpu_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage (the name "
+                                      "before vLLM 0.10).", "GAUGE", None),
+        "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
+                                             "HISTOGRAM", VLLM_TTFT_BUCKETS),
+        "vllm:time_per_output_token_seconds": ("Histogram of time per output token in "
+                                               "seconds.", "HISTOGRAM", VLLM_TPOT_BUCKETS),
+        "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in "
+                                             "seconds.", "HISTOGRAM", times),
+        "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for "
+                                            "request.", "HISTOGRAM", times),
+        "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for "
+                                                "request.", "HISTOGRAM", times),
+        "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for "
+                                              "request.", "HISTOGRAM", times),
+        "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for "
+                                             "request.", "HISTOGRAM", times),
+        "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "HISTOGRAM",
+                                       tokens),
+        "vllm:request_generation_tokens": ("Number of generation tokens processed.",
+                                           "HISTOGRAM", tokens),
+        "vllm:request_params_n": ("Histogram of the n request parameter.", "HISTOGRAM",
+                                  VLLM_N_BUCKETS),
+        "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.",
+                                           "HISTOGRAM", tokens),
+    }
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class RequestTrack:
+    """What the metrics need to remember about one request between its outputs."""
+
+    arrival: float
+    max_tokens: int
+    n: int = 1
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
 
 class _SummaryFallback:
     def __init__(self, count, total) -> None:
@@ -56,31 +154,74 @@ class _SummaryFallback:
         self.total.increment(float(value))
 
 
-class SlipstreamMetrics:
+class _Recorder:
+    """One thread that performs the metric calls (each a round trip to Triton) in order."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="slipstream-metrics", daemon=True)
+        self._thread.start()
+
+    def post(self, call: Callable, *args) -> None:
+        self._queue.put((call, args))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            call, args = item
+            try:
+                call(*args)
+            except Exception:  # a metric must never take the model down
+                pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+class _Factory:
+    """Creates metrics of one label set, keeping their families alive."""
+
     def __init__(self, pb_utils, labels: Mapping[str, str]) -> None:
-        self._families = []  # keep families alive as long as their metrics
+        self.mf = pb_utils.MetricFamily
         self.labels = dict(labels)
-        mf = pb_utils.MetricFamily
-        self.gauges = {k: self._metric(mf, k, d, mf.GAUGE) for k, (d, _) in GAUGES.items()}
-        self.counters = {k: self._metric(mf, k, d, mf.COUNTER) for k, (d, _) in COUNTERS.items()}
+        self._families: list = []
+
+    def metric(self, name: str, desc: str, kind: str, buckets: Optional[Sequence] = None,
+               labels: Optional[Mapping[str, str]] = None):
+        labels = {**self.labels, **(labels or {})}
+        if kind == "HISTOGRAM" and getattr(self.mf, "HISTOGRAM", None) is None:
+            return _SummaryFallback(self.metric(name + "_count", desc + " (count)", "COUNTER",
+                                                labels=labels),
+                                    self.metric(name + "_sum", desc + " (sum)", "COUNTER",
+                                                labels=labels))
+        family = self._family(name, desc, getattr(self.mf, kind))
+        if buckets is not None:
+            return family.Metric(labels=labels, buckets=list(buckets))
+        return family.Metric(labels=labels)
+
+    def _family(self, name: str, desc: str, kind):
+        for existing_name, family in self._families:  # one family, several label sets
+            if existing_name == name:
+                return family
+        family = self.mf(name=name, description=desc, kind=kind)
+        self._families.append((name, family))
+        return family
+
+
+# ---------------------------------------------------------------------------- slipstream_*
+class SlipstreamFamilies:
+    def __init__(self, factory: _Factory, post: Callable) -> None:
+        self._post = post
+        self.gauges = {k: factory.metric(PREFIX + k, d, "GAUGE") for k, (d, _) in GAUGES.items()}
+        self.counters = {k: factory.metric(PREFIX + k, d, "COUNTER")
+                         for k, (d, _) in COUNTERS.items()}
+        self.histograms = {k: factory.metric(PREFIX + k, d, "HISTOGRAM", buckets=b)
+                           for k, (d, b) in HISTOGRAMS.items()}
         self._last = {k: 0.0 for k in COUNTERS}
         self._gauge_values: dict = {}
-        self.histograms = {}
-        kind = getattr(mf, "HISTOGRAM", None)
-        for name, (desc, buckets) in HISTOGRAMS.items():
-            if kind is not None:
-                self.histograms[name] = self._metric(mf, name, desc, kind, buckets=buckets)
-            else:
-                self.histograms[name] = _SummaryFallback(
-                    self._metric(mf, name + "_count", desc + " (count)", mf.COUNTER),
-                    self._metric(mf, name + "_sum", desc + " (sum)", mf.COUNTER))
-
-    def _metric(self, mf, name: str, desc: str, kind, buckets: Optional[list] = None):
-        family = mf(name=PREFIX + name, description=desc, kind=kind)
-        self._families.append(family)
-        if buckets is not None:
-            return family.Metric(labels=self.labels, buckets=buckets)
-        return family.Metric(labels=self.labels)
 
     def update(self, stats: StatsSnapshot) -> None:
         for name, (_, attr) in GAUGES.items():
@@ -89,18 +230,180 @@ class SlipstreamMetrics:
             value = float(getattr(stats, attr))
             delta = value - self._last[name]
             if delta > 0:
-                self.counters[name].increment(delta)
+                self._post(self.counters[name].increment, delta)
                 self._last[name] = value
 
     def _set(self, name: str, value: float) -> None:
-        # Each set is a round trip to the Triton process: skip the ones that change nothing.
-        if self._gauge_values.get(name) != value:
-            self.gauges[name].set(value)
+        if self._gauge_values.get(name) != value:  # skip round trips that change nothing
+            self._post(self.gauges[name].set, value)
             self._gauge_values[name] = value
 
-    def observe_request(self, ttft: Optional[float], tpot: Optional[float], e2e: float) -> None:
-        if ttft is not None:
-            self.histograms["time_to_first_token_seconds"].observe(ttft)
-        if tpot is not None:
-            self.histograms["time_per_output_token_seconds"].observe(tpot)
-        self.histograms["e2e_request_latency_seconds"].observe(e2e)
+    def on_finish(self, track: RequestTrack, out, now: float) -> None:
+        if out.finish_reason not in ("stop", "length"):
+            return
+        if track.first_token is not None:
+            self._post(self.histograms["time_to_first_token_seconds"].observe,
+                       track.first_token - track.arrival)
+            if track.num_output_tokens > 1:
+                self._post(self.histograms["time_per_output_token_seconds"].observe,
+                           (now - track.first_token) / (track.num_output_tokens - 1))
+        self._post(self.histograms["e2e_request_latency_seconds"].observe, now - track.arrival)
+
+
+# ---------------------------------------------------------------------------- vllm:*
+class VllmFamilies:
+    def __init__(self, factory: _Factory, post: Callable, *, max_model_len: int,
+                 block_size: int, num_blocks: int) -> None:
+        self._post = post
+        self.m = {name: factory.metric(name, desc, kind, buckets)
+                  for name, (desc, kind, buckets) in vllm_families(max_model_len).items()}
+        self.success = {reason: factory.metric(
+            "vllm:request_success_total", "Count of successfully processed requests.", "COUNTER",
+            labels={"finished_reason": reason}) for reason in FINISHED_REASONS}
+        # Read by endpoint pickers: block size for prefix-aware routing, and LoRA state.
+        post(factory.metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                            "GAUGE", labels={"block_size": str(block_size),
+                                             "num_gpu_blocks": str(num_blocks)}).set, 1)
+        post(factory.metric("vllm:lora_requests_info", "Running stats on lora requests.",
+                            "GAUGE", labels={"max_lora": "0", "running_lora_adapters": "",
+                                             "waiting_lora_adapters": ""}).set, time.time())
+        self._pending = {"vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": 0}
+        self._last = {"preemptions_total": 0.0, "prefix_cache_queries": 0.0,
+                      "prefix_cache_hits": 0.0}
+        self._gauge_values: dict = {}
+
+    def update(self, stats: StatsSnapshot) -> None:
+        usage = stats.kv_cache_usage
+        for name, value in (("vllm:num_requests_running", stats.num_running),
+                            ("vllm:num_requests_waiting", stats.num_waiting),
+                            ("vllm:kv_cache_usage_perc", usage),
+                            ("vllm:gpu_cache_usage_perc", usage)):
+            if self._gauge_values.get(name) != float(value):
+                self._post(self.m[name].set, float(value))
+                self._gauge_values[name] = float(value)
+        for key, name in (("preemptions_total", "vllm:num_preemptions_total"),
+                          ("prefix_cache_queries", "vllm:prefix_cache_queries_total"),
+                          ("prefix_cache_hits", "vllm:prefix_cache_hits_total")):
+            value = float(getattr(stats, key))
+            if value > self._last[key]:
+                self._post(self.m[name].increment, value - self._last[key])
+                self._last[key] = value
+        self.flush()
+
+    def flush(self) -> None:
+        for name, count in self._pending.items():
+            if count:
+                self._post(self.m[name].increment, count)
+                self._pending[name] = 0
+
+    def on_tokens(self, track: RequestTrack, out, num_tokens: int, now: float,
+                  first: bool) -> None:
+        self._pending["vllm:generation_tokens_total"] += num_tokens
+        if first:
+            self._pending["vllm:prompt_tokens_total"] += out.num_prompt_tokens
+            self._post(self.m["vllm:time_to_first_token_seconds"].observe, now - track.arrival)
+            num_tokens -= 1  # the first token has no time per output token
+            if num_tokens <= 0:
+                return
+            since = track.first_token
+        else:
+            since = track.last_token
+        # Outputs read together share the time since the last one, token by token.
+        interval = (now - since) / num_tokens
+        for _ in range(num_tokens):
+            self._post(self.m["vllm:time_per_output_token_seconds"].observe, interval)
+
+    def on_finish(self, track: RequestTrack, out, now: float) -> None:
+        reason = out.finish_reason if out.finish_reason in FINISHED_REASONS else "abort"
+        self._post(self.success[reason].increment, 1)
+        self.flush()
+        if reason == "abort":
+            return
+        observe = {
+            "vllm:e2e_request_latency_seconds": now - track.arrival,
+            "vllm:request_prompt_tokens": track.num_prompt_tokens,
+            "vllm:request_generation_tokens": track.num_output_tokens,
+            "vllm:request_params_n": track.n,
+            "vllm:request_params_max_tokens": track.max_tokens,
+        }
+        timing = getattr(out, "timing", None)
+        if timing is not None and timing.first_scheduled is not None:
+            observe["vllm:request_queue_time_seconds"] = timing.first_scheduled - timing.arrival
+            observe["vllm:request_inference_time_seconds"] = timing.finished - timing.first_scheduled
+            if timing.first_token is not None:
+                observe["vllm:request_prefill_time_seconds"] = \
+                    timing.first_token - timing.first_scheduled
+                observe["vllm:request_decode_time_seconds"] = timing.finished - timing.first_token
+        for name, value in observe.items():
+            self._post(self.m[name].observe, max(float(value), 0.0))
+
+
+# ---------------------------------------------------------------------------- the facade
+class ModelMetrics:
+    """The metrics of one model instance, as the Triton adapter drives them."""
+
+    def __init__(self, pb_utils, labels: Mapping[str, str], families: Sequence[str] = ("slipstream",),
+                 *, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 0) -> None:
+        self._recorder = _Recorder()
+        self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
+        self.families: list = []
+        try:
+            if "slipstream" in families:
+                self.families.append(SlipstreamFamilies(factory, self._recorder.post))
+            if "vllm" in families:
+                self.families.append(VllmFamilies(factory, self._recorder.post,
+                                                  max_model_len=max_model_len,
+                                                  block_size=block_size, num_blocks=num_blocks))
+        except BaseException:
+            self._recorder.stop()
+            raise
+
+    def track(self, arrival: float, params) -> RequestTrack:
+        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens)
+
+    def on_outputs(self, track: RequestTrack, outs: Sequence, now: float) -> None:
+        """The engine outputs of one request read at ``now`` (usually one)."""
+        num_tokens = sum(len(o.token_ids) for o in outs)
+        if not num_tokens:
+            return
+        first = track.first_token is None
+        if first:
+            track.first_token = now
+            track.num_prompt_tokens = outs[0].num_prompt_tokens
+        track.num_output_tokens += num_tokens
+        for family in self.families:
+            if isinstance(family, VllmFamilies):
+                family.on_tokens(track, outs[0], num_tokens, now, first)
+        track.last_token = now
+
+    def on_finish(self, track: RequestTrack, out, now: float) -> None:
+        for family in self.families:
+            family.on_finish(track, out, now)
+
+    def update(self, stats: StatsSnapshot) -> None:
+        for family in self.families:
+            family.update(stats)
+
+    def stop(self) -> None:
+        self._recorder.stop()
+
+
+class NoMetrics:
+    """REPORT_CUSTOM_METRICS off, or the server started with ``--allow-metrics=false``."""
+
+    families: list = []
+
+    def track(self, arrival: float, params) -> RequestTrack:
+        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens)
+
+    def on_outputs(self, track: RequestTrack, outs: Sequence, now: float) -> None:
+        track.num_output_tokens += sum(len(o.token_ids) for o in outs)
+
+    def on_finish(self, track: RequestTrack, out, now: float) -> None:
+        pass
+
+    def update(self, stats: StatsSnapshot) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

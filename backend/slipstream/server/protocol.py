@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -65,6 +65,13 @@ INPUT_TYPES = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # vLLM sampling-parameter names accepted with a fixed value only.
 _FIXED = {"n": 1, "best_of": 1}
+# vLLM's names for structured (guided) decoding, which this engine cannot honour.
+STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding", "guided_json", "guided_regex",
+                          "guided_choice", "guided_grammar", "response_format")
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs engine argument
+# Request-parameter names kept for refuse_unsupported, so they are refused, not ignored.
+_REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
+LORA_NOT_ENABLED = "LoRA feature is not enabled."
 
 
 def _is_int_dtype(a: np.ndarray) -> bool:
@@ -149,7 +156,8 @@ def _parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
 def parse_request(inputs: Mapping[str, np.ndarray],
                   parameters: Union[None, str, Mapping[str, Any]] = None, *,
                   default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                  default_apply_chat_template: bool = False) -> ParsedRequest:
+                  default_apply_chat_template: bool = False,
+                  max_logprobs: int = MAX_LOGPROBS) -> ParsedRequest:
     """Validate one request. Raises ``BadRequestError`` (a ValueError) with a client-facing text."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     request_params = _parameters_dict(parameters)
@@ -182,14 +190,14 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     values: dict = {}
     for source in (request_params, sp):
         for key, value in source.items():
-            if source is request_params and key not in _SAMPLING_FIELDS and key not in _FIXED \
+            if source is request_params and key not in _SAMPLING_FIELDS and key not in _REFUSED \
                     and key not in _BOOL_OPTIONS and key not in ("priority", "stop_words"):
                 continue  # request parameters carry other things too (ids, timeouts...)
             values[key] = value
 
     for name, value in inputs.items():
         arr = np.asarray(value)
-        if name in ("text_input", "sampling_parameters"):
+        if name in ("text_input", "sampling_parameters", "image"):
             continue
         if name in _BOOL_OPTIONS:
             _check_dtype(name, arr, arr.dtype.kind == "b")
@@ -210,6 +218,9 @@ def parse_request(inputs: Mapping[str, np.ndarray],
         else:
             raise BadRequestError(f"unknown input '{name}'")
 
+    if "image" in inputs:
+        raise BadRequestError("input 'image' is not supported: this backend serves text-only "
+                              "models")
     if "stop_words" in values:  # from JSON / parameters: a string or a list of strings
         values.setdefault("stop", values.pop("stop_words"))
         values.pop("stop_words", None)
@@ -225,29 +236,70 @@ def parse_request(inputs: Mapping[str, np.ndarray],
         "exclude_input_in_output" in sp or "exclude_input_in_output" in request_params
     if opts.stream:
         if explicit_exclude and not opts.exclude_input_in_output:
-            raise BadRequestError("streaming with exclude_input_in_output=false is not supported: "
-                                  "streamed responses carry only the generated text")
+            raise BadRequestError(  # vLLM's text: its clients match it
+                "When streaming, `exclude_input_in_output` = False is not allowed.")
         opts.exclude_input_in_output = True
 
     # --- sampling parameters
-    for name, fixed in _FIXED.items():
-        if name in values:
-            got = values.pop(name)
-            if got is not None and _as_int(name, got) != fixed:
-                raise BadRequestError(f"'{name}' must be {fixed}, got {got!r}")
+    refuse_unsupported(values, max_logprobs)
     values.setdefault("max_tokens", default_max_tokens)
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     if isinstance(values.get("stop_token_ids"), (int, np.integer)) and \
             not isinstance(values.get("stop_token_ids"), bool):
         values["stop_token_ids"] = [int(values["stop_token_ids"])]
-    if (opts.return_logprobs or opts.return_cumulative_logprob) and values.get("logprobs") is None:
-        values["logprobs"] = 0
     try:
         params = SamplingParams.from_dict(values)
     except (ValueError, TypeError) as e:
         raise BadRequestError(f"invalid sampling parameters: {e}") from None
     return ParsedRequest(prompt, params, opts)
+
+
+def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """What vLLM accepts but this engine cannot honour gets a clear error (Triton's OpenAI
+    frontend's texts for n and best_of, vLLM's for logprobs) instead of being ignored."""
+    for name, fixed in _FIXED.items():
+        if name in values:
+            got = values.pop(name)
+            if got is not None and _as_int(name, got) != fixed:
+                raise BadRequestError(f"Received {name}={got}, but only single choice "
+                                      f"({name}={fixed}) is currently supported")
+    for key in STRUCTURED_OUTPUT_KEYS:
+        if values.get(key) not in (None, "", {}):
+            raise BadRequestError(f"'{key}': structured outputs (guided decoding) are not "
+                                  "supported by this backend")
+        values.pop(key, None)
+    if values.get("logits_processors"):
+        raise BadRequestError("per-request logits processors are not supported")
+    values.pop("logits_processors", None)
+    for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        got = values.get(key)
+        if got is not None and not isinstance(got, bool) and str(got).strip().lstrip("-").isdigit() \
+                and int(got) > max_logprobs:
+            raise BadRequestError(f"Requested {what} logprobs of {int(got)}, which is greater "
+                                  f"than max allowed: {max_logprobs}")
+
+
+def lora_error(inputs: Mapping[str, np.ndarray],
+               parameters: Union[None, str, Mapping[str, Any]] = None) -> Optional[str]:
+    """vLLM's refusal of ``lora_name`` (LoRA is not enabled), from the ``sampling_parameters``
+    JSON or the request parameters (HTTP ``"parameters"``); None when no LoRA was asked for.
+    A malformed request is left for ``parse_request`` to describe."""
+    sources = []
+    if inputs.get("sampling_parameters") is not None:
+        try:
+            sources.append(json.loads(_decode("sampling_parameters", _scalar(
+                "sampling_parameters", np.asarray(inputs["sampling_parameters"])))))
+        except (BadRequestError, ValueError):
+            pass
+    try:
+        sources.append(_parameters_dict(parameters))
+    except BadRequestError:
+        pass
+    for source in sources:
+        if isinstance(source, dict) and source.get("lora_name") not in (None, ""):
+            return LORA_NOT_ENABLED
+    return None
 
 
 def output_names(options: RequestOptions) -> list:
@@ -265,21 +317,89 @@ def output_names(options: RequestOptions) -> list:
 
 def build_outputs(options: RequestOptions, text: str, *, finish_reason: Optional[str],
                   num_input_tokens: int, num_output_tokens: int, cumulative_logprob: float,
-                  logprobs) -> dict:
-    """name -> numpy array for the requested outputs of one response."""
+                  logprobs_json: str = "null") -> dict:
+    """name -> numpy array for the requested outputs of one response, in Triton's vLLM
+    backend's wire format: ``finish_reason`` is ``"None"`` until the last response,
+    ``num_input_tokens`` a UINT32 scalar, ``num_output_tokens`` UINT32 [1] (tokens in this
+    response when streaming), ``logprobs`` a JSON string (``"null"`` when not asked for)."""
     out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     if options.return_finish_reason:
-        out["finish_reason"] = np.array([str(finish_reason or "").encode("utf-8")],
-                                        dtype=np.object_)
+        out["finish_reason"] = np.array([str(finish_reason).encode("utf-8")], dtype=np.object_)
     if options.return_num_input_tokens:
-        out["num_input_tokens"] = np.array([num_input_tokens], dtype=np.int32)
+        out["num_input_tokens"] = np.asarray(num_input_tokens, dtype=np.uint32)
     if options.return_num_output_tokens:
-        out["num_output_tokens"] = np.array([num_output_tokens], dtype=np.int32)
+        out["num_output_tokens"] = np.asarray([num_output_tokens], dtype=np.uint32)
     if options.return_cumulative_logprob:
         out["cumulative_logprob"] = np.array([cumulative_logprob], dtype=np.float32)
     if options.return_logprobs:
-        out["logprobs"] = np.array([float(x) for x in (logprobs or [])], dtype=np.float32)
+        out["logprobs"] = np.array([logprobs_json.encode("utf-8")], dtype=np.object_)
     return out
+
+
+def logprobs_entries(token_ids: Sequence[int], logprobs: Sequence[float], tokenizer,
+                     detokenize: bool = True) -> list:
+    """vLLM's per-token logprobs: ``{token id: {"logprob", "rank", "decoded_token"}}`` with
+    the sampled token first, then its top-N alternatives (ranks 1..N). Each token is decoded
+    on its own, as vLLM does, so the sampled tokens' pieces concatenate to the text."""
+    entries = []
+    for token, lp in zip(token_ids, logprobs):
+        position = {token: (float(lp), getattr(lp, "rank", None))}
+        for i, (alt, value) in enumerate(getattr(lp, "top", ())):
+            position.setdefault(alt, (value, i + 1))
+        entries.append({str(t): {"logprob": v, "rank": rank,
+                                 "decoded_token": decode_token(tokenizer, t) if detokenize else None}
+                        for t, (v, rank) in position.items()})
+    return entries
+
+
+def decode_token(tokenizer, token_id: int) -> str:
+    """One token's text alone; a SentencePiece word-start marker that ``decode`` strips is put
+    back as the space it stands for (vLLM does the same)."""
+    text = tokenizer.decode([token_id])
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith("\u2581") and not text.startswith(" "):
+        text = " " + text
+    return text
+
+
+class ResponseBuilder:
+    """One request's responses: what to send for each engine output (streaming) or once at
+    the end (everything accumulated), with vLLM's prompt-prepending rule."""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer=None) -> None:
+        self.options, self.params, self.prompt = parsed.options, parsed.params, parsed.prompt
+        self.tokenizer = tokenizer
+        self.texts: list = []
+        self.token_ids: list = []
+        self.logprobs: list = []
+
+    def streamed(self, out) -> dict:
+        """The response for one engine output of a streaming request."""
+        return self._outputs(out, out.text, out.token_ids, out.logprobs)
+
+    def absorb(self, out) -> None:
+        """Non-streaming: keep an output for the final response."""
+        self.texts.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or [])
+
+    def final(self, out) -> dict:
+        """Non-streaming: the one response, after the finished output."""
+        self.absorb(out)
+        text = "".join(self.texts)
+        if not self.options.exclude_input_in_output:
+            text = self.prompt + text
+        return self._outputs(out, text, self.token_ids, self.logprobs)
+
+    def _outputs(self, out, text: str, token_ids: list, logprobs: list) -> dict:
+        json_text = "null"
+        if self.options.return_logprobs and self.params.logprobs is not None:
+            json_text = json.dumps(logprobs_entries(token_ids, logprobs, self.tokenizer,
+                                                    self.params.detokenize))
+        return build_outputs(self.options, text, finish_reason=out.finish_reason,
+                             num_input_tokens=out.num_prompt_tokens,
+                             num_output_tokens=len(token_ids),
+                             cumulative_logprob=out.cumulative_logprob, logprobs_json=json_text)
 
 
 # Settings of model.py that are not engine settings (everything else in config.pbtxt
@@ -288,6 +408,10 @@ SERVER_PARAMETERS = {
     "default_max_tokens": str(DEFAULT_MAX_TOKENS),
     "apply_chat_template": "false",
     "metrics_interval_ms": "250",
+    # Triton vLLM backend's switches; "" = the default of the model's backend (model_config.py).
+    "REPORT_CUSTOM_METRICS": "",
+    "ENABLE_VLLM_HEALTH_CHECK": "false",
+    "metric_families": "",
 }
 
 

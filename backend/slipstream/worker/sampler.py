@@ -2,7 +2,12 @@
 
 Seeded requests draw from their own ``torch.Generator``, so the same seed gives the same
 tokens whatever else shares the batch. Logprobs are the model's (before temperature and
-penalties), as vLLM reports them.
+penalties), as vLLM reports them; a request that asked for ``logprobs=N`` also gets each
+sampled token's rank and the top-N alternatives (``TokenLogprob``).
+
+Order per row, as vLLM applies them: vocabulary constraints (``allowed_token_ids``,
+``bad_words``, ``logit_bias``), ``min_tokens``, penalties, then temperature, top-k, top-p and
+``min_p`` for sampled requests.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from slipstream.core.request import Request
+from slipstream.core.request import Request, TokenLogprob
+from slipstream.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Sampler:
         when drafts are verified; penalties then use its tokens so far)."""
         logits = logits.float().cpu()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        self._apply_constraints(logits, reqs)
         logits = self._apply_penalties(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
@@ -54,6 +61,9 @@ class Sampler:
         logprobs = []
         if raw_logprobs is not None:
             logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+            for i, req in enumerate(reqs):
+                if req.params.logprobs is not None:
+                    logprobs[i] = _ranked(raw_logprobs[i], logprobs[i], req.params.logprobs)
         return SampleResult(tokens.tolist(), logprobs)
 
     @staticmethod
@@ -65,6 +75,9 @@ class Sampler:
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs /= probs.sum()
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             cumulative = sorted_probs.cumsum(0)
@@ -73,6 +86,30 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
             probs /= probs.sum()
         return probs
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, reqs: list) -> None:
+        """allowed_token_ids, bad_words and logit_bias, in place (rows of one request that
+        verify draft tokens each see the drafts before them as generated)."""
+        row_in_request = 0
+        for i, req in enumerate(reqs):
+            row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+            p = req.params
+            if not p.uses_vocabulary_constraints:
+                continue
+            if p.allowed_token_ids:
+                keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+                masked = torch.full_like(logits[i], float("-inf"))
+                masked[keep] = logits[i, keep]
+                logits[i] = masked
+            if p.bad_words_token_ids:
+                generated = req.output_token_ids + list(req.spec_token_ids[:row_in_request])
+                banned = banned_next_tokens(p.bad_words_token_ids, generated)
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         for i, req in enumerate(reqs):
@@ -102,3 +139,46 @@ class Sampler:
         if req.eos_token_id is not None and not p.ignore_eos:
             blocked.append(req.eos_token_id)
         return blocked or None
+
+
+def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogprob:
+    """The sampled logprob with its vocabulary rank (1 = most likely; ties share the worse
+    rank, as vLLM counts) and the top-N alternatives."""
+    rank = int((row_logprobs >= sampled).sum())
+    top = ()
+    if top_n > 0:
+        values, ids = torch.topk(row_logprobs, min(top_n, row_logprobs.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(sampled, rank, top)
+
+
+def banned_next_tokens(bad_words_token_ids: list, generated: list) -> list:
+    """A bad word's last token is banned when the tokens before it were just generated."""
+    banned = []
+    for seq in bad_words_token_ids:
+        prefix = seq[:-1]
+        if not prefix or generated[len(generated) - len(prefix):] == prefix:
+            banned.append(seq[-1])
+    return banned
+
+
+def prepare(params: SamplingParams, tokenizer, vocab_size: int) -> None:
+    """Resolve what needs the tokenizer or the vocabulary: range-check token ids (vLLM's
+    messages) and tokenize ``bad_words`` (each word alone and after a space, so it is banned at
+    the start of the text and inside it)."""
+    if params.allowed_token_ids and any(t >= vocab_size for t in params.allowed_token_ids):
+        raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+    if params.logit_bias:
+        invalid = sorted(t for t in params.logit_bias if t >= vocab_size)
+        if invalid:
+            raise ValueError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token "
+                             f"ids. Vocabulary size: {vocab_size}")
+    sequences = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    if any(t >= vocab_size for seq in sequences for t in seq):
+        raise ValueError("bad_words contain out-of-vocab token ids")
+    params.bad_words_token_ids = sequences

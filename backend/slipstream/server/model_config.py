@@ -1,0 +1,136 @@
+"""A Triton model's configuration as the Slipstream backend reads it.
+
+* ``auto_complete``: the inputs and outputs Triton's vLLM backend declares (so a model
+  directory needs only ``backend: "slipstream"``), plus Slipstream's typed sampling inputs;
+  decoupled, no Triton batching.
+* ``load_settings``: engine and server settings from config.pbtxt ``parameters`` and
+  ``1/model.json`` (vLLM's engine arguments, ``engine_args``); parameters win over model.json,
+  so ``slipstream serve --set`` overrides either.
+
+Defaults depend on the backend named in config.pbtxt: under ``slipstream`` (or ``vllm``, the
+alias) they are Triton vLLM backend's (custom metrics only with ``REPORT_CUSTOM_METRICS``,
+vLLM-named metric families too); under ``python`` (``model_repository/slipstream/1/model.py``)
+Slipstream's own (its metrics on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from slipstream.server.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.protocol import MAX_LOGPROBS, split_parameters
+
+METRIC_FAMILIES = ("slipstream", "vllm")
+PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
+
+
+def _io(name: str, data_type: str, dims: list, optional: bool = True) -> dict:
+    entry = {"name": name, "data_type": data_type, "dims": dims}
+    if optional:
+        entry["optional"] = True
+    return entry
+
+
+# Triton's vLLM backend's inputs, in its order, then Slipstream's typed inputs.
+INPUTS = [
+    _io("text_input", "TYPE_STRING", [1], optional=False),
+    _io("image", "TYPE_STRING", [-1]),  # refused per request: text-only models
+    _io("stream", "TYPE_BOOL", [1]),
+    _io("sampling_parameters", "TYPE_STRING", [1]),
+    _io("exclude_input_in_output", "TYPE_BOOL", [1]),
+    _io("return_finish_reason", "TYPE_BOOL", [1]),
+    _io("return_cumulative_logprob", "TYPE_BOOL", [1]),
+    _io("return_logprobs", "TYPE_BOOL", [1]),
+    _io("return_num_input_tokens", "TYPE_BOOL", [1]),
+    _io("return_num_output_tokens", "TYPE_BOOL", [1]),
+    _io("embedding_request", "TYPE_STRING", [1]),  # refused per request: no embedding task
+    _io("apply_chat_template", "TYPE_BOOL", [1]),
+    *[_io(n, "TYPE_INT32", [1]) for n in ("max_tokens", "min_tokens", "top_k", "end_id",
+                                          "priority")],
+    *[_io(n, "TYPE_FP32", [1]) for n in ("temperature", "top_p", "repetition_penalty",
+                                         "presence_penalty", "frequency_penalty")],
+    _io("seed", "TYPE_UINT64", [1]),
+    _io("stop_words", "TYPE_STRING", [-1]),
+]
+OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+
+
+@dataclass
+class ModelSettings:
+    engine: dict  # for EngineConfig.from_dict
+    default_max_tokens: int
+    apply_chat_template: bool
+    metrics_interval_s: float
+    report_metrics: bool  # REPORT_CUSTOM_METRICS (and not model.json's disable_log_stats)
+    metric_families: tuple  # which of METRIC_FAMILIES to export
+    health_check: bool  # ENABLE_VLLM_HEALTH_CHECK
+    max_logprobs: int
+
+
+def auto_complete(config):
+    """Triton's ``auto_complete_config`` hook: add what the config leaves out."""
+    declared = config.as_dict()
+    have_inputs = {i["name"] for i in declared.get("input", [])}
+    have_outputs = {o["name"] for o in declared.get("output", [])}
+    for entry in INPUTS:
+        if entry["name"] not in have_inputs:
+            config.add_input(entry)
+    for entry in OUTPUTS:
+        if entry["name"] not in have_outputs:
+            config.add_output(entry)
+    config.set_model_transaction_policy(dict(decoupled=True))
+    config.set_max_batch_size(0)  # the engine batches; Triton must not
+    return config
+
+
+def _bool(name: str, value: str, default: bool) -> bool:
+    text = value.strip().lower()
+    if text == "":
+        return default
+    if text not in ("true", "false"):
+        raise ValueError(f"config parameter {name} must be \"true\" or \"false\", got {value!r}")
+    return text == "true"
+
+
+def _families(value: str, default: tuple) -> tuple:
+    if not value.strip():
+        return default
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in METRIC_FAMILIES]
+    if unknown:
+        raise ValueError(f"metric_families: unknown {unknown}; choose from {METRIC_FAMILIES}")
+    return names
+
+
+def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
+                  version_dir: Optional[Path] = None) -> ModelSettings:
+    """Everything a model needs to start, checked; ``ValueError`` says what is wrong."""
+    model_dir = Path(model_dir)
+    version_dir = Path(version_dir) if version_dir is not None else model_dir / "1"
+    engine_params, server = split_parameters(parameters)
+    vllm_args = translate(read_model_json(version_dir) or {})
+    engine = {**vllm_args.engine, **engine_params}
+    search = [model_dir, version_dir, Path.cwd()]
+    for key in PATH_SETTINGS:
+        if isinstance(engine.get(key), str) and engine[key]:
+            engine[key] = resolve_model(engine[key], search)
+    own_layout = backend == "python"
+    report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=own_layout)
+    return ModelSettings(
+        engine=engine,
+        default_max_tokens=int(server["default_max_tokens"]),
+        apply_chat_template=_bool("apply_chat_template", server["apply_chat_template"], False),
+        metrics_interval_s=float(server["metrics_interval_ms"]) / 1000.0,
+        report_metrics=report and not vllm_args.disable_log_stats,
+        metric_families=_families(server["metric_families"],
+                                  ("slipstream",) if own_layout else METRIC_FAMILIES),
+        health_check=_bool("ENABLE_VLLM_HEALTH_CHECK", server["ENABLE_VLLM_HEALTH_CHECK"], False),
+        max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS)
