@@ -100,7 +100,7 @@ class TritonPythonModel:
                                 self.settings.metric_families,
                                 max_model_len=engine_config.max_model_len,
                                 block_size=engine_config.block_size,
-                                num_blocks=int(self.loop.stats().get("kv_blocks_total", 0)))
+                                num_blocks=self.loop.stats().kv_blocks_total)
         except Exception as e:  # e.g. tritonserver --allow-metrics=false
             self.logger.log_warn(f"slipstream: custom metrics unavailable ({e})")
             return NoMetrics()
