@@ -42,6 +42,7 @@ class LLMEngine:
         path = None if model is not None else model_loader.resolve_model_path(config.model)
         self.model = model if model is not None else model_loader.load_model(path, self.dtype, self.device)
         self.tokenizer = tokenizer if tokenizer is not None else model_loader.load_tokenizer(path, config.tokenizer)
+        self.config = config = model_loader.fit_max_model_len(config, self.model.config)
         if self.device.type == "cpu" and config.transpose_linear_weights:
             transpose_linear_weights(self.model)
         self.eos_token_id = self._eos_token_id()
