@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, abort them, and advance everything one step at a time."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -124,6 +125,8 @@ class LLMEngine:
                      apply_chat_template: bool = False) -> Request:
         """Tokenize and validate; raises ``ValueError`` with a message fit for the client."""
         params = params or SamplingParams()
+        params.check_vocab(self.logits_vocab_size)
+        self.check_prompt_size(prompt)
         ids = self.tokenize(prompt, apply_chat_template)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -141,6 +144,32 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
+
+    @functools.cached_property
+    def logits_vocab_size(self) -> int:
+        """How many token ids the model scores (what stop and blocked ids index)."""
+        head = self.model.get_output_embeddings()
+        size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        return int(size or self.model.config.get_text_config().vocab_size)
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int:
+        """Prompts longer than this many UTF-8 bytes cannot fit in ``max_model_len`` tokens:
+        no token covers more bytes than the longest in the vocabulary (measured on its
+        stored form, which is never shorter than the text it stands for)."""
+        longest = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab()),
+                      default=1)
+        return self.config.max_model_len * max(longest, 1)
+
+    def check_prompt_size(self, prompt: Prompt) -> None:
+        """Refuse a text prompt too large to fit before spending time tokenizing it."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_bytes // 4:
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if size > self.max_prompt_bytes:
+                raise ValueError(
+                    f"the prompt is {size} bytes, more than max_model_len "
+                    f"{self.config.max_model_len} tokens can hold (at most {self.max_prompt_bytes} "
+                    "bytes for this tokenizer)")
 
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
