@@ -24,7 +24,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
-from slipstream.worker.sampler import Sampler
+from slipstream.worker.sampler import PerRequestError, Sampler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
@@ -286,8 +286,13 @@ class LLMEngine:
     def _execute_batch(self, sched: SchedulerOutput) -> SampledTokens:
         logits, sample_rows = self.runner.execute(sched)
         row_reqs = [item.request for item, rows in zip(sched.scheduled, sample_rows) for _ in rows]
-        result = self.sampler(logits, row_reqs) if row_reqs else None
+        failed: dict[str, str] = {}
+        try:
+            result = self.sampler(logits, row_reqs) if row_reqs else None
+        except PerRequestError as err:  # only these requests' own rows failed: keep the rest
+            result, failed = err.result, err.failures
         sampled = SampledTokens.empty(0)
+        sampled.errors.update(failed)
         cursor = 0
         for rows in sample_rows:
             sampled.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
@@ -333,7 +338,9 @@ class LLMEngine:
         detok = self.detokenizers[req.request_id]
         if not req.is_finished:
             detok.update(req.all_token_ids)
-            return self._output(req, detok.take(final=False), update)
+            if detok.error is None:
+                return self._output(req, detok.take(final=False), update)
+            self.scheduler.fail(req, detok.error)  # its text cannot be produced: it alone ends
         self._retire(req)
         aborted = req.status is RequestStatus.FINISHED_ABORTED
         if not aborted:
