@@ -174,6 +174,9 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
         chat messages (``{"role", "content"}`` dicts, always templated), or token ids."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)  # token ids: no need to wait while the tokenizer is busy
         with self._tokenizer_lock:
             return self._tokenize(prompt, apply_chat_template)
 
