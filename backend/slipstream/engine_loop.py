@@ -66,8 +66,8 @@ class OutputStream:
     """Incremental outputs of one request; iteration ends after the finished one.
 
     ``rejection`` is the exception when the request was refused after ``submit`` returned
-    (its text prompt is checked on the tokenizer thread): a ``ValueError`` is the client's
-    fault, anything else the server's."""
+    (its text prompt is checked on the tokenizer thread) or ended by the engine's death: a
+    ``ValueError`` is the client's fault, an ``EngineDeadError`` the engine's."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -399,7 +399,8 @@ class EngineLoop:
             self._streams.clear()
             self._pending = 0
         for stream in streams:
-            stream.put(_error_output(stream.request_id, f"engine failed: {reason}"))
+            stream.rejection = EngineDeadError(f"the engine failed: {reason}")
+            stream.put(_error_output(stream.request_id, f"the engine failed: {reason}"))
         if streams and self._on_output is not None:
             self._on_output()
         if self._on_dead is not None:

@@ -14,9 +14,19 @@ Two installations are supported:
 ``TritonServer`` is a context manager used by the tests and by ``slipstream serve``;
 ``render_model_repository`` copies a model repository with config parameters replaced, so engine
 settings can change at launch without editing ``config.pbtxt``.
+
+Stopping (``TritonServer.stop``) does not rely on Triton's own signal handling alone, which in
+2.51 waits on every open HTTP connection (idle keep-alive ones too) before it even starts to
+unload models, and exits with code 1 (or crashes) when its exit timeout runs out with requests
+in flight or a model still loaded. Models are loaded in explicit mode and unloaded first, over
+the repository API, while the server is fully up: the model lets in-flight requests finish
+(up to the exit timeout) and ends the rest with an error, then finalizes. Only then is
+``tritonserver`` signalled, and killed if it lingers; its process group (backend stubs and
+their watchdogs) and its Python-backend shared-memory regions are always removed.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -42,6 +52,21 @@ DEFAULT_MODEL_NAME = "slipstream"
 
 class TritonServerError(RuntimeError):
     """tritonserver could not be found, did not start, or did not become ready."""
+
+
+@dataclass
+class StopReport:
+    """How a server ended: whether its models unloaded (finalized) before it was signalled,
+    its exit code, and what had to be cleaned up after it."""
+
+    models_unloaded: bool = False
+    exit_code: Optional[int] = None
+    killed: bool = False  # it did not exit by itself after the unload (or never unloaded)
+    shm_regions_removed: list = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.models_unloaded and not self.shm_regions_removed
 
 
 # --------------------------------------------------------------------------- locating
@@ -241,7 +266,9 @@ class TritonServer:
                  models: Sequence[str] = (DEFAULT_MODEL_NAME,), startup_timeout: float = 600.0,
                  log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
-                 exit_timeout: float = 30.0) -> None:
+                 exit_timeout: float = 30.0, model_control: str = "explicit") -> None:
+        """``model_control="explicit"`` (the default) loads every model of the repository at
+        start and lets ``stop`` unload them before signalling; "none" is Triton's default."""
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -254,6 +281,8 @@ class TritonServer:
         self.extra_env = dict(env or {})
         self.prefer = prefer
         self.exit_timeout = exit_timeout
+        self.model_control = model_control
+        self.last_stop: Optional[StopReport] = None
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(
             tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
@@ -273,6 +302,11 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
+    @property
+    def shm_prefix(self) -> str:
+        """The Python backend's shared-memory regions of this server start with this."""
+        return f"slipstream_{os.getpid()}_{self.grpc_port}_"
+
     def command(self) -> list:
         assert self.install is not None
         cmd = [str(self.install.binary), "--model-repository", str(self.model_repository),
@@ -283,8 +317,9 @@ class TritonServer:
                "--exit-timeout-secs", str(int(self.exit_timeout)),
                # Several servers on one machine (tests run beside a dev server) must not share
                # the Python backend's shared-memory regions.
-               f"--backend-config=python,shm-region-prefix-name=slipstream_{os.getpid()}_"
-               f"{self.grpc_port}_"]
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+        if self.model_control == "explicit":
+            cmd += ["--model-control-mode=explicit", "--load-model=*"]
         if self.install.backend_dir is not None:
             cmd += ["--backend-directory", str(self.install.backend_dir)]
         return cmd + self.extra_args
@@ -347,32 +382,90 @@ class TritonServer:
             time.sleep(0.25)
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
-        """SIGINT: Triton refuses new requests, lets in-flight ones finish (up to its
-        ``--exit-timeout-secs``), unloads the model (``finalize``) and exits; SIGKILL if it hangs."""
+        """Unload the models (in-flight requests finish or end with an error, each model
+        finalizes), then SIGINT; SIGKILL if it lingers. Returns tritonserver's exit code;
+        ``last_stop`` says how it went."""
         proc = self.process
         if proc is None:
             return None
         timeout = self.exit_timeout + 15 if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        unloaded = False
+        if proc.poll() is None and self.model_control == "explicit":
+            unloaded = self.unload_models(deadline)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+            # Once the models are gone nothing is left to finish: an idle keep-alive
+            # connection (which Triton waits on for its whole exit timeout) is not waited for.
+            wait = min(3.0, timeout) if unloaded else max(deadline - time.monotonic(), 1.0)
             try:
-                proc.wait(timeout=timeout)
+                proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 pass
-        return self.kill()
+        code = self.kill()
+        self.last_stop.models_unloaded = unloaded
+        return code
+
+    def _post(self, path: str, timeout: float = 10.0) -> tuple:
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except (urllib.error.URLError, OSError) as e:
+            return 0, str(e)
+
+    def model_states(self) -> dict:
+        """name -> state ("READY", "UNLOADING", "UNAVAILABLE", ...) from the repository index."""
+        status, body = self._post("/v2/repository/index")
+        if status != 200:
+            return {}
+        return {m["name"]: m.get("state", "") for m in json.loads(body)}
+
+    def unload_models(self, deadline: float) -> bool:
+        """Unload every loaded model and wait until each has finalized (True) or the
+        deadline passes (False)."""
+        for name, state in self.model_states().items():
+            if state in ("READY", "LOADING"):
+                self._post(f"/v2/repository/models/{name}/unload",
+                           timeout=max(deadline - time.monotonic(), 1.0))
+        while time.monotonic() < deadline and self.running:
+            states = self.model_states()
+            if states and all(state not in ("READY", "LOADING", "UNLOADING")
+                              for state in states.values()):
+                return True
+            time.sleep(0.1)
+        return False
 
     def kill(self) -> Optional[int]:
-        """SIGKILL Triton and its backend stubs (our own session), now."""
+        """SIGKILL Triton and its backend stubs (our own session), now, and remove the
+        shared-memory regions they leave."""
         proc, self.process = self.process, None
         if proc is None:
             return None
+        killed = proc.poll() is None
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # also stubs left behind by a crash
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
         self._log.close()
+        self.last_stop = StopReport(exit_code=proc.returncode, killed=killed,
+                                    shm_regions_removed=self.remove_shm_regions())
         return proc.returncode
+
+    def remove_shm_regions(self) -> list:
+        """Remove this server's Python-backend shared-memory regions (a stub or Triton that
+        died without unloading leaves them in /dev/shm)."""
+        removed = []
+        for path in glob.glob(os.path.join("/dev/shm", glob.escape(self.shm_prefix) + "*")):
+            try:
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+            except OSError:
+                pass
+        return removed
 
     @property
     def running(self) -> bool:

@@ -301,6 +301,8 @@ SERVER_PARAMETERS = {
     "default_max_tokens": str(DEFAULT_MAX_TOKENS),
     "apply_chat_template": "false",
     "metrics_interval_ms": "250",
+    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    "max_engine_restarts": "3",  # restarts within 10 minutes before the server is taken down
 }
 
 
