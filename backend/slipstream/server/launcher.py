@@ -349,6 +349,17 @@ class TritonServer:
             return ""
         return text[-chars:]
 
+    def load_errors(self) -> list:
+        """(model, reason) for each model Triton failed to load, from its log (the reason's
+        first line: a model's own error, e.g. a refused setting)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        found = re.findall(r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)",
+                           text, re.M)
+        return list(dict.fromkeys(found))
+
     def _get(self, path: str, timeout: float = 2.0) -> int:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
@@ -370,8 +381,9 @@ class TritonServer:
                 raise TritonServerError("server not started")
             code = self.process.poll()
             if code is not None:
+                reasons = "".join(f"\n  {name}: {why}" for name, why in self.load_errors())
                 raise TritonServerError(
-                    f"tritonserver exited with code {code} before it was ready; log "
+                    f"tritonserver exited with code {code} before it was ready{reasons}\nlog "
                     f"{self.log_path}:\n{self.log_tail()}")
             if self.is_ready():
                 return
