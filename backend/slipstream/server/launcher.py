@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+# An unloading model with nothing in flight for this long will not finalize (see unload_models).
+STUCK_UNLOAD_S = 3.0
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "slipstream"
 
@@ -438,17 +440,46 @@ class TritonServer:
     def unload_models(self, deadline: float) -> bool:
         """Unload every loaded model and wait until each has finalized (True) or the
         deadline passes (False)."""
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         for name, state in self.model_states().items():
             if state in ("READY", "LOADING"):
                 self._post(f"/v2/repository/models/{name}/unload",
                            timeout=max(deadline - time.monotonic(), 1.0))
+        idle_since = None
         while time.monotonic() < deadline and self.running:
             states = self.model_states()
             if states and all(state not in ("READY", "LOADING", "UNLOADING")
                               for state in states.values()):
                 return True
+            # Triton 2.51 can keep a model referenced for ever after a gRPC stream was
+            # cancelled (a race fixed upstream in 25.05): nothing left to finish, yet no
+            # finalize. Waiting for the deadline would only delay the kill.
+            idle = self._requests_in_flight() == 0 and not self._finalizing(log_start)
+            idle_since = (idle_since or time.monotonic()) if idle else None
+            if idle_since is not None and time.monotonic() - idle_since > STUCK_UNLOAD_S:
+                return False
             time.sleep(0.1)
         return False
+
+    def _finalizing(self, log_start: int) -> bool:
+        """Whether a slipstream model has begun its finalize since ``log_start`` (its log)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                return b"slipstream: finalize" in f.read()
+        except OSError:
+            return False
+
+    def _requests_in_flight(self) -> Optional[float]:
+        """Running + waiting requests of the slipstream models (their metrics); None if unknown."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(("slipstream_requests_running", "slipstream_requests_waiting"))]
+        return sum(values) if values else None
 
     def kill(self) -> Optional[int]:
         """SIGKILL Triton and its backend stubs (our own session), now, and remove the
