@@ -296,16 +296,25 @@ class Streams:
 
 
 def cancel_after_final(server, n=20):
+    """Streams closed with stop_stream(cancel_requests=True) right after their final response;
+    returns how many could not be sent."""
+    failed = 0
     for i in range(n):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         done = threading.Event()
-        client.start_stream(callback=lambda result, error: done.set())
-        client.async_stream_infer("slipstream", inputs(f"hi {i}", {"temperature": 0,
-                                                                    "max_tokens": 3}),
-                                  enable_empty_final_response=True)
-        done.wait(60)
+        client.start_stream(callback=lambda result, error: (
+            error or result.get_response().parameters["triton_final_response"].bool_param)
+            and done.set())
+        try:
+            client.async_stream_infer("slipstream", inputs(f"hi {i}", {"temperature": 0,
+                                                                        "max_tokens": 3}),
+                                      enable_empty_final_response=True)
+            done.wait(60)
+        except Exception:  # noqa: BLE001 - counted
+            failed += 1
         client.stop_stream(cancel_requests=True)
         client.close()
+    return failed
 
 
 def measure_sigterm(model, tmp, exit_timeout=3):
@@ -348,7 +357,7 @@ def measure_cancel_then_stop(model, tmp, runs=4):
         for _ in range(runs):
             server = start(model, tmp, exit_timeout=5,
                            model_control="none" if how.startswith("SIGINT") else "explicit")
-            cancel_after_final(server)
+            not_sent = cancel_after_final(server)
             started = time.monotonic()
             if how.startswith("SIGINT"):
                 server.process.send_signal(signal.SIGINT)
@@ -360,8 +369,8 @@ def measure_cancel_then_stop(model, tmp, runs=4):
             finalized = "slipstream: finalize" in server.log_path.read_text()
             left = settle_leftovers(server.shm_prefix)
             server.kill()
-            rows.append({"how": how, "exit code": code, "took s": round(took, 1),
-                         "finalized": finalized, **left})
+            rows.append({"how": how, "streams not sent": not_sent, "exit code": code,
+                         "took s": round(took, 1), "finalized": finalized, **left})
     return rows
 
 
@@ -436,24 +445,30 @@ def main() -> int:
     model = make_tiny_model_dir(cache_root() / "test-models" / "tiny-llama", "llama")
     tmp = tempfile.mkdtemp(prefix="slipstream-robustness-")
     figures = {}
+
+    def record(name, measure, *measure_args):
+        try:
+            figures[name] = measure(*measure_args)
+        except Exception as exc:  # noqa: BLE001 - one failed measurement keeps the others
+            figures[name] = {"measurement failed": repr(exc)}
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=2, default=str))
+
     server = start(model, tmp)
     try:
-        figures["bad values beside a greedy stream"] = measure_values(server)
-        figures["HTTP generate strings"] = measure_http_strings(server)
-        figures["fairness"] = measure_fairness(server)
-        figures["dropped HTTP connections"] = measure_dropped(server)
+        record("bad values beside a greedy stream", measure_values, server)
+        record("HTTP generate strings", measure_http_strings, server)
+        record("fairness", measure_fairness, server)
+        record("dropped HTTP connections", measure_dropped, server)
     finally:
         server.stop()
-    figures["kill -9 of the stub (slipstream serve)"] = measure_killed_stub(model)
-    figures["engine failing every step"] = measure_failing_engine(model, tmp)
-    figures["SIGTERM past a 3 s exit timeout (plain tritonserver)"] = measure_sigterm(model, tmp)
-    figures["stop with an idle keep-alive connection"] = measure_stop_keepalive(model, tmp)
-    figures["20 streams cancelled after their final response, then stop"] = \
-        measure_cancel_then_stop(model, tmp)
-    text = json.dumps(figures, indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    record("kill -9 of the stub (slipstream serve)", measure_killed_stub, model)
+    record("engine failing every step", measure_failing_engine, model, tmp)
+    record("SIGTERM past a 3 s exit timeout (plain tritonserver)", measure_sigterm, model, tmp)
+    record("stop with an idle keep-alive connection", measure_stop_keepalive, model, tmp)
+    record("20 streams cancelled after their final response, then stop",
+           measure_cancel_then_stop, model, tmp)
+    print(json.dumps(figures, indent=2, default=str))
     return 0
 
 

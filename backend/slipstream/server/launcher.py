@@ -62,6 +62,7 @@ class StopReport:
     its exit code, and what had to be cleaned up after it."""
 
     models_unloaded: bool = False
+    unload: str = ""  # "unloaded", "stuck" (will never finalize), "timeout" or "not tried"
     exit_code: Optional[int] = None
     killed: bool = False  # it did not exit by itself after the unload (or never unloaded)
     shm_regions_removed: list = field(default_factory=list)
@@ -404,20 +405,23 @@ class TritonServer:
             return None
         timeout = self.exit_timeout + 15 if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        unloaded = False
+        outcome = "not tried"
         if proc.poll() is None and self.model_control == "explicit":
-            unloaded = self.unload_models(deadline)
+            outcome = self.unload_models(deadline)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            # Once the models are gone nothing is left to finish: an idle keep-alive
-            # connection (which Triton waits on for its whole exit timeout) is not waited for.
-            wait = min(3.0, timeout) if unloaded else max(deadline - time.monotonic(), 1.0)
+            # Once nothing is left to finish (models gone, or stuck with nothing in flight),
+            # an idle keep-alive connection (which Triton waits on for its whole exit
+            # timeout) is not waited for.
+            wait = {"unloaded": min(3.0, timeout), "stuck": 0.0}.get(
+                outcome, max(deadline - time.monotonic(), 1.0))
             try:
                 proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 pass
         code = self.kill()
-        self.last_stop.models_unloaded = unloaded
+        self.last_stop.models_unloaded = outcome == "unloaded"
+        self.last_stop.unload = outcome
         return code
 
     def _post(self, path: str, timeout: float = 10.0) -> tuple:
@@ -437,9 +441,9 @@ class TritonServer:
             return {}
         return {m["name"]: m.get("state", "") for m in json.loads(body)}
 
-    def unload_models(self, deadline: float) -> bool:
-        """Unload every loaded model and wait until each has finalized (True) or the
-        deadline passes (False)."""
+    def unload_models(self, deadline: float) -> str:
+        """Unload every loaded model and wait: "unloaded" once each has finalized, "stuck"
+        when one will not (below), "timeout" at the deadline."""
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         for name, state in self.model_states().items():
             if state in ("READY", "LOADING"):
@@ -450,16 +454,16 @@ class TritonServer:
             states = self.model_states()
             if states and all(state not in ("READY", "LOADING", "UNLOADING")
                               for state in states.values()):
-                return True
+                return "unloaded"
             # Triton 2.51 can keep a model referenced for ever after a gRPC stream was
             # cancelled (a race fixed upstream in 25.05): nothing left to finish, yet no
             # finalize. Waiting for the deadline would only delay the kill.
             idle = self._requests_in_flight() == 0 and not self._finalizing(log_start)
             idle_since = (idle_since or time.monotonic()) if idle else None
             if idle_since is not None and time.monotonic() - idle_since > STUCK_UNLOAD_S:
-                return False
+                return "stuck"
             time.sleep(0.1)
-        return False
+        return "timeout"
 
     def _finalizing(self, log_start: int) -> bool:
         """Whether a slipstream model has begun its finalize since ``log_start`` (its log)."""

@@ -99,6 +99,7 @@ class TritonPythonModel:
                                                     "version": args["model_version"]})
         self.stopping = False
         self.next_ready_check = 0.0
+        self.not_ready_checks, self.first_not_ready = 0, 0.0
         self.sender_thread = threading.Thread(target=self._sender_loop, name="slipstream-sender",
                                               daemon=True)
         self.sender_thread.start()
@@ -201,10 +202,15 @@ class TritonPythonModel:
             if not self.stop_probe.stopping():
                 try:
                     if pb_utils.is_model_ready(self.model_name, str(self.model_version)):
+                        self.not_ready_checks = 0
                         return
                 except Exception:  # "Server not ready": tritonserver is stopping
                     pass
-            self.draining_since = now
+            self.not_ready_checks += 1
+            if self.not_ready_checks == 1:  # a drain cannot be undone: look again first
+                self.first_not_ready = now
+                return
+            self.draining_since = self.first_not_ready
             self.logger.log_warn(f"slipstream: Triton is unloading this model or stopping; "
                                  f"{len(active)} requests get {self.drain_grace:.0f} s to finish")
         if now - self.draining_since >= self.drain_grace:
