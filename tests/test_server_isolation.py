@@ -124,16 +124,20 @@ def test_hostile_request_does_not_slow_a_greedy_stream(server, solo):
     assert beside < 3 * alone + 2, (alone, beside)
 
 
-def test_max_model_len_above_the_model_positions_is_refused_at_load(tmp_path):
-    from slipstream.server.launcher import TritonServerError
-    from slipstream.worker.model_loader import make_tiny_model_dir
-
-    gpt2 = make_tiny_model_dir(tmp_path / "gpt2-64", "gpt2", n_positions=64)
-    repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(gpt2),
-                                                             "max_model_len": 512})
-    with pytest.raises(TritonServerError, match="max_model_len 512 is larger than the model's "
-                                                "position limit 64"):
-        TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300).start()
+def test_a_failed_start_names_the_model_load_error(tmp_path):
+    """What a refused setting (here max_model_len above the model's positions, refused by the
+    engine at load: tests/test_request_validation.py) looks like to whoever started Triton:
+    the model's own error, read from Triton's log, not only the log's tail."""
+    log = tmp_path / "triton.log"
+    log.write_text(
+        'E1123 19:56:07.078239 2385 model_lifecycle.cc:642] "failed to load \'slipstream\' '
+        "version 1: Internal: ValueError: max_model_len 512 is larger than the model's position "
+        'limit 64 (max_position_embeddings in its config.json): set max_model_len <= 64\\n\\nAt:'
+        '\\n  model_loader.py(141): fit_max_model_len"\n')
+    server = TritonServer(REPO, http_port=1, grpc_port=1, metrics_port=1, log_path=log)
+    assert server.load_errors() == [("slipstream", "ValueError: max_model_len 512 is larger than "
+                                     "the model's position limit 64 (max_position_embeddings in "
+                                     "its config.json): set max_model_len <= 64")]
 
 
 def test_http_typed_input_names_with_string_values_are_triton_conversion_errors(server):
