@@ -89,7 +89,8 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
     code = cli_main(["bench", "--quick", "--num-requests", "4", "--model",
                      str(tiny_model_dir("llama")), "--modes", ",".join(modes),
                      "--output-dir", str(out), "--no-progress",
-                     "--kv-cache-bytes", str(16 * 1024 * 1024)])
+                     "--kv-cache-bytes", str(16 * 1024 * 1024),
+                     "--set", "max_model_len=1024"])  # the tiny model's positions
     assert code == 0
     assert not list(scratch.glob("slipstream-bench-*"))  # rendered repositories removed
     results = json.loads((out / "results.json").read_text())

@@ -3,12 +3,21 @@
 Text is emitted only once it is stable: never half a multi-byte UTF-8 character (the
 tokenizer shows those as U+FFFD until the rest arrives), and never a piece that could be
 the start of a stop string, which is held back until it is known not to be one.
+
+Each update costs what the new tokens cost, whatever the request: stop strings are looked
+for only in the text that could newly hold one, and a character that stays incomplete is
+given up on after a few tokens instead of decoding an ever longer tail. A failure here
+belongs to this request alone: it is kept in ``error`` (the step ends the request with it)
+instead of being raised into the step that other requests share.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 _CONTEXT_TOKENS = 6  # prompt tokens decoded with the first output token, for correct spacing
+# A UTF-8 character spans at most 4 byte tokens: a tail still incomplete after this many
+# tokens is not one character in progress, and is emitted as it decodes.
+_MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -28,6 +37,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all stable output text so far
         self.emitted = 0  # characters of ``text`` already returned
         self.stopped_on: Optional[str] = None
+        self.error: Optional[str] = None  # why this request's text could not be produced
 
     @classmethod
     def for_params(cls, tokenizer, prompt_token_ids: list, params) -> "IncrementalDetokenizer":
@@ -46,12 +56,23 @@ class IncrementalDetokenizer:
 
     def update(self, all_token_ids: list) -> None:
         """Absorb newly appended tokens (``all_token_ids`` is prompt + output so far)."""
-        if self.stopped_on is not None or not self.detokenize:
+        if self.stopped_on is not None or self.error is not None or not self.detokenize:
             return
+        try:
+            self._update(all_token_ids)
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
+            self.error = f"detokenization failed: {type(exc).__name__}: {exc}"
+
+    def _update(self, all_token_ids: list) -> None:
         before = self._decode(all_token_ids[self.prefix_offset:self.read_offset])
         after = self._decode(all_token_ids[self.prefix_offset:])
+        pending = len(all_token_ids) - self.read_offset
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # incomplete character: wait for the next token
+            if pending < _MAX_PENDING_TOKENS:
+                return  # incomplete character: wait for the next token
+            if len(after) <= len(before):  # tokens that decode to nothing (special ones)
+                self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
+                return
         new = after[len(before):]
         search_from = max(len(self.text) - self.hold, 0)
         self.text += new

@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, abort them, and advance everything one step at a time."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -23,7 +24,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
-from slipstream.worker.sampler import Sampler, prepare as prepare_sampling
+from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepare_sampling
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
@@ -42,6 +43,7 @@ class LLMEngine:
         path = None if model is not None else model_loader.resolve_model_path(config.model)
         self.model = model if model is not None else model_loader.load_model(path, self.dtype, self.device)
         self.tokenizer = tokenizer if tokenizer is not None else model_loader.load_tokenizer(path, config.tokenizer)
+        self.config = config = model_loader.fit_max_model_len(config, self.model.config)
         if self.device.type == "cpu" and config.transpose_linear_weights:
             transpose_linear_weights(self.model)
         self.eos_token_id = self._eos_token_id()
@@ -123,6 +125,8 @@ class LLMEngine:
                      apply_chat_template: bool = False) -> Request:
         """Tokenize and validate; raises ``ValueError`` with a message fit for the client."""
         params = params or SamplingParams()
+        params.check_vocab(self.logits_vocab_size)
+        self.check_prompt_size(prompt)
         ids = self.tokenize(prompt, apply_chat_template)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -144,9 +148,38 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
 
+    @functools.cached_property
+    def logits_vocab_size(self) -> int:
+        """How many token ids the model scores (what stop and blocked ids index)."""
+        head = self.model.get_output_embeddings()
+        size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        return int(size or self.model.config.get_text_config().vocab_size)
+
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int:
+        """Prompts longer than this many UTF-8 bytes cannot fit in ``max_model_len`` tokens:
+        no token covers more bytes than the longest in the vocabulary (measured on its
+        stored form, which is never shorter than the text it stands for)."""
+        longest = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab()),
+                      default=1)
+        return self.config.max_model_len * max(longest, 1)
+
+    def check_prompt_size(self, prompt: Prompt) -> None:
+        """Refuse a text prompt too large to fit before spending time tokenizing it."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_bytes // 4:
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if size > self.max_prompt_bytes:
+                raise ValueError(
+                    f"the prompt is {size} bytes, more than max_model_len "
+                    f"{self.config.max_model_len} tokens can hold (at most {self.max_prompt_bytes} "
+                    "bytes for this tokenizer)")
+
     def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
         chat messages (``{"role", "content"}`` dicts, always templated), or token ids."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)  # token ids: no need to wait while the tokenizer is busy
         with self._tokenizer_lock:
             return self._tokenize(prompt, apply_chat_template)
 
@@ -259,8 +292,13 @@ class LLMEngine:
     def _execute_batch(self, sched: SchedulerOutput) -> SampledTokens:
         logits, sample_rows = self.runner.execute(sched)
         row_reqs = [item.request for item, rows in zip(sched.scheduled, sample_rows) for _ in rows]
-        result = self.sampler(logits, row_reqs) if row_reqs else None
+        failed: dict[str, str] = {}
+        try:
+            result = self.sampler(logits, row_reqs) if row_reqs else None
+        except PerRequestError as err:  # only these requests' own rows failed: keep the rest
+            result, failed = err.result, err.failures
         sampled = SampledTokens.empty(0)
+        sampled.errors.update(failed)
         cursor = 0
         for rows in sample_rows:
             sampled.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
@@ -308,7 +346,9 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         if not req.is_finished:
             detok.update(req.all_token_ids)
-            return self._output(req, detok.take(final=False), update)
+            if detok.error is None:
+                return self._output(req, detok.take(final=False), update)
+            self.scheduler.fail(req, detok.error)  # its text cannot be produced: it alone ends
         self._retire(req)
         aborted = req.status is RequestStatus.FINISHED_ABORTED
         if not aborted:

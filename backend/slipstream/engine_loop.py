@@ -2,15 +2,26 @@
 
 Callers (the Triton adapter, benchmarks) never touch the engine directly: they submit,
 read their stream, and may abort. All engine state is owned by the loop thread; other
-threads talk to it through a command queue.
+threads talk to it through a command queue. Text prompts are tokenized on a tokenizer
+thread, so a long prompt holds up neither the caller (Triton's ``execute``, which every
+other new request waits behind) nor the engine's steps.
+
+The loop watches its own health. A step that raises, or in which every request that moved
+failed, is a failed step; ``failure_threshold`` of them in a row, or the loop thread dying,
+make the engine DEAD: every request still in it ends with the error, new ones are refused
+with ``EngineDeadError`` and ``health()`` says why (the server reports itself not ready and
+restarts the engine, see ``slipstream.engine_supervisor``).
 """
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
 import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from slipstream.core.config import EngineConfig
@@ -21,16 +32,48 @@ from slipstream.engine import LLMEngine, OverloadedError, Prompt
 
 log = logging.getLogger("slipstream")
 
-__all__ = ["EngineLoop", "OutputStream", "OverloadedError"]
+__all__ = ["EngineDeadError", "EngineLoop", "Health", "HealthState", "OutputStream",
+           "OverloadedError"]
+
+DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itself is broken
+
+
+class HealthState(str, enum.Enum):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    DEAD = "dead"  # crashed, or failing step after step: it serves nothing any more
+    RESTARTING = "restarting"  # a dead engine being replaced (EngineSupervisor)
+    STOPPED = "stopped"  # shut down on purpose
+
+
+@dataclass(frozen=True)
+class Health:
+    state: HealthState
+    consecutive_failures: int = 0
+    error: Optional[str] = None  # the last failed step's error, or why the engine died
+
+    @property
+    def ok(self) -> bool:
+        return self.state is HealthState.HEALTHY
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is not serving (dead, restarting or stopped): the request is refused at
+    once instead of waiting on an engine that will never answer."""
 
 
 class OutputStream:
-    """Incremental outputs of one request; iteration ends after the finished one."""
+    """Incremental outputs of one request; iteration ends after the finished one.
+
+    ``rejection`` is the exception when the request was refused after ``submit`` returned
+    (its text prompt is checked on the tokenizer thread) or ended by the engine's death: a
+    ``ValueError`` is the client's fault, an ``EngineDeadError`` the engine's."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: "queue.Queue[RequestOutput]" = queue.Queue()
         self.finished = False
+        self.rejection: Optional[Exception] = None
 
     def put(self, output: RequestOutput) -> None:
         self._queue.put(output)
@@ -46,14 +89,36 @@ class OutputStream:
             yield self.get()
 
 
+@dataclass
+class _TokenizeJob:
+    stream: OutputStream
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    apply_chat_template: bool
+
+
+def _is_text(prompt: Prompt) -> bool:
+    """Prompts that need the tokenizer (text or chat messages), as opposed to token ids."""
+    return isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and bool(prompt)
+                                       and all(isinstance(m, dict) for m in prompt))
+
+
+def _error_output(request_id: str, message: str,
+                  reason: FinishReason = FinishReason.ERROR) -> RequestOutput:
+    return RequestOutput(request_id, finished=True, finish_reason=reason, error=message)
+
+
 class EngineLoop:
     def __init__(self, config_or_engine, *, on_output: Optional[Callable[[], None]] = None,
-                 **engine_kwargs) -> None:
+                 on_dead: Optional[Callable[[Health], None]] = None,
+                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD, **engine_kwargs) -> None:
         """A config is turned into an engine by ``start()``, on the loop thread.
 
         ``on_output`` is called on the loop thread after each batch of outputs reaches the
         streams, so a reader can sleep until then instead of polling (a poller steals CPU
-        from the model's threads)."""
+        from the model's threads). ``on_dead`` is called once, on the loop thread, when the
+        engine dies (after every request in it has been ended)."""
         if isinstance(config_or_engine, EngineConfig):
             self._build = lambda: LLMEngine(config_or_engine, **engine_kwargs)
             self.engine: Optional[LLMEngine] = None
@@ -61,16 +126,24 @@ class EngineLoop:
             self._build = lambda: config_or_engine
             self.engine = config_or_engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[_TokenizeJob]]" = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
-        self._lock = threading.Lock()  # guards _streams and admission counting
+        self._lock = threading.Lock()  # guards _streams, _aborted_early, health, admission
         self._pending = 0  # submitted, not yet seen by the loop thread
+        self._aborted_early: set[str] = set()  # aborted before the engine had them
         # Waiting requests as the loop thread last saw them; updated in the same critical
         # section that retires a pending request, so waiting + pending never undercounts.
         self._stats = StatsSnapshot()
         self._num_waiting = 0
         self._thread: Optional[threading.Thread] = None
+        self._tokenizer_thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._closing = False  # shutdown began: nothing new is admitted
         self._on_output = on_output
+        self._on_dead = on_dead
+        self._failure_threshold = failure_threshold
+        self._health = Health(HealthState.STARTING)
+        self._ids = itertools.count()
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -92,6 +165,9 @@ class EngineLoop:
                 self._thread.join()
                 self._thread = None
                 raise failure[0]
+            self._tokenizer_thread = threading.Thread(target=self._tokenizer_main,
+                                                      name="slipstream-tokenizer", daemon=True)
+            self._tokenizer_thread.start()
         return self
 
     def _main(self, built: threading.Event, failure: list) -> None:
@@ -99,29 +175,47 @@ class EngineLoop:
             self.engine = self._build()
             self._stats = self.engine.get_stats()
             self._num_waiting = self._stats.num_waiting
+            self._health = Health(HealthState.HEALTHY)
         except BaseException as exc:  # handed to start()'s caller
             failure.append(exc)
             return
         finally:
             built.set()
-        self._run()
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - a bug or a fatal error: nothing must hang
+            log.critical("engine loop crashed:\n%s", traceback.format_exc())
+            self._die(f"engine loop crashed: {type(exc).__name__}: {exc}")
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def health(self) -> Health:
+        return self._health
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is still running, deliver the final outputs, join the thread."""
+        """Abort whatever is still running, deliver the final outputs, join the threads."""
         if self._thread is None:
             return
+        with self._lock:
+            self._closing = True
+        self._jobs.put(None)  # the tokenizer ends what it holds (see _tokenizer_main)
+        if self._tokenizer_thread is not None:
+            self._tokenizer_thread.join(timeout)
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
         alive = self._thread.is_alive()
         self._thread = None
+        with self._lock:
+            if self._health.state is not HealthState.DEAD:
+                self._health = Health(HealthState.STOPPED)
         self._save_trace(alive)
 
     def _save_trace(self, loop_alive: bool) -> None:
+        if self.engine is None:
+            return
         path = self.engine.config.trace_file
         if not path or self.engine.tracer is None:
             return
@@ -144,24 +238,58 @@ class EngineLoop:
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                request_id: Optional[str] = None, priority: int = 0,
                apply_chat_template: bool = False) -> OutputStream:
-        """Validate in the caller's thread (errors raise here), then queue for the engine."""
+        """Check what is cheap in the caller's thread (errors raise here) and queue the rest.
+
+        Token-id prompts are validated here in full. A text prompt is checked for size
+        here and tokenized on the tokenizer thread; if it is then refused, its stream ends
+        with the error and ``stream.rejection`` set."""
         if self._thread is None or self._stop.is_set():
             raise RuntimeError("the engine loop is not running")
-        req = self.engine.make_request(prompt, params, request_id, priority, apply_chat_template)
+        self._refuse_if_dead()
+        engine = self.engine
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        text = _is_text(prompt)
+        if text:
+            if prompt == "":
+                raise ValueError("the prompt is empty")
+            params.check_vocab(engine.logits_vocab_size)
+            engine.check_prompt_size(prompt)
+            req = None
+        else:
+            req = engine.make_request(prompt, params, rid, priority, apply_chat_template)
+        stream = self._admit(rid)
+        if text:
+            self._jobs.put(_TokenizeJob(stream, prompt, params, priority, apply_chat_template))
+        else:
+            self._commands.put(("add", req))
+        return stream
+
+    def _refuse_if_dead(self) -> None:
+        health = self._health
+        if health.state is HealthState.DEAD:
+            raise EngineDeadError(f"the engine is not serving: {health.error}")
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
+
+    def _admit(self, request_id: str) -> OutputStream:
         with self._lock:
-            if req.request_id in self._streams:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._refuse_if_dead()  # again, under the lock a dying loop sweeps streams with
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
             limit = self.engine.config.max_queue_size
             if limit and self._num_waiting + self._pending >= limit:
                 raise OverloadedError(
                     f"server overloaded: {limit} requests already waiting; retry later")
-            stream = OutputStream(req.request_id)
-            self._streams[req.request_id] = stream
+            stream = OutputStream(request_id)
+            self._streams[request_id] = stream
             self._pending += 1
-        self._commands.put(("add", req))
         return stream
 
     def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._streams:
+                self._aborted_early.add(request_id)  # in case the engine does not have it yet
         self._commands.put(("abort", request_id))
 
     def stats(self) -> StatsSnapshot:
@@ -178,6 +306,47 @@ class EngineLoop:
             merge_output(total, out)
         return total
 
+    # -- the tokenizer thread -----------------------------------------------------------------
+    def _tokenizer_main(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if self._closing or self._health.state is HealthState.DEAD:
+                self._reject(job.stream, None)
+                continue
+            with self._lock:
+                skip = job.stream.request_id in self._aborted_early
+            if skip:
+                self._reject(job.stream, None)
+                continue
+            try:
+                req = self.engine.make_request(job.prompt, job.params, job.stream.request_id,
+                                               job.priority, job.apply_chat_template)
+            except Exception as exc:  # noqa: BLE001 - refused: this request alone
+                self._reject(job.stream, exc)
+                continue
+            self._commands.put(("add", req))
+        while True:  # shutting down: what is still queued never reaches the engine
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._reject(job.stream, None)
+
+    def _reject(self, stream: OutputStream, exc: Optional[Exception]) -> None:
+        """End a request that never reached the engine (refused, aborted or shut out)."""
+        stream.rejection = exc
+        if exc is None:
+            out = RequestOutput(stream.request_id, finished=True, finish_reason=FinishReason.ABORT)
+        else:
+            out = _error_output(stream.request_id, str(exc))
+        with self._lock:
+            if self._streams.get(stream.request_id) is stream:  # not already swept by _die
+                self._pending -= 1
+        self._deliver([out])
+
     # -- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -188,15 +357,57 @@ class EngineLoop:
             steps_before = engine.stats.steps
             try:
                 outputs = engine.step()
+                error = None
             except Exception as exc:  # one bad batch must not kill the server
                 log.error("engine step failed:\n%s", traceback.format_exc())
-                outputs = self._fail_scheduled(f"internal error: {exc}")
+                error = f"internal error: {exc}"
+                outputs = self._fail_scheduled(error)
             self._deliver(outputs)
+            if self._record_step(outputs, error):
+                return
             ran = engine.stats.steps != steps_before
             self._refresh_stats()
             if not ran and engine.has_unfinished():
                 self._idle_wait()
         self._abort_all()
+
+    def _record_step(self, outputs: list[RequestOutput], error: Optional[str]) -> bool:
+        """Count a step towards the engine's health; True when the engine is now dead.
+
+        A step that raised, or whose every output is an error, failed; one with any good
+        output succeeded; one with no outputs (prefill chunks, nothing to do) says nothing."""
+        if error is None and outputs:
+            if all(o.finish_reason is FinishReason.ERROR for o in outputs):
+                error = outputs[0].error
+            elif self._health.consecutive_failures:
+                self._health = Health(HealthState.HEALTHY)
+        if error is None:
+            return False
+        count = self._health.consecutive_failures + 1
+        self._health = Health(HealthState.HEALTHY, count, error)
+        if count < self._failure_threshold:
+            return False
+        self._die(f"{count} engine steps in a row failed; last error: {error}")
+        return True
+
+    def _die(self, reason: str) -> None:
+        """End every request with ``reason`` and refuse new ones; the loop thread exits."""
+        log.critical("slipstream engine is dead: %s", reason)
+        with self._lock:
+            self._health = Health(HealthState.DEAD, self._health.consecutive_failures, reason)
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._pending = 0
+        for stream in streams:
+            stream.rejection = EngineDeadError(f"the engine failed: {reason}")
+            stream.put(_error_output(stream.request_id, f"the engine failed: {reason}"))
+        if streams and self._on_output is not None:
+            self._on_output()
+        if self._on_dead is not None:
+            try:
+                self._on_dead(self._health)
+            except Exception:  # noqa: BLE001 - a failing observer must not hide the death
+                log.error("on_dead callback failed:\n%s", traceback.format_exc())
 
     def _idle_wait(self) -> None:
         # Dynamic batching holds requests for its delay window: sleep until then or a command.
@@ -222,36 +433,46 @@ class EngineLoop:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            req = command[1]
-            try:
-                self.engine.add(req, check_queue=False)  # submit admitted it already
-            except Exception as exc:
-                self._deliver([RequestOutput(req.request_id, finished=True,
-                                             finish_reason=FinishReason.ERROR, error=str(exc))])
-            with self._lock:
-                self._pending -= 1
-                self._num_waiting = len(self.engine.scheduler.waiting)
+            self._add(command[1])
         elif kind == "abort":
             out = self.engine.abort(command[1])
             if out is not None:
                 self._deliver([out])
+
+    def _add(self, req) -> None:
+        with self._lock:
+            aborted = req.request_id in self._aborted_early
+        if aborted:
+            out = RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ABORT)
+        else:
+            out = None
+            try:
+                self.engine.add(req, check_queue=False)  # submit admitted it already
+            except Exception as exc:  # noqa: BLE001 - refused: this request alone
+                out = _error_output(req.request_id, str(exc))
+        with self._lock:
+            self._pending -= 1
+            self._num_waiting = len(self.engine.scheduler.waiting)
+        if out is not None:
+            self._deliver([out])
 
     def _refresh_stats(self) -> None:
         self._stats = self.engine.get_stats()
         with self._lock:
             self._num_waiting = self._stats.num_waiting
 
-    def _fail_scheduled(self, message: str) -> list:
+    def _fail_scheduled(self, message: str) -> list[RequestOutput]:
         engine = self.engine
         victims = list(engine.scheduler.running)
         return [o for o in (engine.fail(r.request_id, message) for r in victims) if o is not None]
 
-    def _deliver(self, outputs: list) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             with self._lock:
                 stream = self._streams.get(out.request_id)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+                    self._aborted_early.discard(out.request_id)
             if stream is not None:
                 stream.put(out)
         if outputs and self._on_output is not None:
@@ -268,6 +489,8 @@ class EngineLoop:
             except queue.Empty:
                 break
             if command[0] == "add":
+                with self._lock:
+                    self._pending -= 1
                 self._deliver([RequestOutput(command[1].request_id, finished=True,
                                              finish_reason=FinishReason.ABORT)])
         self._refresh_stats()

@@ -32,7 +32,7 @@ class EngineConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_model_len: Optional[int] = None  # None = the model's position limit
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
 
@@ -68,9 +68,11 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_batch_size", "num_speculative_tokens"):
             positive(name)
+        if self.max_model_len is not None:
+            positive("max_model_len")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:
@@ -97,7 +99,8 @@ class EngineConfig:
                 f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method='draft' needs speculative_model")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
@@ -128,7 +131,8 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
             if text.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if isinstance(default, int) or key in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+        if isinstance(default, int) or key in ("kv_cache_memory_bytes", "num_gpu_blocks_override",
+                                               "max_model_len"):
             return int(float(text)) if "e" in text.lower() else int(text)
         if isinstance(default, float) or key == "gpu_memory_utilization":
             return float(text)

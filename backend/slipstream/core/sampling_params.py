@@ -3,13 +3,43 @@
 Everything vLLM's ``SamplingParams`` accepts that a text model can honour is here; what needs
 the tokenizer (``bad_words``) or the vocabulary size (``logit_bias``, ``allowed_token_ids``) is
 resolved and range-checked when the engine makes the request (``worker.sampler.prepare``).
+
+Validation refuses what the engine cannot compute, so that one request's values can never
+fail a batched step that other requests share: values torch or float32 cannot represent,
+and lists large enough to slow every step down (stop strings are checked on each token).
 """
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
+
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS); one between it and
+# MIN_SAMPLED_TEMPERATURE is raised to that, as vLLM does: logits / 1e-300 overflow float32
+# and the softmax of infinities is NaN.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MIN_SAMPLED_TEMPERATURE = 1e-2
+# torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] (negative seeds wrap around).
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+# Penalties divide or multiply float32 logits: outside float32's normal range they turn
+# logits into 0 or inf.
+FLOAT32_NORMAL_RANGE = (1.1754943508222875e-38, 3.4028234663852886e+38)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def show(value: Any) -> str:
+    """A value for an error message: bounded in length, safe for deeply nested data."""
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 8
 
 
 @dataclass
@@ -42,8 +72,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {show(value)}")
+            setattr(self, name, list(value or []))
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
@@ -55,16 +88,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def _fit_temperature(self) -> None:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
+        elif self.temperature < MIN_SAMPLED_TEMPERATURE:
+            self.temperature = MIN_SAMPLED_TEMPERATURE
+
     def validate(self) -> None:
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+                raise ValueError(f"{name} must be an integer >= {low}, got {show(v)}")
 
         def number(name: str, ok, rule: str) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-                raise ValueError(f"{name} must be {rule}, got {v!r}")
+                raise ValueError(f"{name} must be {rule}, got {show(v)}")
             setattr(self, name, float(v))
 
         integer("max_tokens", 1)
@@ -73,22 +112,23 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
         number("temperature", lambda v: v >= 0, ">= 0")
+        self._fit_temperature()
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {show(self.top_k)}")
         number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-        number("repetition_penalty", lambda v: v > 0, "> 0")
+        low, high = FLOAT32_NORMAL_RANGE
+        number("repetition_penalty", lambda v: low <= v <= high,
+               f"> 0 and within float32's range [{low:.3g}, {high:.3g}]")
         number("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
         number("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self._validate_seed()
+        self._validate_stops()
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be a boolean, got {show(self.ignore_eos)}")
         if self.logprobs is not None:
             integer("logprobs", 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", 0)
         number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -104,6 +144,40 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are only supported when detokenize is True")
+
+    def _validate_seed(self) -> None:
+        if self.seed is None:
+            return
+        low, high = SEED_RANGE
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not low <= self.seed <= high:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
+
+    def _validate_stops(self) -> None:
+        # Counted before looking at elements: a list of 100,000 stops is refused at once.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
+                             "are allowed")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {show(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got one of {longest}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers, got "
+                             f"{show(self.stop_token_ids)}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids index the logits: each must be below the model's vocabulary size."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}, got "
+                             f"{show(bad)}")
 
     def _validate_token_constraints(self) -> None:
         if self.allowed_token_ids is not None:
@@ -137,7 +211,7 @@ class SamplingParams:
         kwargs: dict[str, Any] = {}
         for key, raw in values.items():
             if key not in known:
-                raise ValueError(f"unknown sampling parameter {key!r}")
+                raise ValueError(f"unknown sampling parameter {show(key)}")
             kwargs[key] = _coerce(key, raw)
         return cls(**kwargs)
 
@@ -179,5 +253,5 @@ def _coerce(key: str, raw: Any) -> Any:
         if key == "logit_bias" and isinstance(raw, str):
             return json.loads(raw)
     except ValueError:  # json.JSONDecodeError is one too
-        raise ValueError(f"{key}: cannot parse {raw!r}") from None
+        raise ValueError(f"{key}: cannot parse {show(raw)}") from None
     return raw

@@ -115,6 +115,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-timeout", type=float, default=30.0,
                    help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restart tritonserver when it dies (e.g. its model's stub was killed), "
+                        "at most this many times in 10 minutes; 0 = exit instead")
     p.add_argument("--log-file", help="tritonserver log (default: a temp file; '-': stdout, "
                                       "as in a container)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
@@ -146,6 +149,34 @@ def _validate(repo: Path, aliases=()) -> dict:
         raise SystemExit(f"{repo} holds no model served by the slipstream backend"
                          + ("" if aliases else " (backend \"vllm\" models need --vllm-alias)"))
     return {name: settings.engine for name, settings in checked.items()}
+
+
+RESTART_WINDOW_S = 600.0
+
+
+def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
+    """Watch tritonserver; when it dies, clean up after it and start it again (at most
+    ``max_restarts`` times in ``RESTART_WINDOW_S``). Returns the exit code once it gives up."""
+    restarts: list = []
+    while True:
+        while server.running:
+            time.sleep(0.5)
+        code = server.process.returncode if server.process is not None else None
+        server.kill()  # its process group and shared-memory regions
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+        print(f"tritonserver exited unexpectedly (code {code}); log {server.log_path}:\n"
+              f"{server.log_tail(2000)}", file=sys.stderr, flush=True)
+        if len(restarts) >= max_restarts:
+            print(f"not restarting: {len(restarts)} restarts in the last "
+                  f"{RESTART_WINDOW_S / 60:.0f} minutes", file=sys.stderr, flush=True)
+            return 1
+        restarts.append(now)
+        print(f"restarting tritonserver ({len(restarts)} of at most {max_restarts} in "
+              f"{RESTART_WINDOW_S / 60:.0f} minutes) ...", flush=True)
+        t0 = time.monotonic()
+        server.start()
+        print(f"ready again in {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -195,11 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.prompt and args.exit_after_prompt:
             return 0
         print("serving; Ctrl-C to stop", flush=True)
-        while server.running:
-            time.sleep(0.5)
-        print(f"tritonserver exited unexpectedly; log {server.log_path}:\n{server.log_tail()}",
-              file=sys.stderr)
-        code = 1
+        code = _serve_until_stopped(server, args.max_restarts)
     except _Stop as e:
         print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
               "Ctrl-C again to kill", flush=True)

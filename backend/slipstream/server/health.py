@@ -11,18 +11,10 @@ from typing import Optional
 UNHEALTHY_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 
 
-def engine_problem(loop) -> Optional[str]:
-    """Why ``loop`` cannot serve, or None. An ``EngineLoop.check_health()`` (raising when the
-    engine is unhealthy) is asked where the loop has one; otherwise the loop thread must be
-    alive."""
-    check = getattr(loop, "check_health", None)
-    if callable(check):
-        try:
-            check()
-        except Exception as e:  # the engine's own verdict
-            return str(e) or type(e).__name__
+def engine_problem(engine) -> Optional[str]:
+    """Why ``engine`` (an ``EngineSupervisor`` or ``EngineLoop``) cannot serve, or None: any
+    state but healthy (dead, restarting after a crash, stopped) fails the check."""
+    health = engine.health()
+    if health.ok:
         return None
-    thread = getattr(loop, "_thread", None)
-    if thread is None or not thread.is_alive():
-        return "the engine loop is not running"
-    return None
+    return health.error or f"the engine is {health.state.value}"

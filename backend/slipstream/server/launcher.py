@@ -20,9 +20,19 @@ vLLM backend and for tools that look at a model's backend name.
 ``TritonServer`` is a context manager used by the tests and by ``slipstream serve``;
 ``render_model_repository`` copies a model repository with config parameters replaced, so engine
 settings can change at launch without editing ``config.pbtxt``.
+
+Stopping (``TritonServer.stop``) does not rely on Triton's own signal handling alone, which in
+2.51 waits on every open HTTP connection (idle keep-alive ones too) before it even starts to
+unload models, and exits with code 1 (or crashes) when its exit timeout runs out with requests
+in flight or a model still loaded. Models are loaded in explicit mode and unloaded first, over
+the repository API, while the server is fully up: the model lets in-flight requests finish
+(up to the exit timeout) and ends the rest with an error, then finalizes. Only then is
+``tritonserver`` signalled, and killed if it lingers; its process group (backend stubs and
+their watchdogs) and its Python-backend shared-memory regions are always removed.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -42,6 +52,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+# An unloading model with nothing in flight for this long will not finalize (see unload_models).
+STUCK_UNLOAD_S = 3.0
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "slipstream"
 BACKEND_NAME = "slipstream"
@@ -53,6 +65,22 @@ BACKEND_MODEL_PY = ("from slipstream.server.triton_model import TritonPythonMode
 
 class TritonServerError(RuntimeError):
     """tritonserver could not be found, did not start, or did not become ready."""
+
+
+@dataclass
+class StopReport:
+    """How a server ended: whether its models unloaded (finalized) before it was signalled,
+    its exit code, and what had to be cleaned up after it."""
+
+    models_unloaded: bool = False
+    unload: str = ""  # "unloaded", "stuck" (will never finalize), "timeout" or "not tried"
+    exit_code: Optional[int] = None
+    killed: bool = False  # it did not exit by itself after the unload (or never unloaded)
+    shm_regions_removed: list = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.models_unloaded and not self.shm_regions_removed
 
 
 # --------------------------------------------------------------------------- locating
@@ -315,7 +343,9 @@ class TritonServer:
                  log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
                  exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None,
-                 backend_aliases: Sequence[str] = ()) -> None:
+                 backend_aliases: Sequence[str] = (), model_control: str = "explicit") -> None:
+        """``model_control="explicit"`` (the default) loads every model of the repository at
+        start and lets ``stop`` unload them before signalling; "none" is Triton's default."""
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -330,6 +360,8 @@ class TritonServer:
         self.exit_timeout = exit_timeout
         self.gpu_metrics = gpu_present() if gpu_metrics is None else gpu_metrics
         self.backend_aliases = list(backend_aliases)
+        self.model_control = model_control
+        self.last_stop: Optional[StopReport] = None
         self._own_log = log_path is None
         self.log_path = _log_file(log_path)
         self.process: Optional[subprocess.Popen] = None
@@ -348,6 +380,11 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
+    @property
+    def shm_prefix(self) -> str:
+        """The Python backend's shared-memory regions of this server start with this."""
+        return f"slipstream_{os.getpid()}_{self.grpc_port}_"
+
     def command(self) -> list:
         assert self.install is not None
         cmd = [str(self.install.binary), "--model-repository", str(self.model_repository),
@@ -359,8 +396,9 @@ class TritonServer:
                "--exit-timeout-secs", str(int(self.exit_timeout)),
                # Several servers on one machine (tests run beside a dev server) must not share
                # the Python backend's shared-memory regions.
-               f"--backend-config=python,shm-region-prefix-name=slipstream_{os.getpid()}_"
-               f"{self.grpc_port}_"]
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+        if self.model_control == "explicit":
+            cmd += ["--model-control-mode=explicit", "--load-model=*"]
         if self.install.backend_dir is not None:
             cmd += ["--backend-directory", str(self.install.backend_dir)]
         return cmd + self.extra_args
@@ -392,6 +430,17 @@ class TritonServer:
             return ""
         return text[-chars:]
 
+    def load_errors(self) -> list:
+        """(model, reason) for each model Triton failed to load, from its log (the reason's
+        first line: a model's own error, e.g. a refused setting)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        found = re.findall(r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)",
+                           text, re.M)
+        return list(dict.fromkeys(found))
+
     def _get(self, path: str, timeout: float = 2.0) -> int:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
@@ -413,8 +462,9 @@ class TritonServer:
                 raise TritonServerError("server not started")
             code = self.process.poll()
             if code is not None:
+                reasons = "".join(f"\n  {name}: {why}" for name, why in self.load_errors())
                 raise TritonServerError(
-                    f"tritonserver exited with code {code} before it was ready; log "
+                    f"tritonserver exited with code {code} before it was ready{reasons}\nlog "
                     f"{self.log_path}:\n{self.log_tail()}")
             if self.is_ready():
                 return
@@ -425,25 +475,101 @@ class TritonServer:
             time.sleep(0.25)
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
-        """SIGINT: Triton refuses new requests, lets in-flight ones finish (up to its
-        ``--exit-timeout-secs``), unloads the model (``finalize``) and exits; SIGKILL if it hangs."""
+        """Unload the models (in-flight requests finish or end with an error, each model
+        finalizes), then SIGINT; SIGKILL if it lingers. Returns tritonserver's exit code;
+        ``last_stop`` says how it went."""
         proc = self.process
         if proc is None:
             return None
         timeout = self.exit_timeout + 15 if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        outcome = "not tried"
+        if proc.poll() is None and self.model_control == "explicit":
+            outcome = self.unload_models(deadline)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
+            # Once nothing is left to finish (models gone, or stuck with nothing in flight),
+            # an idle keep-alive connection (which Triton waits on for its whole exit
+            # timeout) is not waited for.
+            wait = {"unloaded": min(3.0, timeout), "stuck": 0.0}.get(
+                outcome, max(deadline - time.monotonic(), 1.0))
             try:
-                proc.wait(timeout=timeout)
+                proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 pass
-        return self.kill()
+        code = self.kill()
+        self.last_stop.models_unloaded = outcome == "unloaded"
+        self.last_stop.unload = outcome
+        return code
+
+    def _post(self, path: str, timeout: float = 10.0) -> tuple:
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except (urllib.error.URLError, OSError) as e:
+            return 0, str(e)
+
+    def model_states(self) -> dict:
+        """name -> state ("READY", "UNLOADING", "UNAVAILABLE", ...) from the repository index."""
+        status, body = self._post("/v2/repository/index")
+        if status != 200:
+            return {}
+        return {m["name"]: m.get("state", "") for m in json.loads(body)}
+
+    def unload_models(self, deadline: float) -> str:
+        """Unload every loaded model and wait: "unloaded" once each has finalized, "stuck"
+        when one will not (below), "timeout" at the deadline."""
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        for name, state in self.model_states().items():
+            if state in ("READY", "LOADING"):
+                self._post(f"/v2/repository/models/{name}/unload",
+                           timeout=max(deadline - time.monotonic(), 1.0))
+        idle_since = None
+        while time.monotonic() < deadline and self.running:
+            states = self.model_states()
+            if states and all(state not in ("READY", "LOADING", "UNLOADING")
+                              for state in states.values()):
+                return "unloaded"
+            # Triton 2.51 can keep a model referenced for ever after a gRPC stream was
+            # cancelled (a race fixed upstream in 25.05): nothing left to finish, yet no
+            # finalize. Waiting for the deadline would only delay the kill.
+            idle = self._requests_in_flight() == 0 and not self._finalizing(log_start)
+            idle_since = (idle_since or time.monotonic()) if idle else None
+            if idle_since is not None and time.monotonic() - idle_since > STUCK_UNLOAD_S:
+                return "stuck"
+            time.sleep(0.1)
+        return "timeout"
+
+    def _finalizing(self, log_start: int) -> bool:
+        """Whether a slipstream model has begun its finalize since ``log_start`` (its log)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                return b"slipstream: finalize" in f.read()
+        except OSError:
+            return False
+
+    def _requests_in_flight(self) -> Optional[float]:
+        """Running + waiting requests of the slipstream models (their metrics); None if unknown."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(("slipstream_requests_running", "slipstream_requests_waiting"))]
+        return sum(values) if values else None
 
     def kill(self) -> Optional[int]:
-        """SIGKILL Triton and its backend stubs (our own session), now."""
+        """SIGKILL Triton and its backend stubs (our own session), now, and remove the
+        shared-memory regions they leave."""
         proc, self.process = self.process, None
         if proc is None:
             return None
+        killed = proc.poll() is None
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # also stubs left behind by a crash
         except (ProcessLookupError, PermissionError):
@@ -451,7 +577,21 @@ class TritonServer:
         proc.wait()
         if self._log is not None:
             self._log.close()
+        self.last_stop = StopReport(exit_code=proc.returncode, killed=killed,
+                                    shm_regions_removed=self.remove_shm_regions())
         return proc.returncode
+
+    def remove_shm_regions(self) -> list:
+        """Remove this server's Python-backend shared-memory regions (a stub or Triton that
+        died without unloading leaves them in /dev/shm)."""
+        removed = []
+        for path in glob.glob(os.path.join("/dev/shm", glob.escape(self.shm_prefix) + "*")):
+            try:
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+            except OSError:
+                pass
+        return removed
 
     @property
     def running(self) -> bool:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
-from slipstream.server.protocol import MAX_LOGPROBS, split_parameters
+from slipstream.core.sampling_params import MAX_LOGPROBS
+from slipstream.server.protocol import split_parameters
 
 METRIC_FAMILIES = ("slipstream", "vllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
@@ -32,7 +33,8 @@ def _io(name: str, data_type: str, dims: list, optional: bool = True) -> dict:
     return entry
 
 
-# Triton's vLLM backend's inputs, in its order, then Slipstream's typed inputs.
+# Triton's vLLM backend's inputs, in its order, then Slipstream's typed inputs: the one list
+# of the model's inputs (auto-completed into its config, read by the adapter).
 INPUTS = [
     _io("text_input", "TYPE_STRING", [1], optional=False),
     _io("image", "TYPE_STRING", [-1]),  # refused per request: text-only models
@@ -53,6 +55,7 @@ INPUTS = [
     _io("seed", "TYPE_UINT64", [1]),
     _io("stop_words", "TYPE_STRING", [-1]),
 ]
+INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
 OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -73,6 +76,8 @@ class ModelSettings:
     metric_families: tuple  # which of METRIC_FAMILIES to export
     health_check: bool  # ENABLE_VLLM_HEALTH_CHECK
     max_logprobs: int
+    engine_failure_threshold: int  # failed engine steps in a row that make it dead
+    max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
 
 
 def auto_complete(config):
@@ -133,4 +138,6 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         metric_families=_families(server["metric_families"],
                                   ("slipstream",) if own_layout else METRIC_FAMILIES),
         health_check=_bool("ENABLE_VLLM_HEALTH_CHECK", server["ENABLE_VLLM_HEALTH_CHECK"], False),
-        max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS)
+        max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
+        engine_failure_threshold=int(server["engine_failure_threshold"]),
+        max_engine_restarts=int(server["max_engine_restarts"]))

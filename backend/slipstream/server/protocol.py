@@ -18,9 +18,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from slipstream.core.sampling_params import SamplingParams
+from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
 
 DEFAULT_MAX_TOKENS = 16
+# Largest sampling_parameters / request parameters JSON: far above any valid request (stop
+# lists are bounded), small enough to parse in milliseconds.
+MAX_JSON_BYTES = 1 << 20
 
 
 class BadRequestError(ValueError):
@@ -68,7 +71,6 @@ _FIXED = {"n": 1, "best_of": 1}
 # vLLM's names for structured (guided) decoding, which this engine cannot honour.
 STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding", "guided_json", "guided_regex",
                           "guided_choice", "guided_grammar", "response_format")
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs engine argument
 # Request-parameter names kept for refuse_unsupported, so they are refused, not ignored.
 _REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
 LORA_NOT_ENABLED = "LoRA feature is not enabled."
@@ -122,12 +124,12 @@ def _as_bool(name: str, value: Any) -> bool:
             return True
         if low in ("false", "0", "no"):
             return False
-    raise BadRequestError(f"'{name}' must be a boolean, got {value!r}")
+    raise BadRequestError(f"'{name}' must be a boolean, got {show(value)}")
 
 
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)):
-        raise BadRequestError(f"'{name}' must be an integer, got {value!r}")
+        raise BadRequestError(f"'{name}' must be an integer, got {show(value)}")
     if isinstance(value, (int, np.integer)):
         return int(value)
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
@@ -137,17 +139,27 @@ def _as_int(name: str, value: Any) -> int:
             return int(value.strip())
         except ValueError:
             pass
-    raise BadRequestError(f"'{name}' must be an integer, got {value!r}")
+    raise BadRequestError(f"'{name}' must be an integer, got {show(value)}")
+
+
+def _load_json(subject: str, text: Union[str, bytes]) -> Any:
+    """``subject`` with its verb, e.g. "request parameters are"."""
+    if len(text) > MAX_JSON_BYTES:
+        raise BadRequestError(f"{subject} {len(text)} bytes long; at most {MAX_JSON_BYTES} "
+                              "are allowed")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequestError(f"{subject} not valid JSON: {e}") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise BadRequestError(f"{subject} nested too deeply") from None
 
 
 def _parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
     if parameters is None or parameters == "":
         return {}
     if isinstance(parameters, (str, bytes)):
-        try:
-            parameters = json.loads(parameters)
-        except json.JSONDecodeError as e:
-            raise BadRequestError(f"request parameters are not valid JSON: {e}") from None
+        parameters = _load_json("request parameters are", parameters)
     if not isinstance(parameters, Mapping):
         raise BadRequestError("request parameters must be a JSON object")
     return dict(parameters)
@@ -178,10 +190,7 @@ def parse_request(inputs: Mapping[str, np.ndarray],
         _check_dtype("sampling_parameters", arr, _is_bytes_dtype(arr))
         text = _decode("sampling_parameters", _scalar("sampling_parameters", arr))
         if text.strip():
-            try:
-                sp = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise BadRequestError(f"input 'sampling_parameters' is not valid JSON: {e}") from None
+            sp = _load_json("input 'sampling_parameters' is", text)
             if not isinstance(sp, dict):
                 raise BadRequestError("input 'sampling_parameters' must be a JSON object, got "
                                       f"{type(sp).__name__}")
@@ -214,6 +223,9 @@ def parse_request(inputs: Mapping[str, np.ndarray],
             values[_TYPED_FLOAT[name]] = v
         elif name == "stop_words":
             _check_dtype(name, arr, _is_bytes_dtype(arr))
+            if arr.size > MAX_STOP_STRINGS:  # before decoding every element
+                raise BadRequestError(f"input 'stop_words' has {arr.size} strings; at most "
+                                      f"{MAX_STOP_STRINGS} are allowed")
             values["stop"] = [_decode(name, x) for x in arr.reshape(-1)]
         else:
             raise BadRequestError(f"unknown input '{name}'")
@@ -262,7 +274,7 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
         if name in values:
             got = values.pop(name)
             if got is not None and _as_int(name, got) != fixed:
-                raise BadRequestError(f"Received {name}={got}, but only single choice "
+                raise BadRequestError(f"Received {name}={show(got)}, but only single choice "
                                       f"({name}={fixed}) is currently supported")
     for key in STRUCTURED_OUTPUT_KEYS:
         if values.get(key) not in (None, "", {}):
@@ -412,6 +424,8 @@ SERVER_PARAMETERS = {
     "REPORT_CUSTOM_METRICS": "",
     "ENABLE_VLLM_HEALTH_CHECK": "false",
     "metric_families": "",
+    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    "max_engine_restarts": "3",  # restarts within 10 minutes before the server is taken down
 }
 
 

@@ -4,14 +4,23 @@ model directory's ``1/model.py`` re-exports. Imported only inside the Python-bac
 Kept thin: request parsing and the response wire format are ``slipstream.server.protocol``,
 the model config (auto-completed inputs/outputs, ``1/model.json``, parameters)
 ``slipstream.server.model_config``, metrics ``slipstream.server.metrics``; the engine
-(``slipstream.engine_loop.EngineLoop``) runs its own thread. The same class serves the Python
-backend layout (``model_repository/slipstream/1/model.py``) and the Python-based backend
+(``slipstream.engine_supervisor.EngineSupervisor``, which restarts a dead engine) runs its own
+threads. The same class serves the Python backend layout
+(``model_repository/slipstream/1/model.py``) and the Python-based backend
 ``backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
 backend does. ``execute`` only parses and submits, then returns; ONE sender thread drains
 every request's output stream and sends responses through that request's response sender,
 ending each with the FINAL flag once.
+
+Lifecycle (``slipstream.server.lifecycle``): a watchdog process takes the server down if this
+stub dies, since Triton 2.51 cannot restart it. While requests are in flight the sender checks
+every ``READY_POLL_S`` that Triton still serves (its HTTP frontend answers, this model is
+ready): once it is stopping or unloading the model, new requests are refused and those in
+flight get until Triton's own exit timeout (less a margin) to finish, then end with
+UNAVAILABLE, so that no client is cut off without a final response when Triton gives up.
 """
 import json
+import os
 import queue
 import threading
 import time
@@ -21,22 +30,20 @@ import triton_python_backend_utils as pb_utils
 
 from slipstream import EngineConfig
 from slipstream.core.request import FinishReason
-from slipstream.engine_loop import EngineLoop, OverloadedError
+from slipstream.engine_loop import EngineDeadError, OverloadedError
+from slipstream.engine_supervisor import EngineSupervisor
 from slipstream.server import model_config
 from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
+from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.metrics import ModelMetrics, NoMetrics
 from slipstream.server.protocol import (BadRequestError, ResponseBuilder, lora_error,
                                         parse_request)
 
-INPUT_NAMES = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output",
-               "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
-               "return_cumulative_logprob", "return_logprobs", "apply_chat_template",
-               "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
-               "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-               "stop_words", "end_id", "priority", "image", "embedding_request")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
 CANCEL_POLL_S = 0.1  # each is_cancelled() is a round trip to the Triton process
+READY_POLL_S = 0.5  # how often, with requests in flight, Triton is asked if we still serve
+DRAIN_MARGIN_S = 3.0  # ends a drain this long before Triton's exit timeout runs out
 
 
 def _error(message, code=None):
@@ -58,6 +65,7 @@ class _Pending:
         self.options = parsed.options
         self.builder, self.track = builder, track  # responses; metrics
         self.cancelled = self.progressed = False
+        self.shutdown_abort = False  # aborted because Triton is stopping
         self.next_cancel_check = 0.0
 
 
@@ -69,7 +77,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        self.model_name = args["model_name"]
+        self.model_name, self.model_version = args["model_name"], args["model_version"]
         settings = model_config.load_settings(
             raw, config.get("backend", "python"), args.get("model_repository", ""),
             pb_utils.get_model_dir() if hasattr(pb_utils, "get_model_dir") else None)
@@ -82,10 +90,19 @@ class TritonPythonModel:
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
-        self.loop = EngineLoop(engine_config, on_output=self.wake.set)
-        self.loop.start()
+        self.loop = EngineSupervisor(
+            engine_config, on_output=self.wake.set, on_give_up=self._give_up,
+            failure_threshold=settings.engine_failure_threshold,
+            max_restarts=settings.max_engine_restarts).start()
+        self.watchdog = Watchdog.start()
+        self.drain_grace = max(triton_exit_timeout() - DRAIN_MARGIN_S, 0.0)
+        self.stop_probe = HttpStopProbe()
+        self.draining_since = None  # when Triton began unloading this model or stopping
+        self.num_active = 0
         self.metrics = self._make_metrics(args, engine_config)
         self.stopping = False
+        self.next_ready_check = 0.0
+        self.not_ready_checks, self.first_not_ready = 0, 0.0
         self.sender_thread = threading.Thread(target=self._sender_loop, name="slipstream-sender",
                                               daemon=True)
         self.sender_thread.start()
@@ -112,9 +129,12 @@ class TritonPythonModel:
         for request in requests:
             arrival = time.monotonic()
             sender = request.get_response_sender()
+            if self.draining_since is not None:
+                self._reject(sender, _error("the server is shutting down", _code("UNAVAILABLE")))
+                continue
             try:
                 inputs = {}
-                for name in INPUT_NAMES:
+                for name in model_config.INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -133,7 +153,7 @@ class TritonPythonModel:
                 if parsed.options.apply_chat_template:
                     kwargs["apply_chat_template"] = True
                 stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
-            except OverloadedError as e:
+            except (OverloadedError, EngineDeadError) as e:
                 self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
                 continue
             except (BadRequestError, ValueError) as e:
@@ -187,10 +207,13 @@ class TritonPythonModel:
                     active.append(self.incoming.get_nowait())
             except queue.Empty:
                 pass
+            self.num_active = len(active)
             if self.stopping and not active:
                 break
             progressed = False
             now = time.monotonic()
+            if active:
+                self._watch_shutdown(active, now)
             for p in list(active):
                 try:
                     if self._drain(p, now):
@@ -217,6 +240,35 @@ class TritonPythonModel:
                 # checks and metrics, so the model's CPU threads are not polled away.
                 self.wake.wait(CANCEL_POLL_S if active else self.metrics_interval)
                 self.wake.clear()
+
+    def _watch_shutdown(self, active, now):
+        """Triton tells a model nothing before finalize, which comes only once every request
+        in flight has ended, or never if its exit timeout runs out first (it then exits and
+        may crash mid-stream). So ask whether we are still ready; once not, give requests
+        what is left of that timeout, then end them with an error while Triton still waits."""
+        if self.draining_since is None:
+            if now < self.next_ready_check:
+                return
+            self.next_ready_check = now + READY_POLL_S
+            if not self.stop_probe.stopping():
+                try:
+                    if pb_utils.is_model_ready(self.model_name, str(self.model_version)):
+                        self.not_ready_checks = 0
+                        return
+                except Exception:  # "Server not ready": tritonserver is stopping
+                    pass
+            self.not_ready_checks += 1
+            if self.not_ready_checks == 1:  # a drain cannot be undone: look again first
+                self.first_not_ready = now
+                return
+            self.draining_since = self.first_not_ready
+            self.logger.log_warn(f"slipstream: Triton is unloading this model or stopping; "
+                                 f"{len(active)} requests get {self.drain_grace:.0f} s to finish")
+        if now - self.draining_since >= self.drain_grace:
+            for p in active:
+                if not p.shutdown_abort:
+                    p.shutdown_abort = True
+                    self.loop.abort(p.stream.request_id)
 
     def _drain(self, p, now):
         """Send what this request's stream holds; True once its FINAL response went out."""
@@ -257,9 +309,18 @@ class TritonPythonModel:
     def _finish(self, p, out):
         end = time.monotonic()
         self.metrics.on_finish(p.track, out, end)  # before the last response: a client sees it
+        refused = p.stream.rejection
         if p.cancelled:
             self.logger.log_info(f"slipstream: request {p.stream.request_id} cancelled")
             p.sender.send(flags=FINAL)
+        elif isinstance(refused, ValueError):  # found invalid after submit (tokenized later)
+            p.sender.send(_error(str(refused), _code("INVALID_ARG")), flags=FINAL)
+        elif isinstance(refused, EngineDeadError):
+            p.sender.send(_error(str(refused), _code("UNAVAILABLE")), flags=FINAL)
+        elif p.shutdown_abort and out.finish_reason is FinishReason.ABORT:
+            p.sender.send(_error(f"request aborted: the server is shutting down and it did not "
+                                 f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE")),
+                          flags=FINAL)
         elif out.finish_reason is FinishReason.ERROR or (
                 out.finish_reason is FinishReason.ABORT and out.error):
             p.sender.send(_error(f"{ERROR_PREFIX}{out.error or 'unknown error'}"), flags=FINAL)
@@ -271,6 +332,25 @@ class TritonPythonModel:
         else:
             p.sender.send(self._response(p.builder.final(out)), flags=FINAL)
 
+    # ----------------------------------------------------------------- health
+    def is_ready(self):
+        """Readiness for Triton versions that ask the model (python_backend after 25.12)."""
+        return self.loop.health().ok and self.draining_since is None
+
+    def _give_up(self, health):
+        """The engine keeps dying: take the server down so that a fresh one replaces it
+        (with Triton 2.51 the only way to stop reporting READY). Requests in flight have
+        their errors; let the sender deliver them first."""
+        self.logger.log_error(f"slipstream: {health.error}")
+        if self.watchdog is None or not self.watchdog.alive:
+            self.logger.log_error("slipstream: no watchdog; requests are refused until restart")
+            return
+        deadline = time.monotonic() + 5.0
+        while self.num_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.watchdog.fatal(health.error or "engine dead")
+        os._exit(1)
+
     # ----------------------------------------------------------------- finalize
     def finalize(self):
         self.logger.log_info("slipstream: finalize, stopping the engine")
@@ -279,3 +359,5 @@ class TritonPythonModel:
         self.wake.set()
         self.sender_thread.join(timeout=30)
         self.metrics.stop()
+        if self.watchdog is not None:
+            self.watchdog.goodbye()

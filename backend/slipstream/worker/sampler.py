@@ -8,10 +8,14 @@ sampled token's rank and the top-N alternatives (``TokenLogprob``).
 Order per row, as vLLM applies them: vocabulary constraints (``allowed_token_ids``,
 ``bad_words``, ``logit_bias``), ``min_tokens``, penalties, then temperature, top-k, top-p and
 ``min_p`` for sampled requests.
+
+Fail-soft: when the batched sample raises, the rows are sampled again one by one (with the
+random generators rewound) and only the requests whose own rows fail are reported, in a
+``PerRequestError`` that still carries the tokens of every other row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -19,11 +23,29 @@ import torch
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
 
+_FINITE = torch.finfo(torch.float32).max
+PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
+
 
 @dataclass
 class SampleResult:
     token_ids: list  # one per logits row
     logprobs: list  # logprob of each sampled token under the raw model distribution
+
+
+@dataclass
+class PerRequestError(RuntimeError):
+    """Sampling failed for some requests only.
+
+    ``failures`` maps request id -> message for the client; ``result`` holds every row,
+    the failed requests' rows set to ``PLACEHOLDER_TOKEN``. The step fails those requests
+    and carries on with the other rows."""
+
+    failures: dict = field(default_factory=dict)  # request id -> error message
+    result: Optional[SampleResult] = None
+
+    def __post_init__(self) -> None:
+        super().__init__("; ".join(f"{rid}: {msg}" for rid, msg in self.failures.items()))
 
 
 class Sampler:
@@ -45,8 +67,50 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list, want_logprobs: bool = True) -> SampleResult:
         """``logits [R, V]`` with ``reqs[i]`` owning row i (a request may own several rows
-        when drafts are verified; penalties then use its tokens so far)."""
+        when drafts are verified; penalties then use its tokens so far).
+
+        Raises ``PerRequestError`` when some requests' rows cannot be sampled."""
         logits = logits.float().cpu()
+        saved = self._generator_states(reqs)
+        try:
+            return self._sample(logits, reqs, want_logprobs)
+        except Exception:  # noqa: BLE001 - which rows are to blame is found below
+            self._restore(saved)
+            return self._sample_rows_apart(logits, reqs, want_logprobs)
+
+    def _generator_states(self, reqs: list) -> list:
+        gens = {id(g): g for g in (self._generator(r) for r in reqs if not r.params.greedy)}
+        return [(g, g.get_state()) for g in gens.values()]
+
+    @staticmethod
+    def _restore(saved: list) -> None:
+        for gen, state in saved:
+            gen.set_state(state)
+
+    def _sample_rows_apart(self, logits: torch.Tensor, reqs: list,
+                           want_logprobs: bool) -> SampleResult:
+        """Each request's rows alone, in order (so seeded generators advance as in a batch)."""
+        tokens, logprobs, failures = [], [], {}
+        for i, req in enumerate(reqs):
+            if req.request_id in failures:
+                row = None
+            else:
+                try:
+                    row = self._sample(logits[i:i + 1].clone(), [req], want_logprobs)
+                except Exception as exc:  # noqa: BLE001 - reported to that request only
+                    failures[req.request_id] = f"sampling failed: {exc}"
+                    row = None
+            tokens.append(PLACEHOLDER_TOKEN if row is None else row.token_ids[0])
+            if want_logprobs:
+                logprobs.append(0.0 if row is None else row.logprobs[0])
+        result = SampleResult(tokens, logprobs)
+        if failures:
+            raise PerRequestError(failures, result)
+        return result  # the batch failed but no row alone does: it was not one request's fault
+
+    def _sample(self, logits: torch.Tensor, reqs: list, want_logprobs: bool) -> SampleResult:
+        if torch.isnan(logits).any():  # argmax would pick the NaN: a token of nothing
+            raise FloatingPointError("the model produced NaN logits")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_constraints(logits, reqs)
         logits = self._apply_penalties(logits, reqs)
@@ -70,7 +134,7 @@ class Sampler:
     def probabilities(logits: torch.Tensor, req: Request) -> torch.Tensor:
         """The distribution a non-greedy request samples from (temperature, top-k, top-p)."""
         p = req.params
-        scaled = logits / p.temperature
+        scaled = (logits / p.temperature).clamp(max=_FINITE)  # -inf (blocked) stays
         if p.top_k > 0 and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -112,16 +176,24 @@ class Sampler:
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """A penalized copy (the caller's logits stay as they are for a per-row retry)."""
+        vocab = logits.shape[-1]
+        original = logits
         for i, req in enumerate(reqs):
             p = req.params
-            blocked = self._blocked_tokens(req)
+            blocked = self._blocked_tokens(req, vocab)
+            if (blocked or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty) and logits is original:
+                logits = logits.clone()
             if blocked:
                 logits[i, blocked] = float("-inf")
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(t for t in set(req.all_token_ids) if t < vocab),
+                                    dtype=torch.long)
                 vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                              vals * p.repetition_penalty)
+                penalized = torch.where(vals > 0, vals / p.repetition_penalty,
+                                        vals * p.repetition_penalty)
+                logits[i, seen] = penalized.clamp(-_FINITE, _FINITE)
             if p.presence_penalty or p.frequency_penalty:
                 out = req.output_token_ids
                 if out:
@@ -130,13 +202,14 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _blocked_tokens(req: Request) -> Optional[list]:
-        """Before ``min_tokens``, EOS and stop tokens cannot be sampled."""
+    def _blocked_tokens(req: Request, vocab: int) -> Optional[list]:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (an id the model
+        cannot produce needs no blocking)."""
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
             return None
-        blocked = list(p.stop_token_ids)
-        if req.eos_token_id is not None and not p.ignore_eos:
+        blocked = [t for t in p.stop_token_ids if t < vocab]
+        if req.eos_token_id is not None and not p.ignore_eos and req.eos_token_id < vocab:
             blocked.append(req.eos_token_id)
         return blocked or None
 
