@@ -433,6 +433,8 @@ class TritonServer:
     def load_errors(self) -> list:
         """(model, reason) for each model Triton failed to load, from its log (the reason's
         first line: a model's own error, e.g. a refused setting)."""
+        if self.log_path is None:
+            return []
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -522,7 +524,8 @@ class TritonServer:
     def unload_models(self, deadline: float) -> str:
         """Unload every loaded model and wait: "unloaded" once each has finalized, "stuck"
         when one will not (below), "timeout" at the deadline."""
-        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = self.log_path
+        log_start = log.stat().st_size if log is not None and log.exists() else 0
         for name, state in self.model_states().items():
             if state in ("READY", "LOADING"):
                 self._post(f"/v2/repository/models/{name}/unload",
@@ -544,7 +547,10 @@ class TritonServer:
         return "timeout"
 
     def _finalizing(self, log_start: int) -> bool:
-        """Whether a slipstream model has begun its finalize since ``log_start`` (its log)."""
+        """Whether a slipstream model has begun its finalize since ``log_start`` (its log).
+        With the log on stdout there is no telling: assume it has, so stop waits its deadline."""
+        if self.log_path is None:
+            return True
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(log_start)
