@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from support import reference_model, tiny_model_dir
 
 # The sample model.json's settings (its model swapped for the tiny llama), plus a small KV pool.
-MODEL_JSON = {"gpu_memory_utilization": 0.5, "enforce_eager": True, "max_model_len": 2048,
+MODEL_JSON = {"gpu_memory_utilization": 0.5, "enforce_eager": True, "max_model_len": 1024,
               "kv_cache_memory_bytes": 16 * 2**20}
 SAMPLING_PARAMETERS = {"temperature": "0", "top_p": "1"}
 VLLM_DEFAULT_MAX_TOKENS = 16

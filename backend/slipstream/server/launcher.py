@@ -397,7 +397,8 @@ class TritonServer:
                # Several servers on one machine (tests run beside a dev server) must not share
                # the Python backend's shared-memory regions.
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
-        if self.model_control == "explicit":
+        if self.model_control == "explicit" and not any(
+                a.startswith("--model-control-mode") for a in self.extra_args):
             cmd += ["--model-control-mode=explicit", "--load-model=*"]
         if self.install.backend_dir is not None:
             cmd += ["--backend-directory", str(self.install.backend_dir)]

@@ -274,7 +274,7 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
         if name in values:
             got = values.pop(name)
             if got is not None and _as_int(name, got) != fixed:
-                raise BadRequestError(f"Received {name}={show(got)}, but only single choice "
+                raise BadRequestError(f"Received {name}={_brief(got)}, but only single choice "
                                       f"({name}={fixed}) is currently supported")
     for key in STRUCTURED_OUTPUT_KEYS:
         if values.get(key) not in (None, "", {}):
@@ -292,6 +292,11 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
                                   f"than max allowed: {max_logprobs}")
 
 
+def _brief(value: Any) -> str:
+    """A scalar as the client sent it (vLLM's texts show it bare), anything else bounded."""
+    return str(value)[:60] if isinstance(value, (int, float, str)) else show(value)
+
+
 def lora_error(inputs: Mapping[str, np.ndarray],
                parameters: Union[None, str, Mapping[str, Any]] = None) -> Optional[str]:
     """vLLM's refusal of ``lora_name`` (LoRA is not enabled), from the ``sampling_parameters``
@@ -300,9 +305,9 @@ def lora_error(inputs: Mapping[str, np.ndarray],
     sources = []
     if inputs.get("sampling_parameters") is not None:
         try:
-            sources.append(json.loads(_decode("sampling_parameters", _scalar(
+            sources.append(_load_json("sampling_parameters is", _decode("sampling_parameters", _scalar(
                 "sampling_parameters", np.asarray(inputs["sampling_parameters"])))))
-        except (BadRequestError, ValueError):
+        except BadRequestError:
             pass
     try:
         sources.append(_parameters_dict(parameters))
