@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 
 HELP = ("benchmark: a workload over Triton gRPC streaming in static/dynamic/continuous "
-        "modes, the in-process engine, Hugging Face baselines, the roofline; JSON + PNG")
+        "modes, the in-process engine, Hugging Face baselines, vLLM peers, the roofline; "
+        "JSON + PNG")
 
 
 def _modes(text: str) -> tuple:
@@ -62,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, alternating their order; each mode's median "
                         "round is reported (default 1; use 3+ on a noisy machine)")
+    p.add_argument("--peers-dir", type=Path, default=None,
+                   help="where scripts/setup_peers.py installed the vLLM peer (default "
+                        "~/.cache/slipstream/peers); its modes are skipped when absent")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -75,7 +79,7 @@ def options(args: argparse.Namespace):
         output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
-        settings=_sets(args.set), repeat=max(args.repeat, 1))
+        settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir)
 
 
 def run(args: argparse.Namespace) -> int:

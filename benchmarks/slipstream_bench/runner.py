@@ -27,7 +27,8 @@ from slipstream_bench import timeline
 from slipstream_bench.workload import (Workload, arrival_times, generate_workload, lengths_summary)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
-ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous", "roofline")
+PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
+ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + ("roofline",)
 QUICK_PROMPT_LENS = "uniform:8:48"
 QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
 GIB = 1024 ** 3
@@ -50,6 +51,7 @@ class BenchOptions:
     kv_cache_memory_bytes: int = GIB  # the whole offline workload fits: no preemption
     settings: dict = field(default_factory=dict)  # extra engine settings (--set)
     repeat: int = 1  # rounds of every mode; the median round of each is reported
+    peers_dir: Optional[Path] = None  # where scripts/setup_peers.py installed the peers
 
 
 def log(message: str) -> None:
@@ -84,13 +86,43 @@ def server_overrides(opts: BenchOptions, batching: str) -> dict:
             "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **opts.settings}
 
 
+# The CPU features that decide which kernels run (AVX-512, VNNI, BF16, AMX).
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+
+
+def cpu_info() -> dict:
+    """CPU model and its SIMD flags (from /proc/cpuinfo; empty where there is none)."""
+    model, flags = platform.processor() or "", []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu_model": model, "cpu_flags": flags}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            have = set(value.split())
+            flags = [f for f in SIMD_FLAGS if f in have]
+    return {"cpu_model": model, "cpu_flags": flags}
+
+
+def load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpus": os.cpu_count(), **cpu_info(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_1m": load_average()}
 
 
 # ------------------------------------------------------------------------ the runs
@@ -139,6 +171,20 @@ class _Shared:
     warm: Workload
     out_dir: Path
     hf_model_and_tok: Optional[tuple] = None  # loaded on first use
+    peer: Optional[object] = None  # the vLLM peer, looked up on first use
+    peer_missing: Optional[str] = None  # why it is skipped
+
+    def vllm_peer(self):
+        """The installed vLLM peer, or None (the reason in ``peer_missing``, said once)."""
+        if self.peer is None and self.peer_missing is None:
+            from slipstream_bench.vllm_peer import PeerUnavailable, load_peer
+
+            try:
+                self.peer = load_peer(self.opts.peers_dir)
+            except PeerUnavailable as exc:
+                self.peer_missing = str(exc)
+                log(f"!! vLLM peer modes skipped: {exc}")
+        return self.peer
 
     def hf(self) -> tuple:
         if self.hf_model_and_tok is None:
@@ -180,6 +226,8 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
             model, tok, wl, offsets, warm, progress=opts.progress))
         hf.release(model)
+    elif mode in PEER_MODES:
+        run = run_peer(mode, sh, suffix)
     else:
         raise ValueError(f"not a runnable mode: {mode}")
     run["label"], run["round"] = mode, round_index
@@ -187,11 +235,34 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     return run
 
 
+def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
+    """Triton + vllm_backend, or vLLM offline; skipped (not failed) when not installed."""
+    from slipstream_bench import vllm_peer
+
+    peer = sh.vllm_peer()
+    if peer is None:
+        return {"label": mode, "kind": "peer", "skipped": sh.peer_missing, "summary": {}}
+    import torch
+
+    settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
+    args = vllm_peer.engine_args(peer, sh.opts.model, int(settings.get("max_model_len") or 2048),
+                                 sh.opts.seed)
+    threads = torch.get_num_threads()
+    if mode == "vllm_triton":
+        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
+        return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
+            peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
+            progress=sh.opts.progress))
+    log(f"== vLLM {peer.version} offline, LLM.generate{suffix}")
+    return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
+        peer, args, sh.workload, sh.warm, threads, mode + suffix))
+
+
 def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             if m in sh.opts.modes]
+             + PEER_MODES if m in sh.opts.modes]
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):
@@ -251,6 +322,7 @@ def run_batching(opts: BenchOptions) -> dict:
     warm = warmup_workload(tokenizer, opts.seed)
     log(f"workload: {lengths_summary(workload)}")
     t0 = time.perf_counter()
+    machine_at_start = machine()
     sh = _Shared(opts, workload, offsets, warm, out_dir)
     runs = representatives(run_rounds(sh))
     roof = None
@@ -261,15 +333,16 @@ def run_batching(opts: BenchOptions) -> dict:
     gc.collect()
     results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
                "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_at_start,
                "workload": {**lengths_summary(workload), **workload.description},
                "arrivals_s": offsets, "runs": runs, "roofline": roof,
                "wall_s": time.perf_counter() - t0}
+    results["machine"]["load_average_1m_at_end"] = load_average()
     results["targets"] = report.judged(results)
     return finish(results, out_dir)
 
 
-PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s")
+PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s", "output_token_ids")
 
 
 def summary_of(results: dict) -> dict:
