@@ -8,6 +8,7 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+CPU_LINEARS = ("onednn", "transposed", "stock")  # worker/cpu_linear.py
 
 
 @dataclass
@@ -54,7 +55,7 @@ class EngineConfig:
 
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    transpose_linear_weights: bool = True  # CPU: faster small-batch matmuls
+    cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
@@ -78,6 +79,8 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
