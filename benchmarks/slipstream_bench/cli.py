@@ -30,6 +30,17 @@ def _sets(items) -> dict:
     return out
 
 
+def _variants(items) -> dict:
+    """``NAME:KEY=VALUE,KEY=VALUE`` -> {NAME: {KEY: VALUE}}; an empty list is allowed."""
+    out: dict = {}
+    for item in items or []:
+        name, _, rest = item.partition(":")
+        if not name.strip() or any(c in name for c in "[], "):
+            raise SystemExit(f"--variant expects NAME:KEY=VALUE,..., got {item!r}")
+        out[name.strip()] = _sets([kv for kv in rest.split(",") if kv.strip()])
+    return out
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     from slipstream_bench.runner import ALL_MODES
 
@@ -60,6 +71,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="engine KV cache pool (default 1 GiB: the workload fits at once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                    help="extra engine setting for every engine run, repeatable")
+    p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", default=[],
+                   help="an extra in-process run, labelled inprocess[NAME], with these engine "
+                        "settings on top of the continuous server's (repeatable): measures "
+                        "changes side by side, e.g. 'mkl:cpu_linear=transposed'")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, alternating their order; each mode's median "
                         "round is reported (default 1; use 3+ on a noisy machine)")
@@ -79,7 +94,8 @@ def options(args: argparse.Namespace):
         output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
-        settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir)
+        settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
+        variants=_variants(args.variant))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -90,22 +90,23 @@ def machine_line(m: dict) -> str:
 
 
 def table(results: dict) -> str:
-    head = (f"{'mode':<16}{'tok/s':>9}{'req/s':>8}{'makespan':>10}   "
+    w = max([16] + [len(r["label"]) + 1 for r in results.get("runs", [])])
+    head = (f"{'mode':<{w}}{'tok/s':>9}{'req/s':>8}{'makespan':>10}   "
             f"{'TTFT p50/p90/p99 ms':>22}   {'ITL p50/p90/p99 ms':>20}   "
             f"{'E2E p50/p90/p99 ms':>22}  {'err':>4}{'len!':>5}")
     lines = [machine_line(results.get("machine") or {}), head, "-" * len(head)]
     for run in results.get("runs", []):
         if run.get("error"):
-            lines.append(f"{run['label']:<16}failed: {run['error'][:100]}")
+            lines.append(f"{run['label']:<{w}}failed: {run['error'][:100]}")
             continue
         if run.get("skipped"):
-            lines.append(f"{run['label']:<16}skipped: {run['skipped'][:140]}")
+            lines.append(f"{run['label']:<{w}}skipped: {run['skipped'][:140]}")
             continue
         s = run["summary"]
         trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
                                                         ("p50", "p90", "p99"))
         makespan = s.get("makespan_s")
-        lines.append(f"{run['label']:<16}{s.get('tokens_per_s', 0):>9.1f}"
+        lines.append(f"{run['label']:<{w}}{s.get('tokens_per_s', 0):>9.1f}"
                      f"{s.get('requests_per_s', 0):>8.2f}"
                      f"{(f'{makespan:.1f}s' if makespan else '-'):>10}   "
                      f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
@@ -113,13 +114,13 @@ def table(results: dict) -> str:
     for run in results.get("runs", []):
         rounds = [t for t in run.get("rounds_tokens_per_s") or [] if t]
         if len(rounds) > 1:
-            lines.append(f"{run['label']:<16}tok/s by round: "
+            lines.append(f"{run['label']:<{w}}tok/s by round: "
                          + ", ".join(f"{t:.1f}" for t in rounds) + " (the median one above)")
     roof = results.get("roofline") or {}
     if roof.get("error"):
-        lines.append(f"{'roofline':<16}failed: {roof['error'][:100]}")
+        lines.append(f"{'roofline':<{w}}failed: {roof['error'][:100]}")
     elif roof.get("best_possible_s"):
-        lines.append(f"{'roofline':<16}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
+        lines.append(f"{'roofline':<{w}}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
                      f"{roof['best_possible_s']:>9.1f}s   (best possible for the continuous "
                      f"run's {roof['num_steps']} steps)")
     return "\n".join(lines)

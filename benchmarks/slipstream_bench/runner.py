@@ -52,6 +52,7 @@ class BenchOptions:
     settings: dict = field(default_factory=dict)  # extra engine settings (--set)
     repeat: int = 1  # rounds of every mode; the median round of each is reported
     peers_dir: Optional[Path] = None  # where scripts/setup_peers.py installed the peers
+    variants: dict = field(default_factory=dict)  # name -> extra settings: inprocess[name] runs
 
 
 def log(message: str) -> None:
@@ -203,13 +204,15 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         run = guarded(mode, "triton", lambda: server_run.run_mode(
             mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
             progress=opts.progress))
-    elif mode == "inprocess":
+    elif mode == "inprocess" or mode.startswith("inprocess["):
         from slipstream_bench.inprocess import run_inprocess
 
-        log(f"== in-process engine (no Triton), the continuous server's settings{suffix}")
-        settings = server_run.rendered_settings(server_overrides(opts, "continuous"))
+        extra = opts.variants.get(mode[len("inprocess["):-1], {}) if mode != "inprocess" else {}
+        log(f"== in-process engine (no Triton), the continuous server's settings "
+            f"{extra or ''}{suffix}")
+        settings = server_run.rendered_settings({**server_overrides(opts, "continuous"), **extra})
         run = guarded(mode, "inprocess", lambda: run_inprocess(
-            settings, wl, offsets, warm, progress=opts.progress))
+            settings, wl, offsets, warm, label=mode, progress=opts.progress))
     elif mode == "hf_static":
         from slipstream_bench import hf_baselines as hf
 
@@ -261,8 +264,9 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
 def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
+    variants = tuple(f"inprocess[{name}]" for name in sh.opts.variants)
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             + PEER_MODES if m in sh.opts.modes]
+             + PEER_MODES if m in sh.opts.modes] + list(variants)
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):

@@ -9,6 +9,7 @@ POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_LINEARS = ("onednn", "transposed", "stock")  # worker/cpu_linear.py
+ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
 
 @dataclass
@@ -56,6 +57,7 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
+    attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
@@ -79,6 +81,9 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.attention_ops not in ATTENTION_OPS:
+            raise ValueError(
+                f"attention_ops must be one of {ATTENTION_OPS}, got {self.attention_ops!r}")
         if self.cpu_linear not in CPU_LINEARS:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}")
         if self.dtype not in DTYPES:

@@ -37,14 +37,15 @@ def check_backend_compatible(model: torch.nn.Module) -> None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None) -> None:
+                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None,
+                 attention_ops: str = "auto") -> None:
         check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
         self.device = device
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.ops = get_ops(device)
+        self.ops = get_ops(device, attention_ops)
         model.set_attn_implementation(attention.register())
         self.graphs = self._capture_decode_graphs(max_num_seqs, cuda_graph_sizes)
 

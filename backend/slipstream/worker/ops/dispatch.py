@@ -49,10 +49,12 @@ def triton_available() -> bool:
     return _load_triton_ops() is not None
 
 
-def get_ops(device: Union[torch.device, str, None] = None) -> AttentionOps:
-    """The ops module for ``device`` (see the module docstring for the rules)."""
+def get_ops(device: Union[torch.device, str, None] = None, choice: str = "auto") -> AttentionOps:
+    """The ops module for ``device`` (see the module docstring for the rules); ``choice``
+    (the engine's ``attention_ops``) other than ``auto`` picks one as the variable would."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice in ("", "auto"):
+        choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice not in ("", "auto", "torch", "triton", "cpu"):
         raise ValueError(f"{ENV_VAR} must be 'torch', 'cpu' or 'triton', got {choice!r}")
     if choice == "torch":
