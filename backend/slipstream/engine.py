@@ -55,7 +55,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
             config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
-            config.attention_ops)
+            config.attention_ops, config.fast_forward)
         self.sampler = Sampler(config.seed)
         self.proposer = self._make_proposer()
         self.requests: dict[str, Request] = {}

@@ -158,7 +158,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(
             self.model, self.kv, engine.device, config.max_model_len + config.num_speculative_tokens,
             config.max_num_seqs, config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
-            config.attention_ops)
+            config.attention_ops, config.fast_forward)
         self.shadows: dict[str, _Shadow] = {}
         self.num_forwards = 0
         log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, self.kv.nbytes / 2**20)

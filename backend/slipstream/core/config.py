@@ -58,6 +58,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
     attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
+    fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
