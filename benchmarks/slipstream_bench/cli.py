@@ -42,7 +42,7 @@ def _variants(items) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from slipstream_bench.runner import ALL_MODES
+    from slipstream_bench.runner import ALL_MODES, DEFAULT_MODES
 
     p.add_argument("--scenario", choices=("batching", "prefix-cache"), default="batching",
                    help="batching: every mode on one workload; prefix-cache: a shared long "
@@ -57,8 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "'0.875*uniform:16:64+0.125*uniform:256:512'")
     p.add_argument("--rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: all at once)")
-    p.add_argument("--modes", type=_modes, default=ALL_MODES,
-                   help=f"comma list, subset of {','.join(ALL_MODES)} (default all)")
+    p.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
+                   help=f"comma list, subset of {','.join(ALL_MODES)} (default all but "
+                        "vllm_offline_eager)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"),
                    help="where results.json, workload.json, traces and PNGs go")
     p.add_argument("--quick", action="store_true",

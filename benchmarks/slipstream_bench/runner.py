@@ -28,7 +28,11 @@ from slipstream_bench.workload import (Workload, arrival_times, generate_workloa
 
 SERVER_MODES = ("static", "dynamic", "continuous")
 PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
-ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + ("roofline",)
+# vLLM offline without torch.compile (enforce_eager): what compiling gives vLLM; on request only
+EXTRA_MODES = ("vllm_offline_eager",)
+DEFAULT_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + (
+    "roofline",)
+ALL_MODES = DEFAULT_MODES + EXTRA_MODES
 QUICK_PROMPT_LENS = "uniform:8:48"
 QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
 GIB = 1024 ** 3
@@ -41,7 +45,7 @@ class BenchOptions:
     seed: int = 0
     workload_file: Optional[str] = None
     rate: float = math.inf
-    modes: tuple = ALL_MODES
+    modes: tuple = DEFAULT_MODES
     output_dir: Path = Path("benchmarks/results")
     quick: bool = False
     progress: bool = True
@@ -229,7 +233,7 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
             model, tok, wl, offsets, warm, progress=opts.progress))
         hf.release(model)
-    elif mode in PEER_MODES:
+    elif mode in PEER_MODES + EXTRA_MODES:
         run = run_peer(mode, sh, suffix)
     else:
         raise ValueError(f"not a runnable mode: {mode}")
@@ -256,7 +260,10 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
         return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
             peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
             progress=sh.opts.progress))
-    log(f"== vLLM {peer.version} offline, LLM.generate{suffix}")
+    if mode == "vllm_offline_eager":
+        args = {**args, "enforce_eager": True}
+    log(f"== vLLM {peer.version} offline, LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
+        f"{suffix}")
     return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
         peer, args, sh.workload, sh.warm, threads, mode + suffix))
 
@@ -266,7 +273,7 @@ def run_rounds(sh: _Shared) -> list:
     that a drift in the machine's speed falls evenly on every mode."""
     variants = tuple(f"inprocess[{name}]" for name in sh.opts.variants)
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             + PEER_MODES if m in sh.opts.modes] + list(variants)
+             + PEER_MODES + EXTRA_MODES if m in sh.opts.modes] + list(variants)
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):
