@@ -76,6 +76,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="an extra in-process run, labelled inprocess[NAME], with these engine "
                         "settings on top of the continuous server's (repeatable): measures "
                         "changes side by side, e.g. 'mkl:cpu_linear=transposed'")
+    p.add_argument("--variant-modes", default="inprocess",
+                   help="which modes every --variant runs as: inprocess and/or continuous "
+                        "(continuous[NAME]: the server with those settings); default inprocess")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, alternating their order; each mode's median "
                         "round is reported (default 1; use 3+ on a noisy machine)")
@@ -96,7 +99,9 @@ def options(args: argparse.Namespace):
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
         settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
-        variants=_variants(args.variant))
+        variants=_variants(args.variant),
+        variant_modes=tuple(m.strip() for m in args.variant_modes.split(",") if m.strip()
+                            in ("inprocess", "continuous")))
 
 
 def run(args: argparse.Namespace) -> int:

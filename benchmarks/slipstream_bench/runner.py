@@ -57,6 +57,7 @@ class BenchOptions:
     repeat: int = 1  # rounds of every mode; the median round of each is reported
     peers_dir: Optional[Path] = None  # where scripts/setup_peers.py installed the peers
     variants: dict = field(default_factory=dict)  # name -> extra settings: inprocess[name] runs
+    variant_modes: tuple = ("inprocess",)  # which modes each variant runs as (and continuous)
 
 
 def log(message: str) -> None:
@@ -203,15 +204,22 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     """One run of one mode (guarded: a failure is recorded, the others go on)."""
     opts, wl, offsets, warm = sh.opts, sh.workload, sh.offsets, sh.warm
     suffix = f"_r{round_index}" if opts.repeat > 1 else ""
-    if mode in SERVER_MODES:
+    base, name = split_variant(mode)
+    if base == "continuous" and name:
+        extra = opts.variants[name]
+        log(f"== server, batching=continuous {extra}{suffix}")
+        run = guarded(mode, "triton", lambda: server_run.run_mode(
+            f"continuous_{name}{suffix}", {**server_overrides(opts, "continuous"), **extra}, wl,
+            offsets, warm, sh.out_dir, progress=opts.progress))
+    elif mode in SERVER_MODES:
         log(f"== server, batching={mode}{suffix}")
         run = guarded(mode, "triton", lambda: server_run.run_mode(
             mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
             progress=opts.progress))
-    elif mode == "inprocess" or mode.startswith("inprocess["):
+    elif base == "inprocess":
         from slipstream_bench.inprocess import run_inprocess
 
-        extra = opts.variants.get(mode[len("inprocess["):-1], {}) if mode != "inprocess" else {}
+        extra = opts.variants[name] if name else {}
         log(f"== in-process engine (no Triton), the continuous server's settings "
             f"{extra or ''}{suffix}")
         settings = server_run.rendered_settings({**server_overrides(opts, "continuous"), **extra})
@@ -268,17 +276,37 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
         peer, args, sh.workload, sh.warm, threads, mode + suffix))
 
 
+def split_variant(mode: str) -> tuple:
+    """``inprocess[fast]`` -> ("inprocess", "fast"); ``continuous`` -> ("continuous", None)."""
+    if mode.endswith("]") and "[" in mode:
+        base, name = mode[:-1].split("[", 1)
+        return base, name
+    return mode, None
+
+
 def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
-    variants = tuple(f"inprocess[{name}]" for name in sh.opts.variants)
+    variants = tuple(f"{base}[{name}]" for base in sh.opts.variant_modes
+                     for name in sh.opts.variants)
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
              + PEER_MODES + EXTRA_MODES if m in sh.opts.modes] + list(variants)
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):
             runs.append(run_mode(mode, sh, r))
+            _save_partial(sh, runs[-1])
     return runs
+
+
+def _save_partial(sh: _Shared, run: dict) -> None:
+    """Each run's summary as soon as it ends (runs.jsonl): a long run stopped half-way keeps
+    what it measured."""
+    if sh.out_dir is None:
+        return
+    line = {k: v for k, v in run.items() if k not in PER_REQUEST_KEYS}
+    with open(Path(sh.out_dir) / "runs.jsonl", "a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
 
 
 def representatives(runs: list) -> list:
@@ -326,6 +354,7 @@ def steps_from_json(items: list) -> list:
 def run_batching(opts: BenchOptions) -> dict:
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs.jsonl").unlink(missing_ok=True)
     tokenizer = load_tokenizer(opts.model)
     workload = make_workload(opts, tokenizer)
     workload.save(out_dir / "workload.json")

@@ -33,7 +33,7 @@ class EngineConfig:
     num_gpu_blocks_override: Optional[int] = None  # tests: exact number of KV blocks
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048  # vLLM's serving default
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
