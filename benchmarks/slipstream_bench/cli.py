@@ -77,8 +77,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "settings on top of the continuous server's (repeatable): measures "
                         "changes side by side, e.g. 'mkl:cpu_linear=transposed'")
     p.add_argument("--variant-modes", default="inprocess",
-                   help="which modes every --variant runs as: inprocess and/or continuous "
-                        "(continuous[NAME]: the server with those settings); default inprocess")
+                   help="comma list of the modes variants run as: inprocess or continuous "
+                        "(every variant; continuous[NAME] is the server with its settings), "
+                        "or MODE:NAME (that variant only); default inprocess")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, alternating their order; each mode's median "
                         "round is reported (default 1; use 3+ on a noisy machine)")
@@ -100,8 +101,8 @@ def options(args: argparse.Namespace):
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
         settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
         variants=_variants(args.variant),
-        variant_modes=tuple(m.strip() for m in args.variant_modes.split(",") if m.strip()
-                            in ("inprocess", "continuous")))
+        variant_modes=tuple(m.strip() for m in args.variant_modes.split(",")
+                            if m.strip().partition(":")[0] in ("inprocess", "continuous")))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -284,11 +284,19 @@ def split_variant(mode: str) -> tuple:
     return mode, None
 
 
+def variant_labels(variant_modes: tuple, variants: dict) -> list:
+    """``inprocess``/``continuous``: every variant in that mode; ``continuous:NAME``: one."""
+    labels = []
+    for item in variant_modes:
+        base, _, only = item.partition(":")
+        labels += [f"{base}[{name}]" for name in variants if not only or name == only]
+    return labels
+
+
 def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
-    variants = tuple(f"{base}[{name}]" for base in sh.opts.variant_modes
-                     for name in sh.opts.variants)
+    variants = tuple(variant_labels(sh.opts.variant_modes, sh.opts.variants))
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
              + PEER_MODES + EXTRA_MODES if m in sh.opts.modes] + list(variants)
     runs = []
