@@ -109,7 +109,11 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
         assert run["timeline"] and run["steps"]["decode_tokens"] > 0
     assert results["roofline"]["best_possible_s"] > 0
     assert set(results["targets"]) == {"continuous_vs_static", "continuous_vs_hf_continuous",
-                                       "roofline_fraction", "triton_overhead"}
+                                       "roofline_fraction", "triton_overhead",
+                                       "continuous_vs_vllm_triton", "itl_p50_vs_vllm_triton",
+                                       "itl_p90_vs_vllm_triton", "inprocess_vs_vllm_offline"}
+    assert results["targets"]["continuous_vs_vllm_triton"]["value"] is None  # no peer run
+    assert results["machine"]["cpu_model"] and "load_average_1m" in results["machine"]
     for name in ("throughput.png", "latency_cdf.png", "batch_timeline.png"):
         assert (out / name).stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
