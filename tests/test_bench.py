@@ -110,7 +110,11 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
         assert run["timeline"] and run["steps"]["decode_tokens"] > 0
     assert results["roofline"]["best_possible_s"] > 0
     assert set(results["targets"]) == {"continuous_vs_static", "continuous_vs_hf_continuous",
-                                       "roofline_fraction", "triton_overhead"}
+                                       "roofline_fraction", "triton_overhead",
+                                       "continuous_vs_vllm_triton", "itl_p50_vs_vllm_triton",
+                                       "itl_p90_vs_vllm_triton", "inprocess_vs_vllm_offline"}
+    assert results["targets"]["continuous_vs_vllm_triton"]["value"] is None  # no peer run
+    assert results["machine"]["cpu_model"] and "load_average_1m" in results["machine"]
     for name in ("throughput.png", "latency_cdf.png", "batch_timeline.png"):
         assert (out / name).stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
@@ -143,3 +147,55 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     # a failed round (no tokens/s) ranks slowest: the median of (fail, 5, 7) is 5
     assert reps["continuous"]["round"] == 0
     assert reps["continuous"]["rounds_tokens_per_s"] == [5.0, None, 7.0]
+
+
+def test_vllm_peer_modes_are_skipped_with_how_to_install_when_absent(tmp_path):
+    from slipstream_bench import report, runner
+
+    opts = runner.BenchOptions(modes=("vllm_triton", "vllm_offline"), peers_dir=tmp_path)
+    sh = runner._Shared(opts, None, [], None, tmp_path)
+    runs = [runner.run_peer(mode, sh, "") for mode in opts.modes]
+    for run in runs:
+        assert run["summary"] == {} and "setup_peers.py" in run["skipped"]
+    text = report.table({"runs": runs})
+    assert text.count("skipped: vLLM peer not installed") == 2
+
+
+def test_variants_parse_into_named_settings():
+    from slipstream_bench.cli import _variants
+
+    assert _variants(["mkl:cpu_linear=transposed,attention_ops=torch", "defaults:"]) == {
+        "mkl": {"cpu_linear": "transposed", "attention_ops": "torch"}, "defaults": {}}
+    with pytest.raises(SystemExit):
+        _variants(["bad name:x=1"])
+
+
+def _setup_peers_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "setup_peers.py"
+    spec = importlib.util.spec_from_file_location("setup_peers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_setup_peers_patches_vllm_backend_for_vllm_0_32(tmp_path):
+    setup = _setup_peers_module()
+    src = tmp_path / "src"
+    (src / "utils").mkdir(parents=True)
+    (src / "model.py").write_text("import json\nimport numpy as np\n")
+    (src / "utils" / "request.py").write_text("from vllm.inputs.data import TokensPrompt\n")
+    (src / "utils" / "metrics.py").write_text(
+        "from vllm.v1.metrics.loggers import StatLoggerBase, build_1_2_5_buckets\n")
+    assert len(setup.patch_backend(src)) == 3
+    assert "from vllm.inputs import TokensPrompt" in (src / "utils" / "request.py").read_text()
+    assert "vllm.v1.metrics.buckets import build_1_2_5_buckets" in (
+        src / "utils" / "metrics.py").read_text()
+    model = (src / "model.py").read_text()
+    assert model.index('setlocale(locale.LC_CTYPE, "C.UTF-8")') < model.index("import numpy")
+    assert setup.patch_backend(src) == []  # applied once, idempotent
+    (src / "model.py").write_text("import json\n")  # a version the patch does not know
+    with pytest.raises(SystemExit, match="differs"):
+        setup.patch_backend(src)

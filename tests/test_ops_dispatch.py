@@ -13,9 +13,9 @@ def test_dispatch_without_triton_falls_back_to_torch_ops():
         import slipstream
         from slipstream.worker import cuda_graphs  # must not need triton either
         from slipstream.worker.ops import dispatch
-        from slipstream.worker.ops import torch_ops
+        from slipstream.worker.ops import cpu_kernels, torch_ops
         assert dispatch.get_ops(torch.device("cuda")) is torch_ops
-        assert dispatch.get_ops("cpu") is torch_ops
+        assert dispatch.get_ops("cpu") is (cpu_kernels if cpu_kernels.load() else torch_ops)
         assert not dispatch.triton_available()
         os.environ["SLIPSTREAM_ATTENTION"] = "triton"
         try:
@@ -31,13 +31,34 @@ def test_dispatch_without_triton_falls_back_to_torch_ops():
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_both_ops_modules_implement_the_attention_ops_interface():
+def test_cpu_kernels_can_be_turned_off():
+    script = textwrap.dedent("""
+        import os
+        os.environ["SLIPSTREAM_CPU_KERNELS"] = "0"
+        os.environ.pop("SLIPSTREAM_ATTENTION", None)
+        from slipstream.worker.ops import dispatch, torch_ops
+        assert dispatch.get_ops("cpu") is torch_ops
+        os.environ["SLIPSTREAM_ATTENTION"] = "cpu"
+        try:
+            dispatch.get_ops("cpu")
+        except RuntimeError as exc:
+            assert "SLIPSTREAM_CPU_KERNELS=0" in str(exc)
+        else:
+            raise AssertionError("forcing the CPU kernel while it is off must raise")
+        print("OK")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_every_ops_module_implements_the_attention_ops_interface():
     import inspect
 
-    from slipstream.worker.ops import torch_ops, triton_kernels
+    from slipstream.worker.ops import cpu_kernels, torch_ops, triton_kernels
     from slipstream.worker.ops.base import AttentionOps
 
-    for module in (torch_ops, triton_kernels):
+    for module in (torch_ops, triton_kernels, cpu_kernels):
         assert isinstance(module, AttentionOps), module.__name__
         for name in ("store_step_kv", "paged_attention"):
             want = list(inspect.signature(getattr(AttentionOps, name)).parameters)[1:]  # no self

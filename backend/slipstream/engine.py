@@ -23,7 +23,8 @@ from slipstream.core.swap_space import SwapSpace
 from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
-from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
+from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepare_sampling
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
@@ -44,8 +45,8 @@ class LLMEngine:
         self.model = model if model is not None else model_loader.load_model(path, self.dtype, self.device)
         self.tokenizer = tokenizer if tokenizer is not None else model_loader.load_tokenizer(path, config.tokenizer)
         self.config = config = model_loader.fit_max_model_len(config, self.model.config)
-        if self.device.type == "cpu" and config.transpose_linear_weights:
-            transpose_linear_weights(self.model)
+        if self.device.type == "cpu":
+            prepare_linears(self.model, config.cpu_linear)
         self.eos_token_id = self._eos_token_id()
         self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
@@ -55,7 +56,8 @@ class LLMEngine:
         self._warn_short_capacity()
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
-            config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None)
+            config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
+            config.attention_ops, config.fast_forward)
         self.sampler = Sampler(config.seed)
         self.proposer = self._make_proposer()
         self.requests: dict[str, Request] = {}

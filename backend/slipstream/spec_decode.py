@@ -130,7 +130,8 @@ class DraftModelProposer(Proposer):
         super().__init__(config)
         from slipstream.worker import model_loader
         from slipstream.worker.kv_cache import KVCache, KVGeometry
-        from slipstream.worker.model_runner import ModelRunner, transpose_linear_weights
+        from slipstream.worker.cpu_linear import prepare_linears
+        from slipstream.worker.model_runner import ModelRunner
 
         self.engine = engine
         if config.speculative_model == config.model and engine.model is not None:
@@ -138,8 +139,8 @@ class DraftModelProposer(Proposer):
         else:
             path = model_loader.resolve_model_path(config.speculative_model)
             self.model = model_loader.load_model(path, engine.dtype, engine.device)
-            if engine.device.type == "cpu" and config.transpose_linear_weights:
-                transpose_linear_weights(self.model)
+            if engine.device.type == "cpu":
+                prepare_linears(self.model, config.cpu_linear)
         self.draft_vocab = self.model.get_input_embeddings().num_embeddings
         target_vocab = engine.model.get_input_embeddings().num_embeddings
         if self.draft_vocab < len(engine.tokenizer):
@@ -156,7 +157,8 @@ class DraftModelProposer(Proposer):
         self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(
             self.model, self.kv, engine.device, config.max_model_len + config.num_speculative_tokens,
-            config.max_num_seqs, config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None)
+            config.max_num_seqs, config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
+            config.attention_ops, config.fast_forward)
         self.shadows: dict[str, _Shadow] = {}
         self.num_forwards = 0
         log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, self.kv.nbytes / 2**20)

@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 
 HELP = ("benchmark: a workload over Triton gRPC streaming in static/dynamic/continuous "
-        "modes, the in-process engine, Hugging Face baselines, the roofline; JSON + PNG")
+        "modes, the in-process engine, Hugging Face baselines, vLLM peers, the roofline; "
+        "JSON + PNG")
 
 
 def _modes(text: str) -> tuple:
@@ -29,8 +30,19 @@ def _sets(items) -> dict:
     return out
 
 
+def _variants(items) -> dict:
+    """``NAME:KEY=VALUE,KEY=VALUE`` -> {NAME: {KEY: VALUE}}; an empty list is allowed."""
+    out: dict = {}
+    for item in items or []:
+        name, _, rest = item.partition(":")
+        if not name.strip() or any(c in name for c in "[], "):
+            raise SystemExit(f"--variant expects NAME:KEY=VALUE,..., got {item!r}")
+        out[name.strip()] = _sets([kv for kv in rest.split(",") if kv.strip()])
+    return out
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    from slipstream_bench.runner import ALL_MODES
+    from slipstream_bench.runner import ALL_MODES, DEFAULT_MODES
 
     p.add_argument("--scenario", choices=("batching", "prefix-cache"), default="batching",
                    help="batching: every mode on one workload; prefix-cache: a shared long "
@@ -45,8 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "'0.875*uniform:16:64+0.125*uniform:256:512'")
     p.add_argument("--rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: all at once)")
-    p.add_argument("--modes", type=_modes, default=ALL_MODES,
-                   help=f"comma list, subset of {','.join(ALL_MODES)} (default all)")
+    p.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
+                   help=f"comma list, subset of {','.join(ALL_MODES)} (default all but "
+                        "vllm_offline_eager)")
     p.add_argument("--output-dir", type=Path, default=Path("benchmarks/results"),
                    help="where results.json, workload.json, traces and PNGs go")
     p.add_argument("--quick", action="store_true",
@@ -59,9 +72,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="engine KV cache pool (default 1 GiB: the workload fits at once)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                    help="extra engine setting for every engine run, repeatable")
+    p.add_argument("--variant", action="append", metavar="NAME:KEY=VALUE,...", default=[],
+                   help="an extra in-process run, labelled inprocess[NAME], with these engine "
+                        "settings on top of the continuous server's (repeatable): measures "
+                        "changes side by side, e.g. 'mkl:cpu_linear=transposed'")
+    p.add_argument("--variant-modes", default="inprocess",
+                   help="comma list of the modes variants run as: inprocess or continuous "
+                        "(every variant; continuous[NAME] is the server with its settings), "
+                        "or MODE:NAME (that variant only); default inprocess")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, alternating their order; each mode's median "
                         "round is reported (default 1; use 3+ on a noisy machine)")
+    p.add_argument("--peers-dir", type=Path, default=None,
+                   help="where scripts/setup_peers.py installed the vLLM peer (default "
+                        "~/.cache/slipstream/peers); its modes are skipped when absent")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -75,7 +99,10 @@ def options(args: argparse.Namespace):
         output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
-        settings=_sets(args.set), repeat=max(args.repeat, 1))
+        settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
+        variants=_variants(args.variant),
+        variant_modes=tuple(m.strip() for m in args.variant_modes.split(",")
+                            if m.strip().partition(":")[0] in ("inprocess", "continuous")))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,17 @@ TARGETS = {
                           lambda v, n: v >= n),
     "triton_overhead": ("1 - continuous (Triton) / in-process engine, tokens/s", 0.05,
                         lambda v, n: v <= n),
+    # Against the backend Slipstream replaces: Triton + Triton's vLLM backend, vLLM offline.
+    "continuous_vs_vllm_triton": ("continuous (Triton) / Triton + vLLM backend, tokens/s", 1.2,
+                                  lambda v, n: v >= n),
+    "itl_p50_vs_vllm_triton": ("ITL p50, continuous (Triton) / Triton + vLLM backend", 1.0,
+                               lambda v, n: v <= n),
+    "itl_p90_vs_vllm_triton": ("ITL p90, continuous (Triton) / Triton + vLLM backend", 1.0,
+                               lambda v, n: v <= n),
+    "inprocess_vs_vllm_offline": ("in-process engine / vLLM offline (LLM.generate), tokens/s",
+                                  1.2, lambda v, n: v >= n),
 }
+LOWER_IS_BETTER = ("triton_overhead", "itl_p50_vs_vllm_triton", "itl_p90_vs_vllm_triton")
 
 
 def _tps(results: dict, label: str) -> Optional[float]:
@@ -23,15 +33,30 @@ def _tps(results: dict, label: str) -> Optional[float]:
     return None
 
 
+def _itl(results: dict, label: str, p: str) -> Optional[float]:
+    for run in results.get("runs", []):
+        if run["label"] == label:
+            return ((run["summary"] or {}).get("itl_ms") or {}).get(p)
+    return None
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a and b else None
+
+
 def ratios(results: dict) -> dict:
     cont = _tps(results, "continuous")
     out: dict = {}
     for name, other in (("continuous_vs_static", "static"),
-                        ("continuous_vs_hf_continuous", "hf_continuous")):
-        base = _tps(results, other)
-        out[name] = cont / base if cont and base else None
+                        ("continuous_vs_hf_continuous", "hf_continuous"),
+                        ("continuous_vs_vllm_triton", "vllm_triton")):
+        out[name] = _ratio(cont, _tps(results, other))
     inproc = _tps(results, "inprocess")
     out["triton_overhead"] = 1 - cont / inproc if cont and inproc else None
+    for p in ("p50", "p90"):
+        out[f"itl_{p}_vs_vllm_triton"] = _ratio(_itl(results, "continuous", p),
+                                                _itl(results, "vllm_triton", p))
+    out["inprocess_vs_vllm_offline"] = _ratio(inproc, _tps(results, "vllm_offline"))
     out["roofline_fraction"] = (results.get("roofline") or {}).get("efficiency", {}).get(
         "vs_makespan")
     return out
@@ -55,20 +80,33 @@ def _ms(d: Optional[dict], key: str) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
 
 
+def machine_line(m: dict) -> str:
+    """Every figure is only comparable on the machine it was taken on: say which."""
+    load = [m.get("load_average_1m"), m.get("load_average_1m_at_end")]
+    load_text = "/".join(f"{x:.2f}" for x in load if x is not None) or "?"
+    return (f"machine: {m.get('cpu_model') or '?'} ({', '.join(m.get('cpu_flags') or []) or '?'})"
+            f", {m.get('cpus')} CPUs, torch {m.get('torch')} x{m.get('torch_threads')} threads, "
+            f"load 1m at start/end {load_text}")
+
+
 def table(results: dict) -> str:
-    head = (f"{'mode':<16}{'tok/s':>9}{'req/s':>8}{'makespan':>10}   "
+    w = max([16] + [len(r["label"]) + 1 for r in results.get("runs", [])])
+    head = (f"{'mode':<{w}}{'tok/s':>9}{'req/s':>8}{'makespan':>10}   "
             f"{'TTFT p50/p90/p99 ms':>22}   {'ITL p50/p90/p99 ms':>20}   "
             f"{'E2E p50/p90/p99 ms':>22}  {'err':>4}{'len!':>5}")
-    lines = [head, "-" * len(head)]
+    lines = [machine_line(results.get("machine") or {}), head, "-" * len(head)]
     for run in results.get("runs", []):
         if run.get("error"):
-            lines.append(f"{run['label']:<16}failed: {run['error'][:100]}")
+            lines.append(f"{run['label']:<{w}}failed: {run['error'][:100]}")
+            continue
+        if run.get("skipped"):
+            lines.append(f"{run['label']:<{w}}skipped: {run['skipped'][:140]}")
             continue
         s = run["summary"]
         trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
                                                         ("p50", "p90", "p99"))
         makespan = s.get("makespan_s")
-        lines.append(f"{run['label']:<16}{s.get('tokens_per_s', 0):>9.1f}"
+        lines.append(f"{run['label']:<{w}}{s.get('tokens_per_s', 0):>9.1f}"
                      f"{s.get('requests_per_s', 0):>8.2f}"
                      f"{(f'{makespan:.1f}s' if makespan else '-'):>10}   "
                      f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
@@ -76,13 +114,13 @@ def table(results: dict) -> str:
     for run in results.get("runs", []):
         rounds = [t for t in run.get("rounds_tokens_per_s") or [] if t]
         if len(rounds) > 1:
-            lines.append(f"{run['label']:<16}tok/s by round: "
+            lines.append(f"{run['label']:<{w}}tok/s by round: "
                          + ", ".join(f"{t:.1f}" for t in rounds) + " (the median one above)")
     roof = results.get("roofline") or {}
     if roof.get("error"):
-        lines.append(f"{'roofline':<16}failed: {roof['error'][:100]}")
+        lines.append(f"{'roofline':<{w}}failed: {roof['error'][:100]}")
     elif roof.get("best_possible_s"):
-        lines.append(f"{'roofline':<16}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
+        lines.append(f"{'roofline':<{w}}{roof['best_tokens_per_s']:>9.1f}{'':>8}"
                      f"{roof['best_possible_s']:>9.1f}s   (best possible for the continuous "
                      f"run's {roof['num_steps']} steps)")
     return "\n".join(lines)
@@ -95,7 +133,7 @@ def targets_text(results: dict) -> str:
             lines.append(f"  {t['description']}: not measured")
             continue
         verdict = "met" if t["met"] else "NOT met"
-        cmp = "<=" if name == "triton_overhead" else ">="
+        cmp = "<=" if name in LOWER_IS_BETTER else ">="
         lines.append(f"  {t['description']}: {t['value']:.2f} (target {cmp} {t['target']}) "
                      f"{verdict}")
     return "\n".join(lines)

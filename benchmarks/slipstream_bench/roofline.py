@@ -4,8 +4,8 @@ For every step the engine ran (from its trace), the step put T tokens through th
 took logits for S rows. The best a serving engine can do for that step is one plain forward
 of T packed tokens with S logit rows: no scheduler, no KV-cache writes or reads, no
 sampling, no detokenizing, no streaming. We time exactly that on the plain Hugging Face
-model (sdpa; fastest of the stored and the transposed weight layouts, as the engine may use
-either), as ``body(T)`` (forward, one logit row) plus ``head(S) - head(1)`` (the extra
+model (sdpa; fastest of the stored, transposed and oneDNN-packed weight layouts, as the
+engine may use any), as ``body(T)`` (forward, one logit row) plus ``head(S) - head(1)`` (the extra
 ``lm_head`` rows), at a grid of T and S covering the run, interpolating in between, and sum
 over the steps. That sum is the best-possible time for the workload at the batch shapes the
 run chose. Attention over cached context is left out, so this is a true lower bound, and a
@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from slipstream.worker.model_runner import transpose_linear_weights
+from slipstream.worker.cpu_linear import prepare_linears
 from slipstream_bench import timeline
 
 MAX_GRID_POINTS = 24
@@ -80,17 +80,19 @@ def time_head(model, sizes: Sequence[int]) -> dict:
 
 
 def measure(model, body_sizes: Sequence[int], head_sizes: Sequence[int]) -> tuple:
-    """Best of both weight layouts for every shape."""
+    """Best of the weight layouts for every shape (the model keeps the last one)."""
     vocab = model.get_input_embeddings().num_embeddings
-    body, head = time_body(model, body_sizes, vocab), time_head(model, head_sizes)
-    transpose_linear_weights(model)
-    body_t, head_t = time_body(model, body_sizes, vocab), time_head(model, head_sizes)
-    return ({k: min(body[k], body_t[k]) for k in body},
-            {k: min(head[k], head_t[k]) for k in head})
+    bodies, heads = [time_body(model, body_sizes, vocab)], [time_head(model, head_sizes)]
+    for layout in ("transposed", "onednn"):
+        if prepare_linears(model, layout).value == layout:
+            bodies.append(time_body(model, body_sizes, vocab))
+            heads.append(time_head(model, head_sizes))
+    return ({k: min(b[k] for b in bodies) for k in bodies[0]},
+            {k: min(h[k] for h in heads) for k in heads[0]})
 
 
 def roofline(model, steps: Sequence[timeline.Step]) -> dict:
-    """Best-possible time of ``steps``; ``model`` gets transposed weights (use it last)."""
+    """Best-possible time of ``steps``; ``model`` gets packed weights (use it last)."""
     if not steps:
         return {"best_possible_s": None, "num_steps": 0}
     tokens = [s.tokens for s in steps]
@@ -106,7 +108,8 @@ def roofline(model, steps: Sequence[timeline.Step]) -> dict:
             "body_ms": {str(k): v * 1000 for k, v in body.items()},
             "head_ms": {str(k): v * 1000 for k, v in head.items()},
             "method": "plain HF forward of the step's packed tokens + lm_head rows, best of "
-                      f"{REPEATS}, stored vs transposed weights; no KV attention"}
+                      f"{REPEATS}, stored vs transposed vs oneDNN-packed weights; no KV "
+                      "attention"}
 
 
 def efficiency(result: dict, makespan_s: float, busy_s: float) -> dict:

@@ -27,7 +27,12 @@ from slipstream_bench import timeline
 from slipstream_bench.workload import (Workload, arrival_times, generate_workload, lengths_summary)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
-ALL_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous", "roofline")
+PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
+# vLLM offline without torch.compile (enforce_eager): what compiling gives vLLM; on request only
+EXTRA_MODES = ("vllm_offline_eager",)
+DEFAULT_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + (
+    "roofline",)
+ALL_MODES = DEFAULT_MODES + EXTRA_MODES
 QUICK_PROMPT_LENS = "uniform:8:48"
 QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
 GIB = 1024 ** 3
@@ -40,7 +45,7 @@ class BenchOptions:
     seed: int = 0
     workload_file: Optional[str] = None
     rate: float = math.inf
-    modes: tuple = ALL_MODES
+    modes: tuple = DEFAULT_MODES
     output_dir: Path = Path("benchmarks/results")
     quick: bool = False
     progress: bool = True
@@ -50,6 +55,9 @@ class BenchOptions:
     kv_cache_memory_bytes: int = GIB  # the whole offline workload fits: no preemption
     settings: dict = field(default_factory=dict)  # extra engine settings (--set)
     repeat: int = 1  # rounds of every mode; the median round of each is reported
+    peers_dir: Optional[Path] = None  # where scripts/setup_peers.py installed the peers
+    variants: dict = field(default_factory=dict)  # name -> extra settings: inprocess[name] runs
+    variant_modes: tuple = ("inprocess",)  # which modes each variant runs as (and continuous)
 
 
 def log(message: str) -> None:
@@ -84,13 +92,43 @@ def server_overrides(opts: BenchOptions, batching: str) -> dict:
             "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **opts.settings}
 
 
+# The CPU features that decide which kernels run (AVX-512, VNNI, BF16, AMX).
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+
+
+def cpu_info() -> dict:
+    """CPU model and its SIMD flags (from /proc/cpuinfo; empty where there is none)."""
+    model, flags = platform.processor() or "", []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu_model": model, "cpu_flags": flags}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            have = set(value.split())
+            flags = [f for f in SIMD_FLAGS if f in have]
+    return {"cpu_model": model, "cpu_flags": flags}
+
+
+def load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpus": os.cpu_count(), **cpu_info(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_1m": load_average()}
 
 
 # ------------------------------------------------------------------------ the runs
@@ -139,6 +177,20 @@ class _Shared:
     warm: Workload
     out_dir: Path
     hf_model_and_tok: Optional[tuple] = None  # loaded on first use
+    peer: Optional[object] = None  # the vLLM peer, looked up on first use
+    peer_missing: Optional[str] = None  # why it is skipped
+
+    def vllm_peer(self):
+        """The installed vLLM peer, or None (the reason in ``peer_missing``, said once)."""
+        if self.peer is None and self.peer_missing is None:
+            from slipstream_bench.vllm_peer import PeerUnavailable, load_peer
+
+            try:
+                self.peer = load_peer(self.opts.peers_dir)
+            except PeerUnavailable as exc:
+                self.peer_missing = str(exc)
+                log(f"!! vLLM peer modes skipped: {exc}")
+        return self.peer
 
     def hf(self) -> tuple:
         if self.hf_model_and_tok is None:
@@ -152,18 +204,27 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     """One run of one mode (guarded: a failure is recorded, the others go on)."""
     opts, wl, offsets, warm = sh.opts, sh.workload, sh.offsets, sh.warm
     suffix = f"_r{round_index}" if opts.repeat > 1 else ""
-    if mode in SERVER_MODES:
+    base, name = split_variant(mode)
+    if base == "continuous" and name:
+        extra = opts.variants[name]
+        log(f"== server, batching=continuous {extra}{suffix}")
+        run = guarded(mode, "triton", lambda: server_run.run_mode(
+            f"continuous_{name}{suffix}", {**server_overrides(opts, "continuous"), **extra}, wl,
+            offsets, warm, sh.out_dir, progress=opts.progress))
+    elif mode in SERVER_MODES:
         log(f"== server, batching={mode}{suffix}")
         run = guarded(mode, "triton", lambda: server_run.run_mode(
             mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
             progress=opts.progress))
-    elif mode == "inprocess":
+    elif base == "inprocess":
         from slipstream_bench.inprocess import run_inprocess
 
-        log(f"== in-process engine (no Triton), the continuous server's settings{suffix}")
-        settings = server_run.rendered_settings(server_overrides(opts, "continuous"))
+        extra = opts.variants[name] if name else {}
+        log(f"== in-process engine (no Triton), the continuous server's settings "
+            f"{extra or ''}{suffix}")
+        settings = server_run.rendered_settings({**server_overrides(opts, "continuous"), **extra})
         run = guarded(mode, "inprocess", lambda: run_inprocess(
-            settings, wl, offsets, warm, progress=opts.progress))
+            settings, wl, offsets, warm, label=mode, progress=opts.progress))
     elif mode == "hf_static":
         from slipstream_bench import hf_baselines as hf
 
@@ -180,6 +241,8 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
             model, tok, wl, offsets, warm, progress=opts.progress))
         hf.release(model)
+    elif mode in PEER_MODES + EXTRA_MODES:
+        run = run_peer(mode, sh, suffix)
     else:
         raise ValueError(f"not a runnable mode: {mode}")
     run["label"], run["round"] = mode, round_index
@@ -187,16 +250,71 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     return run
 
 
+def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
+    """Triton + vllm_backend, or vLLM offline; skipped (not failed) when not installed."""
+    from slipstream_bench import vllm_peer
+
+    peer = sh.vllm_peer()
+    if peer is None:
+        return {"label": mode, "kind": "peer", "skipped": sh.peer_missing, "summary": {}}
+    import torch
+
+    settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
+    args = vllm_peer.engine_args(peer, sh.opts.model, int(settings.get("max_model_len") or 2048),
+                                 sh.opts.seed)
+    threads = torch.get_num_threads()
+    if mode == "vllm_triton":
+        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
+        return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
+            peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
+            progress=sh.opts.progress))
+    if mode == "vllm_offline_eager":
+        args = {**args, "enforce_eager": True}
+    log(f"== vLLM {peer.version} offline, LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
+        f"{suffix}")
+    return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
+        peer, args, sh.workload, sh.warm, threads, mode + suffix))
+
+
+def split_variant(mode: str) -> tuple:
+    """``inprocess[fast]`` -> ("inprocess", "fast"); ``continuous`` -> ("continuous", None)."""
+    if mode.endswith("]") and "[" in mode:
+        base, name = mode[:-1].split("[", 1)
+        return base, name
+    return mode, None
+
+
+def variant_labels(variant_modes: tuple, variants: dict) -> list:
+    """``inprocess``/``continuous``: every variant in that mode; ``continuous:NAME``: one."""
+    labels = []
+    for item in variant_modes:
+        base, _, only = item.partition(":")
+        labels += [f"{base}[{name}]" for name in variants if not only or name == only]
+    return labels
+
+
 def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
+    variants = tuple(variant_labels(sh.opts.variant_modes, sh.opts.variants))
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             if m in sh.opts.modes]
+             + PEER_MODES + EXTRA_MODES if m in sh.opts.modes] + list(variants)
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):
             runs.append(run_mode(mode, sh, r))
+            _save_partial(sh, runs[-1])
     return runs
+
+
+def _save_partial(sh: _Shared, run: dict) -> None:
+    """Each run's summary as soon as it ends (runs.jsonl): a long run stopped half-way keeps
+    what it measured."""
+    if sh.out_dir is None:
+        return
+    line = {k: v for k, v in run.items() if k not in PER_REQUEST_KEYS}
+    with open(Path(sh.out_dir) / "runs.jsonl", "a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
 
 
 def representatives(runs: list) -> list:
@@ -244,6 +362,7 @@ def steps_from_json(items: list) -> list:
 def run_batching(opts: BenchOptions) -> dict:
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs.jsonl").unlink(missing_ok=True)
     tokenizer = load_tokenizer(opts.model)
     workload = make_workload(opts, tokenizer)
     workload.save(out_dir / "workload.json")
@@ -251,6 +370,7 @@ def run_batching(opts: BenchOptions) -> dict:
     warm = warmup_workload(tokenizer, opts.seed)
     log(f"workload: {lengths_summary(workload)}")
     t0 = time.perf_counter()
+    machine_at_start = machine()
     sh = _Shared(opts, workload, offsets, warm, out_dir)
     runs = representatives(run_rounds(sh))
     roof = None
@@ -261,15 +381,16 @@ def run_batching(opts: BenchOptions) -> dict:
     gc.collect()
     results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
                "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_at_start,
                "workload": {**lengths_summary(workload), **workload.description},
                "arrivals_s": offsets, "runs": runs, "roofline": roof,
                "wall_s": time.perf_counter() - t0}
+    results["machine"]["load_average_1m_at_end"] = load_average()
     results["targets"] = report.judged(results)
     return finish(results, out_dir)
 
 
-PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s")
+PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s", "output_token_ids")
 
 
 def summary_of(results: dict) -> dict:

@@ -8,6 +8,8 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+CPU_LINEARS = ("onednn", "transposed", "stock")  # worker/cpu_linear.py
+ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
 
 @dataclass
@@ -31,7 +33,7 @@ class EngineConfig:
     num_gpu_blocks_override: Optional[int] = None  # tests: exact number of KV blocks
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048  # vLLM's serving default
     max_model_len: Optional[int] = None  # None = the model's position limit
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -54,7 +56,9 @@ class EngineConfig:
 
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    transpose_linear_weights: bool = True  # CPU: faster small-batch matmuls
+    cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
+    attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
+    fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
@@ -80,6 +84,11 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.attention_ops not in ATTENTION_OPS:
+            raise ValueError(
+                f"attention_ops must be one of {ATTENTION_OPS}, got {self.attention_ops!r}")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

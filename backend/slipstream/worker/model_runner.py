@@ -10,6 +10,7 @@ import torch
 from slipstream.core.scheduler_output import SchedulerOutput
 from slipstream.worker import attention
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
+from slipstream.worker.fast_forward import FastForward
 from slipstream.worker.kv_cache import KVCache
 from slipstream.worker.ops.dispatch import get_ops
 from slipstream.worker.ops.metadata import AttentionMetadata
@@ -35,24 +36,19 @@ def check_backend_compatible(model: torch.nn.Module) -> None:
             "(Llama, Qwen, Mistral, Gemma, Phi, GPT-NeoX, GPT-2, OPT, ...)")
 
 
-def transpose_linear_weights(model: torch.nn.Module) -> None:
-    """Store every Linear weight column-major: small-batch CPU matmuls run ~2x faster."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
-            module.weight.data = module.weight.data.t().contiguous().t()
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None) -> None:
+                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None,
+                 attention_ops: str = "auto", fast_forward: bool = True) -> None:
         check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
         self.device = device
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.ops = get_ops(device)
+        self.ops = get_ops(device, attention_ops)
         model.set_attn_implementation(attention.register())
+        self.fast = FastForward.for_model(model) if fast_forward and device.type == "cpu" else None
         self.graphs = self._capture_decode_graphs(max_num_seqs, cuda_graph_sizes)
 
     # -- CUDA graphs (decode-only steps) ---------------------------------------------------
@@ -136,6 +132,8 @@ class ModelRunner:
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)
 
     def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(input_ids, positions, keep, self._attention_step(meta))
         attention.set_context(attention.StepContext(
             meta, self.kv.key_caches, self.kv.value_caches, self.ops))
         try:
@@ -144,6 +142,16 @@ class ModelRunner:
         finally:
             attention.set_context(None)
         return out.logits[0]
+
+    def _attention_step(self, meta: AttentionMetadata):
+        """The lean forward's attention: store the new K/V, attend over the paged cache."""
+        key_caches, value_caches, ops = self.kv.key_caches, self.kv.value_caches, self.ops
+
+        def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
+            ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)
+            return ops.paged_attention(q, key_caches[layer], value_caches[layer], meta, scaling,
+                                       window, None)
+        return step
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:

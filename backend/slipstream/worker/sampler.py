@@ -116,7 +116,9 @@ class Sampler:
         logits = self._apply_penalties(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        if greedy:
+        if len(greedy) == len(reqs):  # no copy of the rows (64 x 49k logits: ~4 ms)
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         for i, req in enumerate(reqs):
             if not req.params.greedy:

@@ -4,9 +4,11 @@
 ``paged_decode_attention``, ``paged_prefill_attention`` and ``paged_attention``:
 
 * :mod:`slipstream.worker.ops.triton_kernels` on CUDA when OpenAI Triton imports,
+* :mod:`slipstream.worker.ops.cpu_kernels` on CPU when its compiled decode kernel loads,
 * :mod:`slipstream.worker.ops.torch_ops` otherwise.
 
-``SLIPSTREAM_ATTENTION=torch`` forces the torch path anywhere; ``SLIPSTREAM_ATTENTION=triton``
+``SLIPSTREAM_ATTENTION=torch`` forces the torch path anywhere, ``SLIPSTREAM_ATTENTION=cpu``
+the compiled CPU kernel (raising if it cannot be built); ``SLIPSTREAM_ATTENTION=triton``
 forces the kernels (on CPU they only run under ``TRITON_INTERPRET=1``, set before the first
 import) and raises if triton cannot be imported. Triton is imported lazily, only here, so the
 package works without it.
@@ -20,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from slipstream.worker.ops import torch_ops
+from slipstream.worker.ops import cpu_kernels, torch_ops
 from slipstream.worker.ops.base import AttentionOps
 
 logger = logging.getLogger(__name__)
@@ -47,14 +49,21 @@ def triton_available() -> bool:
     return _load_triton_ops() is not None
 
 
-def get_ops(device: Union[torch.device, str, None] = None) -> AttentionOps:
-    """The ops module for ``device`` (see the module docstring for the rules)."""
+def get_ops(device: Union[torch.device, str, None] = None, choice: str = "auto") -> AttentionOps:
+    """The ops module for ``device`` (see the module docstring for the rules); ``choice``
+    (the engine's ``attention_ops``) other than ``auto`` picks one as the variable would."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice not in ("", "auto", "torch", "triton"):
-        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {choice!r}")
+    if choice in ("", "auto"):
+        choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "auto", "torch", "triton", "cpu"):
+        raise ValueError(f"{ENV_VAR} must be 'torch', 'cpu' or 'triton', got {choice!r}")
     if choice == "torch":
         return torch_ops
+    if choice == "cpu":
+        if not cpu_kernels.load():
+            raise RuntimeError(f"{ENV_VAR}=cpu but the CPU kernel is unavailable: "
+                               f"{cpu_kernels.unavailable_reason()}")
+        return cpu_kernels
     if choice == "triton":
         ops = _load_triton_ops()
         if ops is None:
@@ -64,4 +73,6 @@ def get_ops(device: Union[torch.device, str, None] = None) -> AttentionOps:
         ops = _load_triton_ops()
         if ops is not None:
             return ops
+    if device.type == "cpu" and cpu_kernels.load():
+        return cpu_kernels
     return torch_ops

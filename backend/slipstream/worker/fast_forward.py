@@ -1,0 +1,151 @@
+"""A lean forward for Llama-style decoder stacks on CPU (Llama, Mistral, Qwen2: SmolLM2 is one).
+
+The Hugging Face forward spends, per layer, ~60 tensor ops and a dozen module calls through
+transformers' wrappers (output capturing, kwargs plumbing, the attention-interface lookup,
+gradient-checkpointing layers); on the 2-core CPU that Python and dispatch overhead was ~10 ms
+of a ~40 ms batch-8 decode step. This runs the same modules' weights through the same
+arithmetic in one flat loop: the same Linear modules (so their oneDNN packing applies), the
+model's own embedding and rotary modules, the rotary formula and residual order of
+``modeling_llama``, ``F.rms_norm`` where it is bit-identical to the model's RMSNorm (checked
+once per model; the module itself otherwise), and the paged attention operators. Logits are
+the Hugging Face forward's, bit for bit, where the norm check passes.
+
+Models whose structure differs from this (other norms, activations, attention variants)
+keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+# model_type -> how a layer finds its sliding window (None: no window)
+_WINDOW: dict = {
+    "llama": lambda config, attn: None,
+    "mistral": lambda config, attn: getattr(config, "sliding_window", None),
+    "qwen2": lambda config, attn: getattr(attn, "sliding_window", None),
+}
+_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+@dataclass
+class _Layer:
+    index: int
+    norm_in: Callable[[torch.Tensor], torch.Tensor]
+    norm_post: Callable[[torch.Tensor], torch.Tensor]
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+    scaling: float
+    sliding_window: Optional[int]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.rms_norm`` when it reproduces ``module`` bit for bit, else the module itself."""
+    weight, eps = module.weight, module.variance_epsilon
+    shape = (weight.shape[0],)
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, shape, weight, eps)
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in (1, 3, 8, 33):
+            x = torch.randn(1, rows, shape[0], generator=gen, dtype=weight.dtype) * 3
+            if not torch.equal(fused(x), module(x)):
+                return module
+    return fused
+
+
+class FastForward:
+    """``__call__(input_ids [T], positions [T], keep) -> logits [len(keep), vocab]`` with
+    the step's attention context already set (``attention.set_context``)."""
+
+    def __init__(self, model: torch.nn.Module, layers: list) -> None:
+        self.model = model
+        self.base = model.model
+        self.layers = layers
+        self.num_heads = model.config.num_attention_heads
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.head_dim = layers[0].q.out_features // self.num_heads
+        self.final_norm = _fused_norm(self.base.norm)
+        self.act = F.silu
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> Optional["FastForward"]:
+        """The lean forward for ``model`` when its structure is the one this reproduces."""
+        config = getattr(model, "config", None)
+        window_of = _WINDOW.get(getattr(config, "model_type", None))
+        base = getattr(model, "model", None)
+        if window_of is None or base is None or not _is_plain_llama(model, config):
+            return None
+        layers = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(i, _fused_norm(layer.input_layernorm),
+                                 _fused_norm(layer.post_attention_layernorm), attn.q_proj,
+                                 attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                                 mlp.up_proj, mlp.down_proj, attn.scaling,
+                                 window_of(config, attn)))
+        return cls(model, layers)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                 attention_step: Callable) -> torch.Tensor:
+        """``attention_step(layer_index, q [T,H,D], k [T,Hkv,D], v, scaling, window)``
+        stores K/V and returns the attention output ``[T, H, D]``."""
+        t = input_ids.shape[0]
+        hidden = self.base.embed_tokens(input_ids[None])  # [1, T, hidden]
+        cos, sin = self.base.rotary_emb(hidden, positions[None])  # [1, T, D] each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        for layer in self.layers:
+            x = layer.norm_in(hidden)
+            q = layer.q(x).view(t, h, d)
+            k = layer.k(x).view(t, hkv, d)
+            v = layer.v(x).view(t, hkv, d)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            out = attention_step(layer.index, q, k, v, layer.scaling, layer.sliding_window)
+            hidden = hidden + layer.o(out.reshape(1, t, h * d))
+            x = layer.norm_post(hidden)
+            hidden = hidden + layer.down(self.act(layer.gate(x)) * layer.up(x))
+        hidden = self.final_norm(hidden)
+        return self.model.lm_head(hidden[:, keep, :])[0]
+
+
+def _is_plain_llama(model: torch.nn.Module, config) -> bool:
+    """The modules and settings the lean forward reproduces, and nothing else."""
+    base = model.model
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return False
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return False
+    if type(base.norm).__name__ not in _NORM_CLASSES or not hasattr(model, "lm_head"):
+        return False
+    if next(model.parameters()).dtype != torch.float32:
+        return False
+    for layer in base.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return False
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+            return False
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return False
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm).__name__ not in _NORM_CLASSES:
+                return False
+    return True

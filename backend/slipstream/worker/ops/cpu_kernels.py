@@ -1,0 +1,212 @@
+"""CPU attention with a compiled decode kernel: the ``AttentionOps`` the CPU engine uses.
+
+Decode rows (one new token per sequence) run ``cpu_paged_attention.cpp``, which reads each
+sequence's K/V blocks in place from the paged cache: the torch path first gathers every
+decode sequence's blocks into a padded copy (in every layer) and then attends over the copy,
+moving the context twice. Prefill chunks keep the torch path (fused SDPA on the gathered
+blocks, compute-bound, where a copy of one sequence's blocks is cheap). KV stores are the
+torch path's.
+
+The kernel is compiled on first use with the system's C++ compiler against the installed
+torch (a few tens of seconds, once) into ``<cache>/cpu_kernels/<key>/``, where the key
+covers the source, torch, the compiler flags and the CPU's flags. ``load()`` returns False,
+with the reason logged once, where that fails (no compiler, no headers): the engine then
+uses the torch path. ``SLIPSTREAM_CPU_KERNELS=0`` turns the kernel off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from slipstream.worker.ops import torch_ops
+from slipstream.worker.ops.metadata import AttentionMetadata
+
+log = logging.getLogger("slipstream")
+
+ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+# -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
+# linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
+                 "-DNDEBUG", "-w")
+
+_lock = threading.Lock()
+_state: dict = {}  # "loaded": bool, "error": str
+
+
+def _cache_root() -> Path:
+    from slipstream.worker.model_loader import cache_root
+
+    return cache_root() / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _abi_flag() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def _build_key(compiler: str) -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode(),
+                 " ".join(COMPILE_FLAGS).encode(), _abi_flag().encode(), _cpu_flags().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def _build(target: Path, compiler: str) -> None:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    includes = [f"-I{p}" for p in include_paths()]
+    libs = [f"-L{p}" for p in library_paths()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        subprocess.run([compiler, *COMPILE_FLAGS, _abi_flag(), *includes, "-c", str(SOURCE),
+                        "-o", str(obj)], check=True, capture_output=True, text=True)
+        # No -fopenmp here: the OpenMP calls resolve to the runtime torch already loaded
+        # (a second runtime would bring a second thread pool).
+        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), *libs, "-ltorch_cpu",
+                        "-lc10"], check=True, capture_output=True, text=True)
+        os.replace(lib, target)
+
+
+def load() -> bool:
+    """Compile (once per machine and torch) and load the kernel; False if unavailable."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+        return _state["loaded"]
+
+
+def _load() -> bool:
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
+        _state["error"] = f"{ENV_VAR}=0"
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return _unavailable("no C++ compiler (g++) found")
+    target = _cache_root() / _build_key(compiler) / "slipstream_cpu_kernels.so"
+    try:
+        if not target.exists():
+            log.info("compiling the CPU attention kernel (once) into %s", target.parent)
+            _build(target, compiler)
+        torch.ops.load_library(str(target))
+        return True
+    except subprocess.CalledProcessError as exc:
+        return _unavailable(f"compiling failed: {(exc.stderr or '')[-2000:]}")
+    except Exception as exc:  # a broken toolchain or library must not stop the engine
+        return _unavailable(repr(exc))
+
+
+def _unavailable(reason: str) -> bool:
+    _state["error"] = reason
+    log.warning("CPU attention kernel unavailable, using the torch path: %s", reason)
+    return False
+
+
+def unavailable_reason() -> Optional[str]:
+    return _state.get("error")
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and load()
+
+
+# ---------------------------------------------------------------------------- the operators
+@dataclass
+class _DecodeRows:
+    """The step's decode sequences, as the kernel takes them (same in every layer)."""
+
+    rows: torch.Tensor  # [n] int64: their rows in the step's query
+    tables: torch.Tensor  # [n, max_blocks] int32
+    seq_lens: torch.Tensor  # [n] int32
+
+
+@dataclass
+class _Plan:
+    decode: Optional[_DecodeRows]
+    prefill: list  # torch_ops._PrefillChunk
+
+
+def _build_plan(meta: AttentionMetadata, group: int, block_size: int) -> _Plan:
+    q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    dec = [i for i, n in enumerate(q_lens) if n == 1]
+    decode = None
+    if dec:
+        if len(dec) == len(q_lens):
+            tables, lens = meta.block_tables, meta.seq_lens
+        else:
+            seqs = torch.tensor(dec)
+            tables, lens = meta.block_tables[seqs], meta.seq_lens[seqs]
+        decode = _DecodeRows(torch.tensor([starts[i] for i in dec], dtype=torch.long),
+                             tables.to(torch.int32).contiguous(),
+                             lens.to(torch.int32).contiguous())
+    prefill = [torch_ops._prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i:i + 1],
+                                        group, block_size)
+               for i, n in enumerate(q_lens) if n > 1]
+    return _Plan(decode, prefill)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
+                    softcap: Optional[float] = None) -> torch.Tensor:
+    """``AttentionOps.paged_attention``: decode rows by the kernel, prefill chunks by torch."""
+    if not supports(query.dtype) or key_cache.dtype != torch.float32:
+        return torch_ops.paged_attention(query, key_cache, value_cache, meta, scale,
+                                         sliding_window, softcap)
+    plan = meta.scratch.get("cpu_plan")
+    if plan is None:
+        plan = meta.scratch["cpu_plan"] = _build_plan(
+            meta, query.shape[1] // key_cache.shape[2], key_cache.shape[1])
+    out = torch.empty_like(query)
+    if plan.decode is not None:
+        d = plan.decode
+        torch.ops.slipstream_cpu.paged_decode_attention(
+            out, query, key_cache, value_cache, d.tables, d.seq_lens, d.rows, float(scale),
+            int(sliding_window or 0), float(softcap or 0.0))
+    for chunk in plan.prefill:
+        torch_ops._run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window,
+                               softcap, out)
+    return out
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           sliding_window: Optional[int] = None,
+                           softcap: Optional[float] = None, **_) -> torch.Tensor:
+    """One query token per sequence, ``[B, H, D]`` (the kernel alone; tests and tools)."""
+    out = torch.empty_like(query)
+    rows = torch.arange(query.shape[0], dtype=torch.long)
+    torch.ops.slipstream_cpu.paged_decode_attention(
+        out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(), rows, float(scale), int(sliding_window or 0),
+        float(softcap or 0.0))
+    return out
+
+
+store_kv = torch_ops.store_kv
+store_step_kv = torch_ops.store_step_kv
+paged_prefill_attention = torch_ops.paged_prefill_attention

@@ -1,0 +1,59 @@
+"""The compiled CPU decode kernel computes what the torch reference computes."""
+import pytest
+import torch
+
+from slipstream.worker.ops import cpu_kernels, torch_ops
+from slipstream.worker.ops.metadata import AttentionMetadata
+from test_torch_ops import _reference, paged_cache
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
+                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("lens", [[37], [1, 3, 40, 41, 7, 90, 2, 88]])  # fewer/more seqs than threads
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 9}, {"softcap": 5.0}])
+def test_decode_kernel_equals_the_torch_path(lens, kw):
+    torch.manual_seed(0)
+    bs, hkv, h, d = 4, 2, 6, 8
+    tables, kc, vc = paged_cache(lens, bs, hkv, d)
+    q = torch.randn(len(lens), h, d)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
+    got = cpu_kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
+    torch.manual_seed(1)
+    bs, hkv, h, d = 4, 3, 9, 16
+    q_lens = [1, 5, 1, 1, 9, 1]
+    seq_lens = [3, 12, 60, 2, 9, 33]
+    tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
+        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    for kw in ({}, {"sliding_window": 7}, {"softcap": 3.0}):
+        q = torch.randn(sum(q_lens), h, d)
+        got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
+        want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
+                          kw.get("softcap"))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
+    plan = meta.scratch["cpu_plan"]
+    assert plan.decode.rows.tolist() == [0, 6, 7, 17] and len(plan.prefill) == 2
+
+
+def test_other_dtypes_use_the_torch_path():
+    torch.manual_seed(2)
+    tables, kc, vc = paged_cache([5, 9], 4, 1, 8)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    q = torch.randn(2, 2, 8, dtype=torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(2, dtype=torch.long),
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 9], dtype=torch.int32), block_tables=tables, max_seqlen_q=1,
+        max_seqlen_k=9, block_size=4, query_lens_host=[1, 1], seq_lens_host=[5, 9])
+    got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.3)
+    assert got.dtype == torch.bfloat16 and "cpu_plan" not in meta.scratch

@@ -1,0 +1,40 @@
+"""The lean CPU forward: the Hugging Face forward's logits, bit for bit, for the Llama-style
+models it accepts; every other model keeps the Hugging Face forward."""
+import pytest
+import torch
+
+from slipstream import EngineConfig, SamplingParams
+from slipstream.engine import LLMEngine
+from slipstream.worker.fast_forward import FastForward
+from support import random_workload, tiny_model_dir
+
+
+def step_logits(arch: str, fast: bool) -> list:
+    """Every step's logits for a small chunked, mixed prefill/decode workload."""
+    prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(arch)), block_size=4,
+                                    max_num_batched_tokens=48, max_num_seqs=8,
+                                    max_model_len=256, num_gpu_blocks_override=300,
+                                    fast_forward=fast))
+    assert (engine.runner.fast is not None) == fast
+    logits = []
+    run = engine.runner.run
+    engine.runner.run = lambda batch: logits.append(run(batch)) or logits[-1]
+    engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_lean_forward_logits_equal_the_hf_forward_bit_for_bit(arch):
+    hf, lean = step_logits(arch, fast=False), step_logits(arch, fast=True)
+    assert len(hf) == len(lean) > 5
+    for a, b in zip(hf, lean):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2"])
+def test_other_architectures_keep_the_hf_forward(arch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir(arch)))
+    assert FastForward.for_model(model) is None
