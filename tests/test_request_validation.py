@@ -137,3 +137,14 @@ def test_oversized_json_and_stop_word_tensors_are_refused_before_parsing():
     with pytest.raises(BadRequestError, match="at most 64 are allowed"):
         parse_request({"text_input": s("hi"),
                        "sampling_parameters": s(json.dumps({"stop": ["a"] * 65}))})
+
+
+def test_every_parse_of_request_json_is_bounded():
+    """The LoRA check reads sampling_parameters before parse_request: deep nesting must not
+    escape it as a RecursionError (an internal error instead of INVALID_ARG)."""
+    from slipstream.server.protocol import lora_error
+
+    deep = s("[" * 100_000 + "]" * 100_000)
+    assert lora_error({"text_input": s("hi"), "sampling_parameters": deep}) is None
+    assert lora_error({"text_input": s("hi")}, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}") \
+        is None
