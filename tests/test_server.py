@@ -30,7 +30,7 @@ from slipstream.server.launcher import (TritonServer, find_tritonserver,  # noqa
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODEL = "slipstream"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 1024  # the tiny model's position limit: the longest request a cancel must cut short
 OVERRIDES = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": MAX_MODEL_LEN,
              "max_num_seqs": 32, "metrics_interval_ms": 50}
 PROMPTS = [
