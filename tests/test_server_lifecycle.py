@@ -33,6 +33,19 @@ def leftovers(shm_prefix):
     return procs, glob.glob(f"/dev/shm/{shm_prefix}*")
 
 
+def kill_leftovers(shm_prefix):
+    """What a SIGKILLed ``slipstream serve`` leaves: its tritonserver (own session), stub and
+    watchdog, and their shared memory."""
+    procs, regions = leftovers(shm_prefix)
+    for pid in procs:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for region in regions:
+        os.unlink(region)
+
+
 def wait_gone(shm_prefix, timeout=10):
     deadline = time.monotonic() + timeout
     while any(leftovers(shm_prefix)) and time.monotonic() < deadline:
@@ -195,18 +208,20 @@ def test_killed_stub_errors_clients_at_once_and_serve_brings_the_server_back(tin
         assert all(how == "error" for how, _ in clients.results.values()), clients.results
         assert answered_in < 5
         deadline = time.monotonic() + 300
-        while not server.is_ready():  # restarted by serve
+        while "ready again" not in "".join(output):  # restarted by serve, and it says so
             assert serve.poll() is None and time.monotonic() < deadline, "".join(output)
             time.sleep(0.2)
+        assert server.is_ready()
         results, error = run_stream(server, text_inputs("back again", sampling={
             "temperature": 0, "max_tokens": 4}))
         assert error is None and texts(results)
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(60) == 0, "".join(output)
     finally:
-        if serve.poll() is None:
+        if serve.poll() is None:  # a failed test: serve never stopped its tritonserver
             serve.kill()
             serve.wait()
+            kill_leftovers(prefix)
     reader.join(5)
     log = "".join(output)
     assert "restarting tritonserver" in log and "ready again" in log, log
