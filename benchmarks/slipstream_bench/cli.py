@@ -5,6 +5,8 @@ import argparse
 import math
 from pathlib import Path
 
+from slipstream.server.cli import parse_sets
+
 HELP = ("benchmark: a workload over Triton gRPC streaming in static/dynamic/continuous "
         "modes, the in-process engine, Hugging Face baselines, vLLM peers, the roofline; "
         "JSON + PNG")
@@ -20,16 +22,6 @@ def _modes(text: str) -> tuple:
     return modes
 
 
-def _sets(items) -> dict:
-    out = {}
-    for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = value.strip()
-    return out
-
-
 def _variants(items) -> dict:
     """``NAME:KEY=VALUE,KEY=VALUE`` -> {NAME: {KEY: VALUE}}; an empty list is allowed."""
     out: dict = {}
@@ -37,7 +29,7 @@ def _variants(items) -> dict:
         name, _, rest = item.partition(":")
         if not name.strip() or any(c in name for c in "[], "):
             raise SystemExit(f"--variant expects NAME:KEY=VALUE,..., got {item!r}")
-        out[name.strip()] = _sets([kv for kv in rest.split(",") if kv.strip()])
+        out[name.strip()] = parse_sets([kv for kv in rest.split(",") if kv.strip()])
     return out
 
 
@@ -99,7 +91,7 @@ def options(args: argparse.Namespace):
         output_dir=args.output_dir, quick=args.quick, progress=not args.no_progress,
         prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         static_batch_size=args.batch_size, kv_cache_memory_bytes=args.kv_cache_bytes,
-        settings=_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
+        settings=parse_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
         variants=_variants(args.variant),
         variant_modes=tuple(m.strip() for m in args.variant_modes.split(",")
                             if m.strip().partition(":")[0] in ("inprocess", "continuous")))

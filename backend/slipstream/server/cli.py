@@ -84,7 +84,8 @@ def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME
 
 
 # --------------------------------------------------------------------------- serve
-def _parse_sets(items) -> dict:
+def parse_sets(items: Optional[list[str]]) -> dict[str, str]:
+    """`--set KEY=VALUE` items as a dict (also the bench's --set and --variant)."""
     out = {}
     for item in items or []:
         if "=" not in item:
@@ -180,7 +181,7 @@ def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    overrides = _parse_sets(args.set)
+    overrides = parse_sets(args.set)
     if args.model:
         overrides["model"] = args.model
     work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
