@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from slipstream.worker.ops import cpu_kernels, torch_ops
-from slipstream.worker.ops.metadata import AttentionMetadata
-from test_torch_ops import _reference, paged_cache
+from test_torch_ops import _reference, mixed_step, paged_cache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
                                 reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
@@ -28,13 +27,7 @@ def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
     bs, hkv, h, d = 4, 3, 9, 16
     q_lens = [1, 5, 1, 1, 9, 1]
     seq_lens = [3, 12, 60, 2, 9, 33]
-    tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
-        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     for kw in ({}, {"sliding_window": 7}, {"softcap": 3.0}):
         q = torch.randn(sum(q_lens), h, d)
         got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
@@ -47,13 +40,8 @@ def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
 
 def test_other_dtypes_use_the_torch_path():
     torch.manual_seed(2)
-    tables, kc, vc = paged_cache([5, 9], 4, 1, 8)
+    _, kc, vc, meta = mixed_step([1, 1], [5, 9], 4, 1, 8)
     kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
     q = torch.randn(2, 2, 8, dtype=torch.bfloat16)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(2, dtype=torch.long),
-        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
-        seq_lens=torch.tensor([5, 9], dtype=torch.int32), block_tables=tables, max_seqlen_q=1,
-        max_seqlen_k=9, block_size=4, query_lens_host=[1, 1], seq_lens_host=[5, 9])
     got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.3)
     assert got.dtype == torch.bfloat16 and "cpu_plan" not in meta.scratch

@@ -39,6 +39,21 @@ def paged_cache(lens: list, bs: int, hkv: int, d: int) -> tuple:
     return tables, kc, vc
 
 
+def mixed_step(q_lens: list, seq_lens: list, bs: int, hkv: int, d: int) -> tuple:
+    """A paged cache and the attention metadata of one step whose rows compute ``q_lens``
+    tokens each at the end of ``seq_lens`` (1 = decode, more = a prefill chunk)."""
+    from slipstream.worker.ops.metadata import AttentionMetadata
+
+    tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
+        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    return tables, kc, vc, meta
+
+
 def test_grouped_decode_equals_padded_decode():
     torch.manual_seed(0)
     bs, hkv, h, d = 4, 2, 6, 8
@@ -98,19 +113,11 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
     """Decode rows of different lengths (several length groups) and prefill chunks with
     cached context share one plan; layers with and without a window or softcap (Gemma2
     alternates them) each get their own masks from it."""
-    from slipstream.worker.ops.metadata import AttentionMetadata
-
     torch.manual_seed(1)
     bs, hkv, h, d = 4, 2, 6, 8
     q_lens = [1, 5, 1, 1, 9, 1]
     seq_lens = [3, 12, 60, 2, 9, 33]
-    tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
-        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     for layer, kw in enumerate(({}, {"sliding_window": 7}, {}, {"softcap": 3.0},
                                 {"sliding_window": 7, "softcap": 3.0})):
         q = torch.randn(sum(q_lens), h, d)
