@@ -38,3 +38,27 @@ def test_other_architectures_keep_the_hf_forward(arch):
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir(arch)))
     assert FastForward.for_model(model) is None
+
+
+def test_lean_forward_runs_four_gemms_per_layer_with_onednn():
+    """q/k/v and gate/up each run as one oneDNN GEMM: 4 a layer (qkv, o, gate-up, down)
+    plus the LM head, against 7 a layer in the Hugging Face forward."""
+    from slipstream.worker.cpu_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("oneDNN linear unavailable in this torch build")
+
+    def gemms_per_step(fast: bool) -> int:
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
+                                        max_model_len=64, num_gpu_blocks_override=40,
+                                        cpu_linear="onednn", fast_forward=fast))
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # warm
+        with torch.profiler.profile() as prof:
+            engine.generate([[4, 5, 6]], SamplingParams(max_tokens=1, temperature=0))
+        return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(str(tiny_model_dir("llama"))).num_hidden_layers
+    assert gemms_per_step(fast=True) == 4 * layers + 1
+    assert gemms_per_step(fast=False) == 7 * layers + 1

@@ -13,9 +13,10 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("slipstream")
 
@@ -48,6 +49,40 @@ def _pack(module: torch.nn.Linear) -> None:
     # An instance attribute shadows Linear.forward; the stock weight stays (tied embeddings
     # and any code that reads .weight keep working).
     module.forward = functools.partial(_onednn_forward, packed, bias)
+
+
+def _stacked(modules: Sequence[torch.nn.Linear]) -> tuple:
+    weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    if all(m.bias is None for m in modules):
+        return weight, None
+    bias = torch.cat([m.bias.detach() if m.bias is not None
+                      else weight.new_zeros(m.out_features) for m in modules])
+    return weight, bias
+
+
+def fused_linear(modules: Sequence[torch.nn.Linear],
+                 mode: CpuLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One GEMM over ``modules`` stacked by output rows (q, k, v or gate, up share an input),
+    in ``mode``'s library and layout: the GEMM reads the input once and is one call instead
+    of several. Split, its output is each layer's own where the library computes an output
+    column the same way at either width (the caller checks)."""
+    weight, bias = _stacked(modules)
+    if mode is CpuLinear.ONEDNN:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+        return functools.partial(_onednn_forward, packed, bias)
+    if mode is CpuLinear.TRANSPOSED:
+        weight = weight.t().contiguous().t()
+    return lambda x: F.linear(x, weight, bias)
+
+
+def applied_mode(module: torch.nn.Linear) -> CpuLinear:
+    """The layout ``prepare_linears`` gave ``module``."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _onednn_forward:
+        return CpuLinear.ONEDNN
+    if not module.weight.is_contiguous() and module.weight.t().is_contiguous():
+        return CpuLinear.TRANSPOSED
+    return CpuLinear.STOCK
 
 
 def _transpose(module: torch.nn.Linear) -> None:

@@ -4,8 +4,9 @@ The Hugging Face forward spends, per layer, ~60 tensor ops and a dozen module ca
 transformers' wrappers (output capturing, kwargs plumbing, the attention-interface lookup,
 gradient-checkpointing layers); on the 2-core CPU that Python and dispatch overhead was ~10 ms
 of a ~40 ms batch-8 decode step. This runs the same modules' weights through the same
-arithmetic in one flat loop: the same Linear modules (so their oneDNN packing applies), the
-model's own embedding and rotary modules, the rotary formula and residual order of
+arithmetic in one flat loop: the same Linear weights in the same library (q, k, v and gate,
+up each as one GEMM where that is bit-identical: one call and one read of the input instead
+of three and two; vLLM fuses them the same way), the model's own embedding and rotary modules, the rotary formula and residual order of
 ``modeling_llama``, ``F.rms_norm`` where it is bit-identical to the model's RMSNorm (checked
 once per model; the module itself otherwise), and the paged attention operators. Logits are
 the Hugging Face forward's, bit for bit, where the norm check passes.
@@ -15,11 +16,14 @@ keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from slipstream.worker.cpu_linear import applied_mode, fused_linear
 
 # model_type -> how a layer finds its sliding window (None: no window)
 _WINDOW: dict = {
@@ -30,20 +34,25 @@ _WINDOW: dict = {
 _NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 
+Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+
+
 @dataclass
 class _Layer:
     index: int
     norm_in: Callable[[torch.Tensor], torch.Tensor]
     norm_post: Callable[[torch.Tensor], torch.Tensor]
-    q: torch.nn.Module
-    k: torch.nn.Module
-    v: torch.nn.Module
+    qkv: Projection  # -> (q, k, v)
     o: torch.nn.Module
-    gate: torch.nn.Module
-    up: torch.nn.Module
+    gate_up: Projection  # -> (gate, up)
     down: torch.nn.Module
     scaling: float
     sliding_window: Optional[int]
+
+
+# First module of a fused group -> its projection: a model shared by two runners (a draft
+# model that is the target) is fused once.
+_PROJECTIONS: "weakref.WeakKeyDictionary[torch.nn.Module, Projection]" = weakref.WeakKeyDictionary()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +77,37 @@ def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     return fused
 
 
+def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
+    """One GEMM for linears that share their input, split back per layer, when that gives
+    each layer's output bit for bit (checked once); else the layers one by one. The fused
+    copy replaces the layers' own packed weights (their stock ``.weight`` stays)."""
+    if modules[0] in _PROJECTIONS:
+        return _PROJECTIONS[modules[0]]
+
+    def separate(x: torch.Tensor) -> Sequence[torch.Tensor]:
+        return tuple(m(x) for m in modules)
+
+    modes = {applied_mode(m) for m in modules}
+    if len(modes) != 1 or any(not isinstance(m, torch.nn.Linear) for m in modules):
+        return separate
+    gemm, sizes = fused_linear(modules, modes.pop()), [m.out_features for m in modules]
+
+    def fused(x: torch.Tensor) -> Sequence[torch.Tensor]:
+        return gemm(x).split(sizes, dim=-1)
+
+    gen = torch.Generator().manual_seed(0)
+    weight = modules[0].weight
+    with torch.no_grad():
+        for rows in (1, 3, 8, 33):
+            x = torch.randn(1, rows, weight.shape[1], generator=gen, dtype=weight.dtype)
+            if not all(torch.equal(a, b) for a, b in zip(fused(x), separate(x))):
+                return separate
+    for m in modules:
+        m.__dict__.pop("forward", None)  # frees the layer's own packed weight
+    _PROJECTIONS[modules[0]] = fused
+    return fused
+
+
 class FastForward:
     """``__call__(input_ids [T], positions [T], keep) -> logits [len(keep), vocab]`` with
     the step's attention context already set (``attention.set_context``)."""
@@ -78,7 +118,7 @@ class FastForward:
         self.layers = layers
         self.num_heads = model.config.num_attention_heads
         self.num_kv_heads = model.config.num_key_value_heads
-        self.head_dim = layers[0].q.out_features // self.num_heads
+        self.head_dim = layers[0].o.in_features // self.num_heads
         self.final_norm = _fused_norm(self.base.norm)
         self.act = F.silu
 
@@ -93,11 +133,11 @@ class FastForward:
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append(_Layer(i, _fused_norm(layer.input_layernorm),
-                                 _fused_norm(layer.post_attention_layernorm), attn.q_proj,
-                                 attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                 mlp.up_proj, mlp.down_proj, attn.scaling,
-                                 window_of(config, attn)))
+            layers.append(_Layer(
+                i, _fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm),
+                _fused_projection((attn.q_proj, attn.k_proj, attn.v_proj)), attn.o_proj,
+                _fused_projection((mlp.gate_proj, mlp.up_proj)), mlp.down_proj, attn.scaling,
+                window_of(config, attn)))
         return cls(model, layers)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
@@ -111,15 +151,15 @@ class FastForward:
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
             x = layer.norm_in(hidden)
-            q = layer.q(x).view(t, h, d)
-            k = layer.k(x).view(t, hkv, d)
-            v = layer.v(x).view(t, hkv, d)
+            q, k, v = layer.qkv(x)
+            q, k, v = q.reshape(t, h, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             out = attention_step(layer.index, q, k, v, layer.scaling, layer.sliding_window)
             hidden = hidden + layer.o(out.reshape(1, t, h * d))
             x = layer.norm_post(hidden)
-            hidden = hidden + layer.down(self.act(layer.gate(x)) * layer.up(x))
+            gate, up = layer.gate_up(x)
+            hidden = hidden + layer.down(self.act(gate) * up)
         hidden = self.final_norm(hidden)
         return self.model.lm_head(hidden[:, keep, :])[0]
 
