@@ -516,3 +516,21 @@ def test_trtllm_inputs_without_batch_dimension(server, reference):
     assert results[0].as_numpy("text_output")[0].decode() == \
         PROMPTS[2] + greedy_text(reference, PROMPTS[2])
     assert results[0].as_numpy("cum_log_probs").shape == (1, 1)
+
+
+# ------------------------------------------------------------------------------- client example
+@pytest.mark.parametrize("model, flags", [("ensemble", []), ("ensemble_stream", ["-S"])])
+def test_client_example_batched_request(server, reference, model, flags):
+    """client_examples/trtllm_ensemble_client.py: two prompts in one request, unary and
+    streamed; each answer printed under its batch index."""
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "client_examples" / "trtllm_ensemble_client.py"),
+         PROMPTS[0], PROMPTS[1], "--url", server.grpc_url, "--model", model,
+         "-o", str(OUTPUT_LEN), *flags], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    streamed = bool(flags)  # streaming never repeats the prompt
+    expected = [f"[{i}] {'' if streamed else p}{greedy_text(reference, p)}"
+                for i, p in enumerate(PROMPTS[:2])]
+    assert out.stdout.splitlines()[-2:] == expected
