@@ -166,3 +166,13 @@ def test_auto_complete_defaults_to_decoupled_without_batch_dimension():
 def test_trtllm_input_names_are_declared_once():
     names = model_config.INPUT_NAMES
     assert len(names) == len(set(names))
+
+
+def test_vllm_layout_keeps_vllms_outputs_unless_trtllm_is_asked_for():
+    vllm = model_config.auto_complete(FakeConfig({"backend": "slipstream", "max_batch_size": 0}))
+    assert "cum_log_probs" not in {e["name"] for e in vllm.outputs}
+    trt = model_config.auto_complete(FakeConfig({
+        "backend": "slipstream", "parameters": {"compatibility": {"string_value": "trtllm"}}}))
+    assert "cum_log_probs" in {e["name"] for e in trt.outputs}
+    own = model_config.auto_complete(FakeConfig({"backend": "python"}))
+    assert "batch_index" in {e["name"] for e in own.outputs}

@@ -78,7 +78,10 @@ OUTPUTS = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-    # TensorRT-LLM ensemble outputs (trtllm_outputs.py); the logits are never produced.
+]
+# TensorRT-LLM ensemble outputs (trtllm_outputs.py); the logits are never produced. Not
+# declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
+TRTLLM_OUTPUTS = [
     {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "output_log_probs", "data_type": "TYPE_FP32", "dims": [-1, -1]},
     {"name": "context_logits", "data_type": "TYPE_FP32", "dims": [-1, -1]},
@@ -111,7 +114,7 @@ def auto_complete(config):
     for entry in INPUTS:
         if entry["name"] not in have_inputs:
             config.add_input(entry)
-    for entry in OUTPUTS:
+    for entry in OUTPUTS + (TRTLLM_OUTPUTS if _trtllm_outputs(declared) else []):
         if entry["name"] not in have_outputs:
             config.add_output(entry)
     # Decoupled unless the decoupled parameter is "false": that model answers unary infer.
@@ -124,11 +127,23 @@ def auto_complete(config):
     return config
 
 
+def _parameter(declared: dict, key: str) -> str:
+    value = (declared.get("parameters") or {}).get(key) or {}
+    return str(value.get("string_value", "")).strip().lower()
+
+
+def _trtllm_outputs(declared: dict) -> bool:
+    """Slipstream's own layout (``backend: "python"``) and TRT-LLM-style configs declare the
+    TRT-LLM outputs; vLLM backend's layout keeps exactly vLLM's."""
+    return declared.get("backend", "python") == "python" or \
+        _parameter(declared, "compatibility") == "trtllm" or \
+        int(declared.get("max_batch_size") or 0) > 0
+
+
 def _wants_unary(declared: dict) -> bool:
     """Triton's config JSON reads ``decoupled: false`` whether the file said so or said
     nothing (and our own configs leave it out), so the ``decoupled`` parameter decides."""
-    value = (declared.get("parameters") or {}).get("decoupled") or {}
-    return str(value.get("string_value", "")).strip().lower() == "false"
+    return _parameter(declared, "decoupled") == "false"
 
 
 def _bool(name: str, value: str, default: bool) -> bool:

@@ -89,6 +89,7 @@ class TritonPythonModel:
         # TRT-LLM style configs: a batch dimension (rows split here), unary answers.
         self.batched = int(config.get("max_batch_size") or 0) > 0
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+        self.output_names = {o["name"] for o in config.get("output", [])}
         self.default_max_tokens = settings.default_max_tokens
         self.apply_chat_template = settings.apply_chat_template
         self.metrics_interval = settings.metrics_interval_s
@@ -176,6 +177,11 @@ class TritonPythonModel:
             row = translate(inputs, self._encode, batch_index=batch_index,
                             with_indices=self.batched,
                             trtllm_defaults=self.settings.compatibility == "trtllm")
+            if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
+                raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
+                                      "and output_log_probs, which this model does not declare "
+                                      "(set its compatibility parameter to \"trtllm\")")
+            row.options.with_indices &= "batch_index" in self.output_names
             if row.parameters:  # TRT-LLM inputs win over the same request parameters
                 parameters = {**_parameters_dict(parameters), **row.parameters}
             parsed = parse_request(row.inputs, parameters,
