@@ -176,3 +176,18 @@ def test_vllm_layout_keeps_vllms_outputs_unless_trtllm_is_asked_for():
     assert "cum_log_probs" in {e["name"] for e in trt.outputs}
     own = model_config.auto_complete(FakeConfig({"backend": "python"}))
     assert "batch_index" in {e["name"] for e in own.outputs}
+
+
+@pytest.mark.parametrize("sample", ["trtllm_model_repository", "trtllm_streaming_model_repository"])
+def test_shipped_trtllm_samples_check_out(sample):
+    """samples/trtllm_*: one model named `ensemble` (TRT-LLM clients' default), the backend
+    named slipstream, TRT-LLM compatibility and metric families."""
+    from pathlib import Path
+
+    from slipstream.server.repository import check_models, find_models
+
+    models = find_models(Path(__file__).resolve().parents[1] / "samples" / sample)
+    assert [(m.name, m.backend) for m in models] == [("ensemble", "slipstream")]
+    settings = check_models(models)["ensemble"]
+    assert settings.compatibility == "trtllm" and "trtllm" in settings.metric_families
+    assert settings.report_metrics and settings.engine["model"] == "default"
