@@ -308,6 +308,7 @@ def test_concurrent_unary_requests_share_engine_steps(server):
                    general_type="iteration_counter") - \
         metric(before, "nv_trt_llm_general_metrics", model="ensemble",
                general_type="iteration_counter")
+    print(f"{n} concurrent unary requests: {tokens:.0f} tokens in {steps:.0f} engine steps")
     assert tokens == n * length
     assert tokens / steps > 2, (tokens, steps)  # one request per step would give 1
 
