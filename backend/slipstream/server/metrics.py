@@ -1,6 +1,7 @@
 """Custom Triton metrics of a Slipstream model, built on ``pb_utils.MetricFamily``.
 
-Two sets of families, chosen per model (``metric_families``):
+Sets of families, chosen per model (``metric_families``; ``trtllm``: TensorRT-LLM's
+``nv_trt_llm_*`` families, ``trtllm_metrics.py``):
 
 * ``slipstream_*``: engine gauges and counters refreshed from ``EngineLoop.stats()`` (a
   ``StatsSnapshot``), and
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.core.stats import StatsSnapshot
+from slipstream.server.trtllm_metrics import TrtllmFamilies
 
 # ---------------------------------------------------------------------------- the families
 PREFIX = "slipstream_"
@@ -343,7 +345,8 @@ class ModelMetrics:
     """The metrics of one model instance, as the Triton adapter drives them."""
 
     def __init__(self, pb_utils, labels: Mapping[str, str], families: Sequence[str] = ("slipstream",),
-                 *, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 0) -> None:
+                 *, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 0,
+                 max_num_seqs: int = 0) -> None:
         self._recorder = _Recorder()
         self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
         self.families: list = []
@@ -354,6 +357,10 @@ class ModelMetrics:
                 self.families.append(VllmFamilies(factory, self._recorder.post,
                                                   max_model_len=max_model_len,
                                                   block_size=block_size, num_blocks=num_blocks))
+            if "trtllm" in families:
+                self.families.append(TrtllmFamilies(factory, self._recorder.post,
+                                                    max_num_seqs=max_num_seqs,
+                                                    block_size=block_size))
         except BaseException:
             self._recorder.stop()
             raise

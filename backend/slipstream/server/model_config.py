@@ -2,7 +2,8 @@
 
 * ``auto_complete``: the inputs and outputs Triton's vLLM backend declares (so a model
   directory needs only ``backend: "slipstream"``), plus Slipstream's typed sampling inputs;
-  decoupled, no Triton batching.
+  decoupled unless the ``decoupled`` parameter is "false"; ``max_batch_size`` is the config's
+  (0 when it sets none: no batch dimension), and Triton never batches requests itself.
 * ``load_settings``: engine and server settings from config.pbtxt ``parameters`` and
   ``1/model.json`` (vLLM's engine arguments, ``engine_args``); parameters win over model.json,
   so ``slipstream serve --set`` overrides either.
@@ -22,7 +23,7 @@ from slipstream.server.engine_args import read_model_json, resolve_model, transl
 from slipstream.core.sampling_params import MAX_LOGPROBS
 from slipstream.server.protocol import split_parameters
 
-METRIC_FAMILIES = ("slipstream", "vllm")
+METRIC_FAMILIES = ("slipstream", "vllm", "trtllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
 
 
@@ -54,6 +55,20 @@ INPUTS = [
                                          "presence_penalty", "frequency_penalty")],
     _io("seed", "TYPE_UINT64", [1]),
     _io("stop_words", "TYPE_STRING", [-1]),
+    # TensorRT-LLM ensemble inputs (trtllm_inputs.py maps them; "refused" = only when set).
+    _io("bad_words", "TYPE_STRING", [-1]),
+    *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
+                                          "num_return_sequences")],
+    _io("length_penalty", "TYPE_FP32", [1]),  # 1.0 only: it applies to beam search
+    _io("random_seed", "TYPE_UINT64", [1]),
+    *[_io(n, "TYPE_BOOL", [1]) for n in ("return_log_probs", "return_context_logits",
+                                         "return_generation_logits", "return_perf_metrics")],
+    _io("embedding_bias_words", "TYPE_STRING", [-1]),
+    _io("embedding_bias_weights", "TYPE_FP32", [-1]),
+    _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
+    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),  # refused
+    _io("guided_decoding_guide", "TYPE_STRING", [1]),  # refused
+    _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
 ]
 INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
 OUTPUTS = [
@@ -63,6 +78,16 @@ OUTPUTS = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+# TensorRT-LLM ensemble outputs (trtllm_outputs.py); the logits are never produced. Not
+# declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
+TRTLLM_OUTPUTS = [
+    {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "output_log_probs", "data_type": "TYPE_FP32", "dims": [-1, -1]},
+    {"name": "context_logits", "data_type": "TYPE_FP32", "dims": [-1, -1]},
+    {"name": "generation_logits", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]},
+    {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
 ]
 
 
@@ -78,6 +103,7 @@ class ModelSettings:
     max_logprobs: int
     engine_failure_threshold: int  # failed engine steps in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
+    compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
 
 
 def auto_complete(config):
@@ -88,12 +114,36 @@ def auto_complete(config):
     for entry in INPUTS:
         if entry["name"] not in have_inputs:
             config.add_input(entry)
-    for entry in OUTPUTS:
+    for entry in OUTPUTS + (TRTLLM_OUTPUTS if _trtllm_outputs(declared) else []):
         if entry["name"] not in have_outputs:
             config.add_output(entry)
-    config.set_model_transaction_policy(dict(decoupled=True))
-    config.set_max_batch_size(0)  # the engine batches; Triton must not
+    # Decoupled unless the decoupled parameter is "false": that model answers unary infer.
+    config.set_model_transaction_policy(dict(decoupled=not _wants_unary(declared)))
+    # A config's own max_batch_size > 0 is kept: clients then send a batch dimension and
+    # the adapter splits each request into its rows. Triton never batches requests itself
+    # (no dynamic_batching): the engine does, across requests.
+    if int(declared.get("max_batch_size") or 0) <= 0:
+        config.set_max_batch_size(0)
     return config
+
+
+def _parameter(declared: dict, key: str) -> str:
+    value = (declared.get("parameters") or {}).get(key) or {}
+    return str(value.get("string_value", "")).strip().lower()
+
+
+def _trtllm_outputs(declared: dict) -> bool:
+    """Slipstream's own layout (``backend: "python"``) and TRT-LLM-style configs declare the
+    TRT-LLM outputs; vLLM backend's layout keeps exactly vLLM's."""
+    return declared.get("backend", "python") == "python" or \
+        _parameter(declared, "compatibility") == "trtllm" or \
+        int(declared.get("max_batch_size") or 0) > 0
+
+
+def _wants_unary(declared: dict) -> bool:
+    """Triton's config JSON reads ``decoupled: false`` whether the file said so or said
+    nothing (and our own configs leave it out), so the ``decoupled`` parameter decides."""
+    return _parameter(declared, "decoupled") == "false"
 
 
 def _bool(name: str, value: str, default: bool) -> bool:
@@ -136,8 +186,16 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         metrics_interval_s=float(server["metrics_interval_ms"]) / 1000.0,
         report_metrics=report and not vllm_args.disable_log_stats,
         metric_families=_families(server["metric_families"],
-                                  ("slipstream",) if own_layout else METRIC_FAMILIES),
+                                  ("slipstream",) if own_layout else ("slipstream", "vllm")),
         health_check=_bool("ENABLE_VLLM_HEALTH_CHECK", server["ENABLE_VLLM_HEALTH_CHECK"], False),
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
-        max_engine_restarts=int(server["max_engine_restarts"]))
+        max_engine_restarts=int(server["max_engine_restarts"]),
+        compatibility=_compatibility(server["compatibility"]))
+
+
+def _compatibility(value: str) -> str:
+    value = value.strip() or "vllm"
+    if value not in ("vllm", "trtllm"):
+        raise ValueError(f"compatibility must be \"vllm\" or \"trtllm\", got {value!r}")
+    return value

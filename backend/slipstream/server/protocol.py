@@ -431,6 +431,8 @@ SERVER_PARAMETERS = {
     "metric_families": "",
     "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
     "max_engine_restarts": "3",  # restarts within 10 minutes before the server is taken down
+    "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
+    "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
 }
 
 

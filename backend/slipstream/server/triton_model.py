@@ -36,8 +36,12 @@ from slipstream.server import model_config
 from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.metrics import ModelMetrics, NoMetrics
-from slipstream.server.protocol import (BadRequestError, ResponseBuilder, lora_error,
-                                        parse_request)
+from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
+                                        lora_error, parse_request)
+from slipstream.server.row_sender import RowGroup
+from slipstream.server.trtllm_inputs import (STREAMING_NOT_DECOUPLED, split_rows,
+                                             translate, trtllm_queue_full)
+from slipstream.server.trtllm_outputs import TrtllmResponses
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -82,6 +86,10 @@ class TritonPythonModel:
             raw, config.get("backend", "python"), args.get("model_repository", ""),
             pb_utils.get_model_dir() if hasattr(pb_utils, "get_model_dir") else None)
         self.settings = settings
+        # TRT-LLM style configs: a batch dimension (rows split here), unary answers.
+        self.batched = int(config.get("max_batch_size") or 0) > 0
+        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+        self.output_names = {o["name"] for o in config.get("output", [])}
         self.default_max_tokens = settings.default_max_tokens
         self.apply_chat_template = settings.apply_chat_template
         self.metrics_interval = settings.metrics_interval_s
@@ -90,6 +98,7 @@ class TritonPythonModel:
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
+        self.max_queue_size = engine_config.max_queue_size
         self.loop = EngineSupervisor(
             engine_config, on_output=self.wake.set, on_give_up=self._give_up,
             failure_threshold=settings.engine_failure_threshold,
@@ -117,7 +126,8 @@ class TritonPythonModel:
                                 self.settings.metric_families,
                                 max_model_len=engine_config.max_model_len,
                                 block_size=engine_config.block_size,
-                                num_blocks=self.loop.stats().kv_blocks_total)
+                                num_blocks=self.loop.stats().kv_blocks_total,
+                                max_num_seqs=engine_config.max_num_seqs)
         except Exception as e:  # e.g. tritonserver --allow-metrics=false
             self.logger.log_warn(f"slipstream: custom metrics unavailable ({e})")
             return NoMetrics()
@@ -138,36 +148,78 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                lora = lora_error(inputs, request.parameters())
-                if lora is not None:  # vLLM answers this one without its prefix
-                    self._reject(sender, _error(lora, _code("INVALID_ARG")))
-                    continue
-                if "embedding_request" in inputs:
-                    raise BadRequestError(
-                        f"Model {self.model_name} does not support 'embed' request")
-                parsed = parse_request(inputs, request.parameters(),
-                                       default_max_tokens=self.default_max_tokens,
-                                       default_apply_chat_template=self.apply_chat_template,
-                                       max_logprobs=self.settings.max_logprobs)
-                kwargs = {"priority": parsed.options.priority}
-                if parsed.options.apply_chat_template:
-                    kwargs["apply_chat_template"] = True
-                stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
-            except (OverloadedError, EngineDeadError) as e:
-                self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
-                continue
-            except (BadRequestError, ValueError) as e:
+                rows = split_rows(inputs, self.batched)
+            except BadRequestError as e:
                 self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
                 continue
             except Exception as e:  # never let one request take the batch down
                 self.logger.log_error(traceback.format_exc())
                 self._reject(sender, _error(f"{ERROR_PREFIX}internal error: {e}"))
                 continue
-            self.incoming.put(_Pending(stream, sender, parsed,
-                                       ResponseBuilder(parsed, self.loop.tokenizer),
-                                       self.metrics.track(arrival, parsed.params)))
-            self.wake.set()
+            senders = [sender]
+            if self.batched or not self.decoupled:
+                senders = RowGroup(sender, len(rows), self.decoupled, pb_utils).senders()
+            for index, (row, row_sender) in enumerate(zip(rows, senders)):
+                self._submit(row, request.parameters(), row_sender, arrival, index)
         return None
+
+    def _submit(self, inputs, parameters, sender, arrival, batch_index):
+        """Parse one request (or row of a batched one) and hand it to the engine; a bad one
+        gets its error response here."""
+        try:
+            lora = lora_error(inputs, parameters)
+            if lora is not None:  # vLLM answers this one without its prefix
+                self._reject(sender, _error(lora, _code("INVALID_ARG")))
+                return
+            if "embedding_request" in inputs:
+                raise BadRequestError(
+                    f"Model {self.model_name} does not support 'embed' request")
+            row = translate(inputs, self._encode, batch_index=batch_index,
+                            with_indices=self.batched,
+                            trtllm_defaults=self.settings.compatibility == "trtllm")
+            if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
+                raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
+                                      "and output_log_probs, which this model does not declare "
+                                      "(set its compatibility parameter to \"trtllm\")")
+            row.options.with_indices &= "batch_index" in self.output_names
+            if row.parameters:  # TRT-LLM inputs win over the same request parameters
+                parameters = {**_parameters_dict(parameters), **row.parameters}
+            parsed = parse_request(row.inputs, parameters,
+                                   default_max_tokens=self.default_max_tokens,
+                                   default_apply_chat_template=self.apply_chat_template,
+                                   max_logprobs=self.settings.max_logprobs)
+            if parsed.options.stream and not self.decoupled:
+                raise BadRequestError(STREAMING_NOT_DECOUPLED)
+            kwargs = {"priority": parsed.options.priority}
+            if parsed.options.apply_chat_template:
+                kwargs["apply_chat_template"] = True
+            stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
+        except OverloadedError as e:
+            self._reject(sender, _error(self._overloaded_text(e), _code("UNAVAILABLE")))
+            return
+        except EngineDeadError as e:
+            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
+            return
+        except (BadRequestError, ValueError) as e:
+            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
+            return
+        except Exception as e:  # never let one request take the batch down
+            self.logger.log_error(traceback.format_exc())
+            self._reject(sender, _error(f"{ERROR_PREFIX}internal error: {e}"))
+            return
+        builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
+                                  self.loop.tokenizer)
+        self.incoming.put(_Pending(stream, sender, parsed, builder,
+                                   self.metrics.track(arrival, parsed.params)))
+        self.wake.set()
+
+    def _encode(self, text):
+        return self.loop.tokenizer.encode(text, add_special_tokens=False)
+
+    def _overloaded_text(self, error):
+        if self.settings.compatibility == "trtllm":
+            return trtllm_queue_full(self.max_queue_size)
+        return ERROR_PREFIX + str(error)
 
     def _check_health(self, requests) -> bool:
         """ENABLE_VLLM_HEALTH_CHECK: False (and every request answered) once unhealthy."""

@@ -1,0 +1,231 @@
+"""TensorRT-LLM ``inflight_batcher_llm`` ensemble inputs, turned into what ``parse_request``
+reads. Pure Python (no Triton).
+
+TRT-LLM clients send every tensor with a batch dimension (``text_input`` [B, 1]) when the
+model's config has ``max_batch_size`` > 0: ``split_rows`` cuts such a request into B rows, each
+one engine request. ``translate`` then maps one row's TRT-LLM-only inputs onto Slipstream's
+sampling settings (``min_length`` -> ``min_tokens``, ``random_seed`` -> ``seed``,
+``num_return_sequences`` -> ``n``, ``bad_words``, ``embedding_bias_*`` -> ``logit_bias`` ...)
+and refuses, naming the input, what a text model served here cannot honour (beam search,
+logits outputs, LoRA by task id, guided decoding).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from slipstream.server.protocol import BadRequestError
+
+# Inputs read here and never passed on to parse_request.
+TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_seed",
+                 "return_log_probs", "return_context_logits", "return_generation_logits",
+                 "return_perf_metrics", "beam_width", "num_return_sequences",
+                 "embedding_bias_words", "embedding_bias_weights", "decoder_text_input",
+                 "guided_decoding_guide_type", "guided_decoding_guide", "lora_task_id")
+# Inputs whose any non-empty value is refused: input name -> why.
+REFUSED = {
+    "decoder_text_input": "encoder-decoder models are not supported",
+    "guided_decoding_guide_type": "guided decoding is not supported by this backend",
+    "guided_decoding_guide": "guided decoding is not supported by this backend",
+    "lora_task_id": "LoRA adapters by task id are not supported",
+}
+# Flags that may be sent as false only.
+REFUSED_FLAGS = {
+    "return_context_logits": "this backend does not return logits",
+    "return_generation_logits": "this backend does not return logits",
+    "return_perf_metrics": "per-request perf metrics are not returned by this backend",
+}
+# TRT-LLM's texts: its executor's when the waiting queue is full (prefixed with Triton's own
+# queue-policy text, which TRT-LLM's max_queue_size test matches), and its backend's when a
+# non-decoupled model is asked to stream.
+QUEUE_FULL = ("Exceeds maximum queue size: Maximum queue size of {limit} has been reached, "
+              "please try again later")
+STREAMING_NOT_DECOUPLED = ("Streaming is only supported if model is deployed using decoupled "
+                           "mode.")
+
+
+def trtllm_queue_full(limit: int) -> str:
+    return QUEUE_FULL.format(limit=limit)
+
+
+@dataclass
+class TrtllmOptions:
+    """What a row asked for that only the TRT-LLM outputs carry."""
+
+    return_log_probs: bool = False
+    end_ids: List[int] = field(default_factory=list)  # their text is not emitted
+    with_indices: bool = False  # emit batch_index and sequence_index
+    batch_index: int = 0
+
+
+@dataclass
+class TranslatedRow:
+    inputs: Dict[str, np.ndarray]  # for parse_request
+    parameters: Dict[str, Any]  # merged into the request parameters
+    options: TrtllmOptions
+
+
+def split_rows(inputs: Mapping[str, np.ndarray], batched: bool) -> List[Dict[str, np.ndarray]]:
+    """One dict per sequence of the request; each array without its batch dimension."""
+    if not batched:
+        return [dict(inputs)]
+    if "text_input" not in inputs:
+        raise BadRequestError("missing required input 'text_input'")
+    size = np.asarray(inputs["text_input"]).shape[0]
+    rows: List[Dict[str, np.ndarray]] = [{} for _ in range(size)]
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        if arr.ndim == 0 or arr.shape[0] != size:
+            raise BadRequestError(f"input '{name}' has batch size "
+                                  f"{arr.shape[0] if arr.ndim else 0}, 'text_input' {size}")
+        for i in range(size):
+            rows[i][name] = arr[i]
+    return rows
+
+
+def _one(name: str, arr: np.ndarray) -> Any:
+    arr = np.asarray(arr)
+    if arr.size != 1:
+        raise BadRequestError(f"input '{name}' must hold exactly one element, got shape "
+                              f"{list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _int(name: str, arr: np.ndarray) -> int:
+    if np.asarray(arr).dtype.kind not in "iu":
+        raise BadRequestError(f"input '{name}' must be an integer tensor, got numpy dtype "
+                              f"{np.asarray(arr).dtype}")
+    return int(_one(name, arr))
+
+
+def _flag(name: str, arr: np.ndarray) -> bool:
+    if np.asarray(arr).dtype.kind != "b":
+        raise BadRequestError(f"input '{name}' must be BOOL, got numpy dtype "
+                              f"{np.asarray(arr).dtype}")
+    return bool(_one(name, arr))
+
+
+def _words(name: str, arr: np.ndarray) -> List[str]:
+    """A STRING list; empty strings mean none (TRT-LLM's clients send ``[""]``)."""
+    out = []
+    for item in np.asarray(arr).reshape(-1):
+        if isinstance(item, (bytes, np.bytes_)):
+            try:
+                item = bytes(item).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadRequestError(f"input '{name}' is not valid UTF-8: {e}") from None
+        if not isinstance(item, str):
+            raise BadRequestError(f"input '{name}' must be STRING")
+        if item:
+            out.append(item)
+    return out
+
+
+def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], List[int]]] = None,
+              *, batch_index: int = 0, with_indices: bool = False,
+              trtllm_defaults: bool = False) -> TranslatedRow:
+    """Map one row's TRT-LLM inputs; ``encode`` tokenizes embedding-bias words (no special
+    tokens). ``trtllm_defaults``: TRT-LLM's semantics where they differ from vLLM's: greedy
+    unless ``top_k`` or ``top_p`` is above 0, and a streamed request never repeats the prompt
+    (``exclude_input_in_output=false`` is ignored, not refused). Raises ``BadRequestError``
+    naming the input it cannot honour."""
+    inputs = {k: v for k, v in row.items() if v is not None and k not in TRTLLM_INPUTS}
+    present = {k: v for k, v in row.items() if v is not None and k in TRTLLM_INPUTS}
+    params: Dict[str, Any] = {}
+    opts = TrtllmOptions(batch_index=batch_index, with_indices=with_indices)
+
+    for name, why in REFUSED.items():
+        if name in present and np.asarray(present[name]).size and \
+                any(x not in (b"", "", 0) for x in np.asarray(present[name]).reshape(-1)):
+            raise BadRequestError(f"input '{name}' is not supported: {why}")
+    for name, why in REFUSED_FLAGS.items():
+        if name in present and _flag(name, present[name]):
+            raise BadRequestError(f"input '{name}' is not supported: {why}")
+
+    beam_width = _int("beam_width", present["beam_width"]) if "beam_width" in present else 1
+    if beam_width != 1:
+        raise BadRequestError(f"input 'beam_width' is {beam_width}: beam search is not "
+                              "supported, only beam_width=1")
+    if "length_penalty" in present:
+        value = float(_one("length_penalty", present["length_penalty"]))
+        if not math.isfinite(value) or value != 1.0:
+            raise BadRequestError(f"input 'length_penalty' is {value}: it applies to beam search "
+                                  "only, which is not supported (beam_width=1); send 1.0 or "
+                                  "leave it out")
+    if "pad_id" in present:
+        _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
+
+    # Older ensembles' names for min_tokens and seed; the newer names win when both come.
+    if "min_length" in present and "min_tokens" not in inputs:
+        inputs["min_tokens"] = np.asarray(present["min_length"])
+    if "random_seed" in present and "seed" not in inputs:
+        inputs["seed"] = np.asarray(present["random_seed"])
+
+    if "num_return_sequences" in present:
+        params["n"] = _int("num_return_sequences", present["num_return_sequences"])
+        opts.with_indices = True
+    if "return_log_probs" in present and _flag("return_log_probs", present["return_log_probs"]):
+        opts.return_log_probs = True
+        params["logprobs"] = 0  # the sampled tokens' own log-probabilities
+
+    if "bad_words" in present:
+        words = _words("bad_words", present["bad_words"])
+        if words:
+            params["bad_words"] = words
+    if "stop_words" in inputs:
+        words = _words("stop_words", inputs["stop_words"])
+        if words:
+            inputs["stop_words"] = np.array([w.encode() for w in words], dtype=np.object_)
+        else:
+            del inputs["stop_words"]
+    if "embedding_bias_words" in present or "embedding_bias_weights" in present:
+        bias = _embedding_bias(present, encode)
+        if bias:
+            params["logit_bias"] = bias
+    if "end_id" in inputs:
+        opts.end_ids = [_int("end_id", inputs["end_id"])]
+    if trtllm_defaults:
+        if "sampling_parameters" not in inputs:
+            _greedy_unless_sampling(inputs)
+        if "stream" in inputs and np.asarray(inputs["stream"]).dtype.kind == "b" and \
+                _flag("stream", inputs["stream"]):
+            inputs.pop("exclude_input_in_output", None)
+    return TranslatedRow(inputs, params, opts)
+
+
+def _greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:
+    """TRT-LLM samples only when top_k > 0 or top_p > 0 (both 0 or absent: greedy, whatever
+    the temperature); Slipstream's own defaults (top_k off, top_p 1.0) sample."""
+    top_k = inputs.get("top_k")
+    top_p = inputs.get("top_p")
+    k_off = top_k is None or (np.asarray(top_k).size == 1 and int(_one("top_k", top_k)) == 0)
+    p_off = top_p is None or (np.asarray(top_p).size == 1 and float(_one("top_p", top_p)) == 0.0)
+    if k_off and p_off:
+        inputs["top_k"] = np.array([1], dtype=np.int32)
+        inputs.pop("top_p", None)
+
+
+def _embedding_bias(present: Mapping[str, np.ndarray],
+                    encode: Optional[Callable[[str], List[int]]]) -> Dict[int, float]:
+    """TRT-LLM's preprocessing: each word's tokens get the word's weight added to their logit."""
+    words = _words("embedding_bias_words", present.get("embedding_bias_words", np.array([])))
+    raw = np.asarray(present.get("embedding_bias_weights", np.array([], np.float32)))
+    if raw.size and raw.dtype.kind != "f":
+        raise BadRequestError("input 'embedding_bias_weights' must be FP32")
+    weights = [float(w) for w in raw.reshape(-1)]
+    if len(words) != len(weights):
+        raise BadRequestError(f"inputs 'embedding_bias_words' ({len(words)}) and "
+                              f"'embedding_bias_weights' ({len(weights)}) must have the same "
+                              "length")
+    if words and encode is None:
+        raise BadRequestError("input 'embedding_bias_words' needs the model's tokenizer")
+    bias: Dict[int, float] = {}
+    for word, weight in zip(words, weights):
+        if not math.isfinite(weight):
+            raise BadRequestError(f"input 'embedding_bias_weights' must be finite, got {weight}")
+        for token in encode(word):
+            bias[int(token)] = bias.get(int(token), 0.0) + weight
+    return bias

@@ -1,0 +1,83 @@
+"""TensorRT-LLM ensemble outputs of one engine request, added to what ``ResponseBuilder``
+builds. Pure Python (no Triton).
+
+* ``cum_log_probs`` FP32 [1, 1] and ``output_log_probs`` FP32 [1, 1, T] (batch, beam, tokens of
+  this response) when the request set ``return_log_probs``;
+* ``batch_index`` / ``sequence_index`` INT32 [1, 1] for batched requests and for
+  ``num_return_sequences``;
+* ``end_id``'s text is not emitted (TRT-LLM stops on it without detokenizing it).
+
+``merge_rows`` stacks the final outputs of a batched request's rows into one response, for
+non-decoupled models (one response per request).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from slipstream.core.request import FinishReason
+from slipstream.server.trtllm_inputs import TrtllmOptions
+
+
+class TrtllmResponses:
+    """Wraps a ``ResponseBuilder`` (same three methods) for one row of a request."""
+
+    def __init__(self, inner, options: TrtllmOptions, tokenizer=None) -> None:
+        self.inner, self.options, self.tokenizer = inner, options, tokenizer
+        self.logprobs: List[float] = []
+
+    def streamed(self, out) -> Dict[str, np.ndarray]:
+        out = self._strip_end_id(out)
+        return self._extend(self.inner.streamed(out), out, list(out.logprobs or []))
+
+    def absorb(self, out) -> None:
+        out = self._strip_end_id(out)
+        self.inner.absorb(out)
+        self.logprobs.extend(out.logprobs or [])
+
+    def final(self, out) -> Dict[str, np.ndarray]:
+        out = self._strip_end_id(out)
+        outputs = self.inner.final(out)  # absorbs ``out`` into the inner builder
+        self.logprobs.extend(out.logprobs or [])
+        return self._extend(outputs, out, self.logprobs)
+
+    def _extend(self, outputs: Dict[str, np.ndarray], out,
+                logprobs: Sequence[float]) -> Dict[str, np.ndarray]:
+        if self.options.return_log_probs:
+            outputs["cum_log_probs"] = np.array([[out.cumulative_logprob]], dtype=np.float32)
+            outputs["output_log_probs"] = np.array([[[float(x) for x in logprobs]]],
+                                                   dtype=np.float32).reshape(1, 1, -1)
+        if self.options.with_indices:
+            outputs["batch_index"] = np.array([[self.options.batch_index]], dtype=np.int32)
+            outputs["sequence_index"] = np.array([[getattr(out, "index", 0)]], dtype=np.int32)
+        return outputs
+
+    def _strip_end_id(self, out):
+        """The finished output without the text of the ``end_id`` token that stopped it."""
+        if not (self.options.end_ids and out.finished and out.token_ids
+                and out.finish_reason is FinishReason.STOP
+                and out.token_ids[-1] in self.options.end_ids and self.tokenizer is not None):
+            return out
+        piece = self.tokenizer.decode([out.token_ids[-1]])
+        if piece and out.text.endswith(piece):
+            return dataclasses.replace(out, text=out.text[:-len(piece)])
+        return out
+
+
+def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """One response from the rows' final outputs: each output stacked on a leading batch
+    dimension (ragged ``output_log_probs`` padded with zeros, as TRT-LLM pads)."""
+    merged: Dict[str, np.ndarray] = {}
+    for name in rows[0]:
+        parts = [np.asarray(r[name]) for r in rows]
+        if parts[0].ndim == 0:
+            merged[name] = np.stack(parts)
+            continue
+        longest = max(p.shape[-1] for p in parts)
+        if any(p.shape[-1] != longest for p in parts):
+            parts = [np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, longest - p.shape[-1])])
+                     for p in parts]
+        merged[name] = np.concatenate(parts, axis=0)
+    return merged
