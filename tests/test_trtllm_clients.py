@@ -379,8 +379,8 @@ def test_genai_perf_streaming_over_generate_stream(server, reference):
 # ------------------------------------------------------------------------------- refusals
 REFUSALS = {
     "beam_width 2": ({"beam_width": np.array([[2]], np.int32)}, "beam_width"),
-    "length_penalty with beam 1": ({"length_penalty": np.array([[1.5]], np.float32)},
-                                   "length_penalty"),
+    "length_penalty NaN": ({"length_penalty": np.array([[np.nan]], np.float32)},
+                           "length_penalty"),
     "return_context_logits": ({"return_context_logits": np.array([[True]])},
                               "return_context_logits"),
     "return_generation_logits": ({"return_generation_logits": np.array([[True]])},

@@ -75,7 +75,7 @@ def test_return_log_probs_asks_the_engine_for_the_sampled_logprobs():
 
 @pytest.mark.parametrize("row, named", [
     ({"beam_width": i32(4)}, "beam_width"),
-    ({"length_penalty": np.array([0.5], np.float32)}, "length_penalty"),
+    ({"length_penalty": np.array([np.inf], np.float32)}, "length_penalty"),
     ({"return_context_logits": np.array([True])}, "return_context_logits"),
     ({"return_generation_logits": np.array([True])}, "return_generation_logits"),
     ({"return_perf_metrics": np.array([True])}, "return_perf_metrics"),
@@ -93,6 +93,9 @@ def test_false_flags_and_neutral_values_are_accepted():
     translate({"text_input": s("hi"), "return_context_logits": np.array([False]),
                "return_generation_logits": np.array([False]),
                "length_penalty": np.array([1.0], np.float32), "beam_width": i32(1)})
+    # with one beam a length penalty changes nothing (TRT-LLM applies it to beam scores)
+    translate({"text_input": s("hi"), "length_penalty": np.array([1.5], np.float32),
+               "beam_width": i32(1)})
 
 
 def test_end_id_text_is_not_emitted():

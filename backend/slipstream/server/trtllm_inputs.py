@@ -150,11 +150,10 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
         raise BadRequestError(f"input 'beam_width' is {beam_width}: beam search is not "
                               "supported, only beam_width=1")
     if "length_penalty" in present:
+        # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
         value = float(_one("length_penalty", present["length_penalty"]))
-        if not math.isfinite(value) or value != 1.0:
-            raise BadRequestError(f"input 'length_penalty' is {value}: it applies to beam search "
-                                  "only, which is not supported (beam_width=1); send 1.0 or "
-                                  "leave it out")
+        if not math.isfinite(value):
+            raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
     if "pad_id" in present:
         _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
 
