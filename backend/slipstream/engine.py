@@ -15,6 +15,7 @@ import torch
 from slipstream.core.batch_scheduler import BatchScheduler
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
+from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.lora_limit import adapters_of
 from slipstream.core.request import Request, RequestOutput, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
@@ -32,13 +33,6 @@ from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepa
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
-LORA_NOT_ENABLED = "LoRA feature is not enabled."
-
-
-def unknown_lora_message(name: str, supported: list[str]) -> str:
-    return f"LoRA {name} is not supported, we currently support {supported}"
-
-
 Prompt = Union[str, list]
 
 
@@ -167,12 +161,9 @@ class LLMEngine:
 
     def check_lora(self, name: Optional[str]) -> None:
         """vLLM's (vllm_backend's) refusals of an adapter this engine does not serve."""
-        if name is None:
-            return
-        if self.lora is None:
-            raise ValueError(LORA_NOT_ENABLED)
-        if name not in self.lora.slots:
-            raise ValueError(unknown_lora_message(name, self.lora.names))
+        error = lora_name_error(name, None if self.lora is None else self.lora.names)
+        if error is not None:
+            raise ValueError(error)
 
     @functools.cached_property
     def logits_vocab_size(self) -> int:

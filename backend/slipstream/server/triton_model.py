@@ -90,6 +90,8 @@ class TritonPythonModel:
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
+        # the adapters a request's lora_name may pick (None: LoRA off)
+        self.lora_names = list(engine_config.lora_modules) if engine_config.enable_lora else None
         self.loop = EngineSupervisor(
             engine_config, on_output=self.wake.set, on_give_up=self._give_up,
             failure_threshold=settings.engine_failure_threshold,
@@ -117,7 +119,9 @@ class TritonPythonModel:
                                 self.settings.metric_families,
                                 max_model_len=engine_config.max_model_len,
                                 block_size=engine_config.block_size,
-                                num_blocks=self.loop.stats().kv_blocks_total)
+                                num_blocks=self.loop.stats().kv_blocks_total,
+                                max_loras=engine_config.max_loras if self.lora_names is not None
+                                else 0)
         except Exception as e:  # e.g. tritonserver --allow-metrics=false
             self.logger.log_warn(f"slipstream: custom metrics unavailable ({e})")
             return NoMetrics()
@@ -138,7 +142,7 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
-                lora = lora_error(inputs, request.parameters())
+                lora = lora_error(inputs, request.parameters(), self.lora_names)
                 if lora is not None:  # vLLM answers this one without its prefix
                     self._reject(sender, _error(lora, _code("INVALID_ARG")))
                     continue
