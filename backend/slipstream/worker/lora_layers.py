@@ -2,11 +2,10 @@
 
 Each targeted linear keeps its own (possibly oneDNN-packed) forward for the base product of all
 tokens, then adds each adapter's low-rank delta to that adapter's rows only: shrink
-``x_rows @ A.T`` to the rank, expand ``@ (scale * B).T`` back, accumulate in place. Rows are
-grouped by adapter once per step (``LoraMapping``): a request's tokens are contiguous in the
-batch, so an adapter used by one request, or by neighbours, is a slice (no gather); otherwise
-its rows are gathered and scattered back with ``index_add_``. Requests without an adapter and
-steps without any cost one Python check per linear.
+``x_rows @ A.T`` to the rank, expand ``@ (scale * B).T`` back, accumulate in place. The runner
+lays each step's batch out grouped by adapter (a request's tokens are contiguous anyway), so
+each adapter's rows are one slice (``LoraMapping``): no gather or scatter. Rows without an
+adapter cost nothing, and a step without any costs one Python check per linear.
 
 Wrapping the modules (rather than the forward) serves both model paths: the lean Llama
 forward (``fast_forward.py``) and the transformers forward call the same modules.
@@ -14,42 +13,35 @@ forward (``fast_forward.py``) and the transformers forward call the same modules
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from slipstream.worker.lora_adapter import LoraAdapter
 
-Rows = Union[slice, torch.Tensor]
-
 
 @dataclass
 class LoraMapping:
-    """One step's rows per adapter slot (slot i is ``LoraLayers.adapters[i]``)."""
+    """One step's rows per adapter slot (slot i is ``LoraLayers.adapters[i]``): one slice each,
+    since the runner lays the batch out grouped by adapter."""
 
-    groups: list[tuple[int, Rows]] = field(default_factory=list)
+    groups: list[tuple[int, slice]] = field(default_factory=list)
 
     @classmethod
-    def from_spans(cls, spans: list[tuple[Optional[int], int, int]],
-                   device: torch.device) -> "LoraMapping":
+    def from_spans(cls, spans: list[tuple[Optional[int], int, int]]) -> "LoraMapping":
         """``spans``: (slot or None, first row, row count) per scheduled request."""
-        runs: dict[int, list[tuple[int, int]]] = {}
+        runs: dict[int, list[int]] = {}
         for slot, start, count in spans:
             if slot is None or count == 0:
                 continue
-            slot_runs = runs.setdefault(slot, [])
-            if slot_runs and slot_runs[-1][1] == start:  # a neighbour on the same adapter
-                slot_runs[-1] = (slot_runs[-1][0], start + count)
+            run = runs.get(slot)
+            if run is None:
+                runs[slot] = [start, start + count]
+            elif run[1] == start:
+                run[1] = start + count
             else:
-                slot_runs.append((start, start + count))
-        groups: list[tuple[int, Rows]] = []
-        for slot, slot_runs in runs.items():
-            if len(slot_runs) == 1:
-                groups.append((slot, slice(*slot_runs[0])))
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in slot_runs]).to(device)
-                groups.append((slot, rows))
-        return cls(groups)
+                raise ValueError("a LoRA adapter's rows must be contiguous in the batch")
+        return cls([(slot, slice(a, b)) for slot, (a, b) in runs.items()])
 
 
 class _LoraLinear:
@@ -72,10 +64,7 @@ class _LoraLinear:
             if pair is None:
                 continue
             a_t, b_t = pair
-            if isinstance(rows, slice):
-                y2[rows].addmm_(x2[rows] @ a_t, b_t)
-            else:
-                y2.index_add_(0, rows, (x2.index_select(0, rows) @ a_t) @ b_t)
+            y2[rows].addmm_(x2[rows] @ a_t, b_t)
         return y
 
 

@@ -84,9 +84,11 @@ class ModelRunner:
         q_lens: list = []
         seq_lens: list = []
         tables: list = []
-        sample_rows: list = []
+        sample_rows: list = [None] * len(sched.scheduled)
+        lora_spans: list = []
         bs = self.block_size
-        for item in sched.scheduled:
+        for i in self._batch_order(sched):
+            item = sched.scheduled[i]
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
             tokens = req.all_token_ids + item.spec_token_ids
@@ -100,20 +102,24 @@ class ModelRunner:
             tables.append(table)
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
-            sample_rows.append(list(range(row0 + n - k, row0 + n)))
+            sample_rows[i] = list(range(row0 + n - k, row0 + n))
+            if self.lora is not None:
+                lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
         if self.lora is not None:
-            batch.lora = self._lora_mapping(sched)
+            batch.lora = LoraMapping.from_spans(lora_spans)
         return batch
 
-    def _lora_mapping(self, sched: SchedulerOutput) -> LoraMapping:
-        spans, row = [], 0
-        for item in sched.scheduled:
-            spans.append((self.lora.slot_of(item.request.params.lora_name), row,
-                          item.num_new_tokens))
-            row += item.num_new_tokens
-        return LoraMapping.from_spans(spans, self.device)
+    def _batch_order(self, sched: SchedulerOutput) -> list[int]:
+        """The order of the scheduled requests' rows in the batch: as scheduled, or with LoRA
+        grouped by adapter, so that each adapter's rows are one slice (no gather/scatter).
+        ``sample_rows`` stays indexed as ``sched.scheduled``."""
+        indices = list(range(len(sched.scheduled)))
+        if self.lora is None:
+            return indices
+        slot = [self.lora.slot_of(item.request.params.lora_name) for item in sched.scheduled]
+        return sorted(indices, key=lambda i: -1 if slot[i] is None else slot[i])
 
     def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
         """Static batching's wasted work, made real: padded prompt tokens and finished rows
