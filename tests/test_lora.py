@@ -45,9 +45,9 @@ def test_mixed_adapters_in_one_batch_match_the_merged_models(fast_forward, monke
     for i in range(0, len(jobs), 3):
         assert len({tuple(r) for r in reference[i:i + 3]}) == 3
     steps = []
-    original = lora_layers.LoraMapping.from_spans
-    monkeypatch.setattr(lora_layers.LoraMapping, "from_spans", classmethod(
-        lambda cls, spans: steps.append(spans) or original(spans)))
+    original = lora_layers.LoraLayers.mapping_for
+    monkeypatch.setattr(lora_layers.LoraLayers, "mapping_for", lambda self, spans, device: (
+        steps.append(spans) or original(self, spans, device)))
     engine = lora_engine(fast_forward=fast_forward)
     results = engine.generate([p for _, p, _ in jobs], [greedy(n, o) for n, _, o in jobs])
     assert [r.token_ids for r in results] == reference

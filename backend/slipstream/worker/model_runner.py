@@ -108,7 +108,7 @@ class ModelRunner:
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
         if self.lora is not None:
-            batch.lora = LoraMapping.from_spans(lora_spans)
+            batch.lora = self.lora.mapping_for(lora_spans, self.device)
         return batch
 
     def _batch_order(self, sched: SchedulerOutput) -> list[int]:
