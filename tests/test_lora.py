@@ -109,3 +109,19 @@ def test_unknown_lora_name_gets_vllms_error_and_lora_off_refuses_any():
     with pytest.raises(ValueError, match="^LoRA feature is not enabled.$"):
         plain.add_request([5, 6, 7], greedy("doll", 2))
     assert engine.get_stats().max_loras == 2 and not engine.has_unfinished()
+
+
+def test_engine_loop_refuses_an_unknown_adapter_in_the_callers_thread_and_serves_a_known_one():
+    from slipstream.engine_loop import EngineLoop
+
+    jobs, reference = workload()
+    settings = dict(model=str(tiny_model_dir()), block_size=4, max_model_len=512,
+                    num_gpu_blocks_override=600, enable_lora=True,
+                    lora_modules={"doll": str(adapter_dir("doll"))})
+    with EngineLoop(EngineConfig(**settings)) as loop:
+        with pytest.raises(ValueError, match=r"^LoRA sheep is not supported, we currently "
+                                             r"support \['doll'\]$"):
+            loop.submit("a text prompt", greedy("sheep", 2))  # refused before tokenizing
+        name, prompt, max_tokens = jobs[1]
+        assert name == "doll"
+        assert loop.generate(prompt, greedy(name, max_tokens)).token_ids == reference[1]
