@@ -72,9 +72,10 @@ def test_prefix_cache_never_shares_blocks_between_adapters():
     assert cached[None][0] == 0 and cached[None][1] > 0
 
 
-def test_max_loras_defers_requests_whose_adapter_would_exceed_it():
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_max_loras_defers_requests_whose_adapter_would_exceed_it(batching):
     jobs, reference = workload()
-    engine = lora_engine(max_loras=1)
+    engine = lora_engine(max_loras=1, batching=batching, max_batch_size=4)
     reqs = [engine.add_request(p, greedy(n, o)) for n, p, o in jobs]
     tokens = {r.request_id: [] for r in reqs}
     most = 0
