@@ -126,3 +126,26 @@ def test_engine_loop_refuses_an_unknown_adapter_in_the_callers_thread_and_serves
         name, prompt, max_tokens = jobs[1]
         assert name == "doll"
         assert loop.generate(prompt, greedy(name, max_tokens)).token_ids == reference[1]
+
+
+def test_block_hashes_are_rooted_at_the_adapter():
+    from slipstream.core.block_manager import BlockManager
+    from slipstream.core.request import Request
+
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = list(range(100, 113))
+
+    def run(rid, name):
+        r = Request(rid, tokens, SamplingParams(lora_name=name))
+        cached = bm.find_cached_prefix(r)
+        r.num_computed_tokens = len(cached) * bm.block_size
+        bm.allocate(r, r.num_tokens - r.num_computed_tokens, cached)
+        r.num_computed_tokens = r.num_tokens
+        bm.register_full_blocks(r)
+        return len(cached)
+
+    assert run("base", None) == 0
+    assert run("doll", "doll") == 0  # the same tokens on an adapter: no hit on base blocks
+    assert run("sheep", "sheep") == 0
+    assert run("doll-again", "doll") == 3 and run("base-again", None) == 3
+    bm.check_invariants()
