@@ -117,8 +117,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: torch's default); 1 keeps a loaded machine's "
+                        "OpenMP barriers out of the figures")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     path = resolve_model_path(args.model)
     work = Path(tempfile.mkdtemp(prefix="lora-cost-"))

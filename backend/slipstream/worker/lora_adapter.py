@@ -98,7 +98,7 @@ def load_adapter(name: str, path: Path, model: torch.nn.Module, max_rank: int,
     ``/ sqrt(r)`` with rsLoRA, per module, as PEFT computes it)."""
     path = Path(path)
     config = _read_config(path)
-    alpha = float(config.get("lora_alpha", config.get("r", 8)))
+    alpha = float(config.get("lora_alpha", 8))  # PEFT's default
     rslora = bool(config.get("use_rslora"))
     adapter = LoraAdapter(name, path, 0)
     for module, pair in _read_tensors(path).items():
