@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from slipstream.core.lora_errors import LORA_NOT_ENABLED, lora_name_error
+from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
 
 DEFAULT_MAX_TOKENS = 16
