@@ -100,6 +100,13 @@ def test_adapter_on_unsupported_module_is_refused_at_load(tmp_path):
         lora_engine(lora_modules={"head": str(path)})
 
 
+def test_dora_adapter_is_refused_at_load_naming_the_setting(tmp_path):
+    path = make_adapter(tmp_path / "dora", r=2, lora_alpha=2, target_modules=["q_proj"],
+                        use_dora=True)
+    with pytest.raises(ValueError, match=r"dora: use_dora=True is not supported"):
+        lora_engine(lora_modules={"dora": str(path)})
+
+
 def test_unknown_lora_name_gets_vllms_error_and_lora_off_refuses_any():
     engine = lora_engine()
     with pytest.raises(ValueError) as err:
