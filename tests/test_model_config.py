@@ -38,7 +38,6 @@ def test_unknown_engine_argument_is_named_with_the_supported_ones():
 @pytest.mark.parametrize("key, value, reason", [
     ("tensor_parallel_size", 2, "one device per model"),
     ("pipeline_parallel_size", "2", "one device per model"),
-    ("enable_lora", True, "LoRA adapters are not supported"),
     ("quantization", "awq", "weights load unquantized"),
     ("trust_remote_code", True, "built into transformers"),
     ("kv_cache_dtype", "fp8", "the model's dtype"),
@@ -129,6 +128,27 @@ def test_model_json_must_be_a_json_object(tmp_path):
         load_settings({}, "slipstream", model_dir)
     (model_dir / "1" / "model.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
+        load_settings({}, "slipstream", model_dir)
+
+
+def test_enable_lora_reads_multi_lora_json_as_vllm_backend_does(tmp_path, monkeypatch):
+    model_dir = write(tmp_path, {"model": "default", "enable_lora": "true", "max_loras": 2,
+                                 "max_lora_rank": 32, "max_cpu_loras": 4})
+    (model_dir / "1" / "doll").mkdir()
+    (tmp_path / "sheep").mkdir()
+    monkeypatch.chdir(tmp_path)  # vLLM resolves relative paths against the working directory
+    (model_dir / "1" / "multi_lora.json").write_text(
+        json.dumps({"doll": "./doll", "sheep": "./sheep"}))
+    engine = load_settings({}, "slipstream", model_dir).engine
+    assert engine["lora_modules"] == {"doll": str((model_dir / "1" / "doll").resolve()),
+                                      "sheep": str((tmp_path / "sheep").resolve())}
+    config = EngineConfig.from_dict(engine)
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 2, 32)
+    (model_dir / "1" / "multi_lora.json").write_text(json.dumps({"goat": "./nowhere"}))
+    with pytest.raises(ValueError, match="LoRA 'goat' not found"):
+        load_settings({}, "slipstream", model_dir)
+    (model_dir / "1" / "multi_lora.json").unlink()
+    with pytest.raises(ValueError, match="cannot find .*multi_lora.json"):
         load_settings({}, "slipstream", model_dir)
 
 

@@ -158,6 +158,17 @@ def test_lora_name_is_refused_from_json_and_from_request_parameters():
     assert lora_error({**hi, "sampling_parameters": s("{broken")}) is None  # parse says why
 
 
+def test_lora_name_with_lora_on_is_checked_against_the_adapters_and_reaches_sampling_params():
+    hi = {"text_input": s("hi")}
+    loras = ["doll", "sheep"]
+    doll = {**hi, "sampling_parameters": s('{"lora_name": "doll", "temperature": "0"}')}
+    assert lora_error(doll, None, loras) is None
+    assert parse_request(doll).params.lora_name == "doll"
+    assert lora_error(hi, {"lora_name": "bactrian"}, loras) == \
+        "LoRA bactrian is not supported, we currently support ['doll', 'sheep']"
+    assert parse_request(hi, {"lora_name": "sheep"}).params.lora_name == "sheep"
+
+
 def test_stream_defaults_to_excluding_the_prompt():
     r = parse_request({"text_input": s("hi"), "stream": b(True)})
     assert r.options.stream and r.options.exclude_input_in_output

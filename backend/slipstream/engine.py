@@ -1,6 +1,7 @@
 """The synchronous engine: add requests, abort them, and advance everything one step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -14,6 +15,8 @@ import torch
 from slipstream.core.batch_scheduler import BatchScheduler
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
+from slipstream.core.lora_errors import lora_name_error
+from slipstream.core.lora_limit import adapters_of
 from slipstream.core.request import Request, RequestOutput, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
@@ -24,6 +27,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepare_sampling
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
@@ -47,6 +51,10 @@ class LLMEngine:
         self.config = config = model_loader.fit_max_model_len(config, self.model.config)
         if self.device.type == "cpu":
             prepare_linears(self.model, config.cpu_linear)
+        self.lora: Optional[LoraLayers] = None
+        if config.enable_lora:  # after packing: adapters wrap the packed linears
+            self.lora = load_lora_layers(config.lora_modules, self.model, config.max_lora_rank,
+                                         self.dtype, self.device)
         self.eos_token_id = self._eos_token_id()
         self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
@@ -57,7 +65,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, config.max_model_len, config.max_num_seqs,
             config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
-            config.attention_ops, config.fast_forward)
+            config.attention_ops, config.fast_forward, self.lora)
         self.sampler = Sampler(config.seed)
         self.proposer = self._make_proposer()
         self.requests: dict[str, Request] = {}
@@ -128,6 +136,7 @@ class LLMEngine:
         """Tokenize and validate; raises ``ValueError`` with a message fit for the client."""
         params = params or SamplingParams()
         params.check_vocab(self.logits_vocab_size)
+        self.check_lora(params.lora_name)
         self.check_prompt_size(prompt)
         ids = self.tokenize(prompt, apply_chat_template)
         if not ids:
@@ -149,6 +158,12 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.eos_token_id, priority)
+
+    def check_lora(self, name: Optional[str]) -> None:
+        """vLLM's (vllm_backend's) refusals of an adapter this engine does not serve."""
+        error = lora_name_error(name, None if self.lora is None else self.lora.names)
+        if error is not None:
+            raise ValueError(error)
 
     @functools.cached_property
     def logits_vocab_size(self) -> int:
@@ -395,8 +410,14 @@ class LLMEngine:
 
     def get_stats(self) -> StatsSnapshot:
         s = self.scheduler
-        return self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
-                                   self.block_manager)
+        snapshot = self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
+                                       self.block_manager)
+        if self.lora is None:
+            return snapshot
+        return dataclasses.replace(
+            snapshot, max_loras=self.config.max_loras,
+            running_lora_adapters=tuple(sorted(adapters_of(s.running))),
+            waiting_lora_adapters=tuple(sorted(adapters_of(s.waiting))))
 
 
 def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:

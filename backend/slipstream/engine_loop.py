@@ -254,6 +254,7 @@ class EngineLoop:
             if prompt == "":
                 raise ValueError("the prompt is empty")
             params.check_vocab(engine.logits_vocab_size)
+            engine.check_lora(params.lora_name)
             engine.check_prompt_size(prompt)
             req = None
         else:

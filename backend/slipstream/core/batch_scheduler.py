@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from slipstream.core.lora_limit import adapters_of, fits
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.scheduler import SchedulerBase
 from slipstream.core.scheduler_output import BatchPadding, ScheduledRequest, SchedulerOutput
@@ -57,7 +58,11 @@ class BatchScheduler(SchedulerBase):
             if now < self.next_wakeup():
                 return False
         ordered = sorted(self.waiting, key=lambda r: self.key(r, now))
-        for req in ordered[:self.config.max_batch_size]:
+        for req in ordered:
+            if len(self.batch) == self.config.max_batch_size:
+                break
+            if not fits(req, adapters_of(self.batch), self.max_loras):
+                continue  # its adapter would exceed max_loras: a later batch takes it
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

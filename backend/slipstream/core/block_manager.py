@@ -37,6 +37,13 @@ def chain_hash(parent: Optional[int], token_ids: tuple) -> int:
     return hash((parent, token_ids))
 
 
+def root_hash(req: Request) -> Optional[int]:
+    """The parent of a request's first block: its LoRA adapter, since an adapter changes
+    every layer's K/V, so two adapters (or an adapter and the base model) never share blocks."""
+    name = req.params.lora_name
+    return None if name is None else hash(("lora", name))
+
+
 @dataclass
 class _PerRequest:
     block_hashes: list = field(default_factory=list)  # hashes of the request's full blocks
@@ -83,7 +90,7 @@ class BlockManager:
             return []
         tokens = req.all_token_ids
         hits: list[int] = []
-        parent = None
+        parent = root_hash(req)
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
             h = chain_hash(parent, chunk)
@@ -133,7 +140,7 @@ class BlockManager:
         tokens = req.all_token_ids
         while len(state.block_hashes) < num_full:
             i = len(state.block_hashes)
-            parent = state.block_hashes[-1] if state.block_hashes else None
+            parent = state.block_hashes[-1] if state.block_hashes else root_hash(req)
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, chunk)
             state.block_hashes.append(h)

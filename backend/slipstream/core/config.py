@@ -1,6 +1,7 @@
 """Engine configuration: one validated dataclass shared by every component."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -59,6 +60,10 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
     attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
     fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
+    enable_lora: bool = False  # serve PEFT adapters per request (lora_name)
+    lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT directory
+    max_loras: int = 1  # distinct adapters in one step (vLLM's default)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused at load (vLLM's default)
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
     extra: dict = field(default_factory=dict)
@@ -73,7 +78,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_batch_size", "num_speculative_tokens"):
+                     "max_batch_size", "num_speculative_tokens", "max_loras", "max_lora_rank"):
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
@@ -108,11 +113,27 @@ class EngineConfig:
                 f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method='draft' needs speculative_model")
+        self._validate_lora()
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules is None:
+            self.lora_modules = {}
+        if isinstance(self.lora_modules, str):  # a JSON object, as multi_lora.json holds it
+            try:
+                self.lora_modules = json.loads(self.lora_modules) if self.lora_modules else {}
+            except ValueError as e:
+                raise ValueError(f"lora_modules must be a JSON object: {e}") from None
+        if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v
+                for k, v in self.lora_modules.items()):
+            raise ValueError("lora_modules must map adapter names to PEFT directories")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":

@@ -68,6 +68,7 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
     prompt_logprobs: Optional[int] = None  # accepted for vLLM parity; no output carries them
     detokenize: bool = True  # False: token ids only, empty text
+    lora_name: Optional[str] = None  # the LoRA adapter to apply (engine's lora_modules name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +143,10 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
+        if self.lora_name == "":
+            self.lora_name = None  # vllm_backend clients send "" for the base model
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise ValueError(f"lora_name must be a non-empty string, got {show(self.lora_name)}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are only supported when detokenize is True")
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
+from slipstream.core.lora_limit import admissible
 from slipstream.core.policies import make_policy, pick_first, pick_victim
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
@@ -46,6 +47,7 @@ class SchedulerBase(ABC):
         # over; like max_model_len, the cache's size ends it with finish reason "length".
         capacity = block_manager.num_usable_blocks * block_manager.block_size
         self.max_seq_len = min(capacity, config.max_model_len)
+        self.max_loras = config.max_loras if config.enable_lora else None
 
     # -- queue management ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -210,7 +212,9 @@ class Scheduler(SchedulerBase):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = pick_first(self.waiting, self.key, now)
+            req = pick_first(admissible(self.waiting, self.running, self.max_loras), self.key, now)
+            if req is None:
+                break  # every waiting request's adapter would exceed max_loras
             if req in out.preempted:
                 break  # preempted this very step: taking it back now would only thrash
             if req.status is RequestStatus.SWAPPED:

@@ -26,6 +26,9 @@ class StatsSnapshot:
     busy_seconds: float = 0.0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    max_loras: int = 0  # 0: LoRA off
+    running_lora_adapters: tuple = ()  # adapter names in use by running requests
+    waiting_lora_adapters: tuple = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -7,7 +7,7 @@ the load there, and so it does here. Every key is one of:
   (``enforce_eager`` -> ``enable_cuda_graphs``, ``swap_space`` GiB -> bytes ...);
 * a server option (``disable_log_stats`` turns the custom metrics off, ``max_logprobs``);
 * accepted only at the value that means "nothing to do" here (``tensor_parallel_size: 1``,
-  ``enable_lora: false``, ``quantization: null`` ...): any other value is refused, since this
+  ``quantization: null`` ...): any other value is refused, since this
   engine could not honour it;
 * without effect on serving and accepted as such (``served_model_name``, log switches).
 
@@ -106,13 +106,16 @@ MAPPED: dict = {
     "preemption_mode": _same("preemption_mode"),
     "scheduling_policy": _scheduling_policy,
     "speculative_config": _speculative_config,
+    # the adapters themselves come from 1/multi_lora.json (server/multi_lora.py)
+    "enable_lora": lambda v: {"enable_lora": _flag(v, "enable_lora")},
+    "max_loras": _same("max_loras"),
+    "max_lora_rank": _same("max_lora_rank"),
 }
 # Accepted only at these values: anything else asks for something this engine cannot do.
 FIXED: dict = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
-    "enable_lora": False,
     "quantization": None,
     "trust_remote_code": False,
     "kv_cache_dtype": "auto",
@@ -125,7 +128,6 @@ WHY_FIXED = {
     "tensor_parallel_size": "one device per model",
     "pipeline_parallel_size": "one device per model",
     "data_parallel_size": "one engine per model instance",
-    "enable_lora": "LoRA adapters are not supported",
     "quantization": "weights load unquantized",
     "trust_remote_code": "only architectures built into transformers load",
     "kv_cache_dtype": "the KV cache uses the model's dtype",
@@ -137,7 +139,7 @@ WHY_FIXED = {
 # No effect on what a Triton model serves: accepted (listed in the README).
 NO_EFFECT = {"served_model_name", "disable_log_requests", "enable_log_requests",
              "distributed_executor_backend", "disable_custom_all_reduce", "max_seq_len_to_capture",
-             "max_lora_rank", "max_loras", "max_cpu_loras"}
+             "max_cpu_loras"}
 SERVER_OPTIONS = {"disable_log_stats", "max_logprobs"}
 
 

@@ -255,7 +255,7 @@ class SlipstreamFamilies:
 # ---------------------------------------------------------------------------- vllm:*
 class VllmFamilies:
     def __init__(self, factory: _Factory, post: Callable, *, max_model_len: int,
-                 block_size: int, num_blocks: int) -> None:
+                 block_size: int, num_blocks: int, max_loras: int = 0) -> None:
         self._post = post
         self.m = {name: factory.metric(name, desc, kind, buckets)
                   for name, (desc, kind, buckets) in vllm_families(max_model_len).items()}
@@ -266,9 +266,10 @@ class VllmFamilies:
         post(factory.metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                             "GAUGE", labels={"block_size": str(block_size),
                                              "num_gpu_blocks": str(num_blocks)}).set, 1)
-        post(factory.metric("vllm:lora_requests_info", "Running stats on lora requests.",
-                            "GAUGE", labels={"max_lora": "0", "running_lora_adapters": "",
-                                             "waiting_lora_adapters": ""}).set, time.time())
+        self._factory = factory
+        self._lora_series: dict = {}  # label values -> vllm:lora_requests_info series
+        self._lora_current: Optional[tuple] = None
+        self._update_lora(StatsSnapshot(max_loras=max_loras))
         self._pending = {"vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": 0}
         self._last = {"preemptions_total": 0.0, "prefix_cache_queries": 0.0,
                       "prefix_cache_hits": 0.0}
@@ -290,7 +291,25 @@ class VllmFamilies:
             if value > self._last[key]:
                 self._post(self.m[name].increment, value - self._last[key])
                 self._last[key] = value
+        self._update_lora(stats)
         self.flush()
+
+    def _update_lora(self, stats: StatsSnapshot) -> None:
+        """vLLM's info gauge: the adapters in use as labels, the time they were last current as
+        value; as in vLLM, each label set is its own series and readers take the newest (a
+        Triton metric family keeps every series it made, so each is made once and reused)."""
+        labels = {"max_lora": str(stats.max_loras),
+                  "running_lora_adapters": ",".join(stats.running_lora_adapters),
+                  "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters)}
+        key = tuple(labels.values())
+        if key == self._lora_current:
+            return
+        self._lora_current = key
+        if key not in self._lora_series:
+            self._lora_series[key] = self._factory.metric(
+                "vllm:lora_requests_info", "Running stats on lora requests.", "GAUGE",
+                labels=labels)
+        self._post(self._lora_series[key].set, time.time())
 
     def flush(self) -> None:
         for name, count in self._pending.items():
@@ -346,7 +365,7 @@ class ModelMetrics:
 
     def __init__(self, pb_utils, labels: Mapping[str, str], families: Sequence[str] = ("slipstream",),
                  *, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 0,
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, max_loras: int = 0) -> None:
         self._recorder = _Recorder()
         self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
         self.families: list = []
@@ -356,7 +375,8 @@ class ModelMetrics:
             if "vllm" in families:
                 self.families.append(VllmFamilies(factory, self._recorder.post,
                                                   max_model_len=max_model_len,
-                                                  block_size=block_size, num_blocks=num_blocks))
+                                                  block_size=block_size, num_blocks=num_blocks,
+                                                  max_loras=max_loras))
             if "trtllm" in families:
                 self.families.append(TrtllmFamilies(factory, self._recorder.post,
                                                     max_num_seqs=max_num_seqs,

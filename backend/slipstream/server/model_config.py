@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
 from slipstream.server.protocol import split_parameters
 
@@ -177,6 +178,9 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     for key in PATH_SETTINGS:
         if isinstance(engine.get(key), str) and engine[key]:
             engine[key] = resolve_model(engine[key], search)
+    if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
+            and "lora_modules" not in engine:
+        engine["lora_modules"] = read_multi_lora(version_dir, search)
     own_layout = backend == "python"
     report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=own_layout)
     return ModelSettings(

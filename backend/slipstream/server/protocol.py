@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
 
 DEFAULT_MAX_TOKENS = 16
@@ -73,7 +74,6 @@ STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding", "guided_json"
                           "guided_choice", "guided_grammar", "response_format")
 # Request-parameter names kept for refuse_unsupported, so they are refused, not ignored.
 _REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
-LORA_NOT_ENABLED = "LoRA feature is not enabled."
 
 
 def _is_int_dtype(a: np.ndarray) -> bool:
@@ -298,10 +298,12 @@ def _brief(value: Any) -> str:
 
 
 def lora_error(inputs: Mapping[str, np.ndarray],
-               parameters: Union[None, str, Mapping[str, Any]] = None) -> Optional[str]:
-    """vLLM's refusal of ``lora_name`` (LoRA is not enabled), from the ``sampling_parameters``
-    JSON or the request parameters (HTTP ``"parameters"``); None when no LoRA was asked for.
-    A malformed request is left for ``parse_request`` to describe."""
+               parameters: Union[None, str, Mapping[str, Any]] = None,
+               supported: Optional[Sequence[str]] = None) -> Optional[str]:
+    """vllm_backend's refusal of a ``lora_name`` (LoRA off: ``supported`` None; or not one of
+    ``supported``), from the ``sampling_parameters`` JSON or the request parameters (HTTP
+    ``"parameters"``); None when it may be served. A malformed request is left for
+    ``parse_request`` to describe."""
     sources = []
     if inputs.get("sampling_parameters") is not None:
         try:
@@ -315,7 +317,7 @@ def lora_error(inputs: Mapping[str, np.ndarray],
         pass
     for source in sources:
         if isinstance(source, dict) and source.get("lora_name") not in (None, ""):
-            return LORA_NOT_ENABLED
+            return lora_name_error(str(source["lora_name"]), supported)
     return None
 
 

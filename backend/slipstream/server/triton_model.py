@@ -99,6 +99,8 @@ class TritonPythonModel:
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
         self.max_queue_size = engine_config.max_queue_size
+        # the adapters a request's lora_name may pick (None: LoRA off)
+        self.lora_names = list(engine_config.lora_modules) if engine_config.enable_lora else None
         self.loop = EngineSupervisor(
             engine_config, on_output=self.wake.set, on_give_up=self._give_up,
             failure_threshold=settings.engine_failure_threshold,
@@ -127,7 +129,9 @@ class TritonPythonModel:
                                 max_model_len=engine_config.max_model_len,
                                 block_size=engine_config.block_size,
                                 num_blocks=self.loop.stats().kv_blocks_total,
-                                max_num_seqs=engine_config.max_num_seqs)
+                                max_num_seqs=engine_config.max_num_seqs,
+                                max_loras=engine_config.max_loras if self.lora_names is not None
+                                else 0)
         except Exception as e:  # e.g. tritonserver --allow-metrics=false
             self.logger.log_warn(f"slipstream: custom metrics unavailable ({e})")
             return NoMetrics()
@@ -167,7 +171,7 @@ class TritonPythonModel:
         """Parse one request (or row of a batched one) and hand it to the engine; a bad one
         gets its error response here."""
         try:
-            lora = lora_error(inputs, parameters)
+            lora = lora_error(inputs, parameters, self.lora_names)
             if lora is not None:  # vLLM answers this one without its prefix
                 self._reject(sender, _error(lora, _code("INVALID_ARG")))
                 return

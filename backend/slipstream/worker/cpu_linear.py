@@ -75,11 +75,14 @@ def fused_linear(modules: Sequence[torch.nn.Linear],
     return lambda x: F.linear(x, weight, bias)
 
 
-def applied_mode(module: torch.nn.Linear) -> CpuLinear:
-    """The layout ``prepare_linears`` gave ``module``."""
+def applied_mode(module: torch.nn.Linear) -> Optional[CpuLinear]:
+    """The layout ``prepare_linears`` gave ``module``; None where something else replaced its
+    forward (a LoRA wrapper): its product is then not the weight's alone."""
     forward = module.__dict__.get("forward")
     if isinstance(forward, functools.partial) and forward.func is _onednn_forward:
         return CpuLinear.ONEDNN
+    if forward is not None:
+        return None
     if not module.weight.is_contiguous() and module.weight.t().is_contiguous():
         return CpuLinear.TRANSPOSED
     return CpuLinear.STOCK

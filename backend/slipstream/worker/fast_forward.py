@@ -77,6 +77,10 @@ def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     return fused
 
 
+def _separate_projection(modules: Sequence[torch.nn.Module]) -> Projection:
+    return lambda x: tuple(m(x) for m in modules)
+
+
 def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
     """One GEMM for linears that share their input, split back per layer, when that gives
     each layer's output bit for bit (checked once); else the layers one by one. The fused
@@ -84,11 +88,10 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
     if modules[0] in _PROJECTIONS:
         return _PROJECTIONS[modules[0]]
 
-    def separate(x: torch.Tensor) -> Sequence[torch.Tensor]:
-        return tuple(m(x) for m in modules)
-
+    separate = _separate_projection(modules)
     modes = {applied_mode(m) for m in modules}
-    if len(modes) != 1 or any(not isinstance(m, torch.nn.Linear) for m in modules):
+    if len(modes) != 1 or None in modes or any(not isinstance(m, torch.nn.Linear)
+                                                for m in modules):
         return separate
     gemm, sizes = fused_linear(modules, modes.pop()), [m.out_features for m in modules]
 
@@ -123,20 +126,22 @@ class FastForward:
         self.act = F.silu
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> Optional["FastForward"]:
-        """The lean forward for ``model`` when its structure is the one this reproduces."""
+    def for_model(cls, model: torch.nn.Module, fuse: bool = True) -> Optional["FastForward"]:
+        """The lean forward for ``model`` when its structure is the one this reproduces;
+        ``fuse=False`` keeps every projection its own module call (LoRA wraps them)."""
         config = getattr(model, "config", None)
         window_of = _WINDOW.get(getattr(config, "model_type", None))
         base = getattr(model, "model", None)
         if window_of is None or base is None or not _is_plain_llama(model, config):
             return None
+        project = _fused_projection if fuse else _separate_projection
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(_Layer(
                 i, _fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm),
-                _fused_projection((attn.q_proj, attn.k_proj, attn.v_proj)), attn.o_proj,
-                _fused_projection((mlp.gate_proj, mlp.up_proj)), mlp.down_proj, attn.scaling,
+                project((attn.q_proj, attn.k_proj, attn.v_proj)), attn.o_proj,
+                project((mlp.gate_proj, mlp.up_proj)), mlp.down_proj, attn.scaling,
                 window_of(config, attn)))
         return cls(model, layers)
 

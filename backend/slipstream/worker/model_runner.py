@@ -1,7 +1,7 @@
 """Packs a scheduled step into one ragged batch and runs the model on the paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -12,6 +12,7 @@ from slipstream.worker import attention
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
 from slipstream.worker.fast_forward import FastForward
 from slipstream.worker.kv_cache import KVCache
+from slipstream.worker.lora_layers import LoraLayers, LoraMapping
 from slipstream.worker.ops.dispatch import get_ops
 from slipstream.worker.ops.metadata import AttentionMetadata
 
@@ -24,6 +25,7 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
+    lora: LoraMapping = field(default_factory=LoraMapping)  # rows per LoRA adapter
 
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
@@ -39,7 +41,8 @@ def check_backend_compatible(model: torch.nn.Module) -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None,
-                 attention_ops: str = "auto", fast_forward: bool = True) -> None:
+                 attention_ops: str = "auto", fast_forward: bool = True,
+                 lora: Optional[LoraLayers] = None) -> None:
         check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
@@ -48,7 +51,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.ops = get_ops(device, attention_ops)
         model.set_attn_implementation(attention.register())
-        self.fast = FastForward.for_model(model) if fast_forward and device.type == "cpu" else None
+        self.fast = (FastForward.for_model(model, fuse=lora is None)
+                     if fast_forward and device.type == "cpu" else None)
+        self.lora = lora  # its per-token adapter choice cannot be replayed from a CUDA graph
+        if lora is not None:
+            cuda_graph_sizes = None
         self.graphs = self._capture_decode_graphs(max_num_seqs, cuda_graph_sizes)
 
     # -- CUDA graphs (decode-only steps) ---------------------------------------------------
@@ -78,9 +85,11 @@ class ModelRunner:
         q_lens: list = []
         seq_lens: list = []
         tables: list = []
-        sample_rows: list = []
+        sample_rows: list = [None] * len(sched.scheduled)
+        lora_spans: list = []
         bs = self.block_size
-        for item in sched.scheduled:
+        for i in self._batch_order(sched):
+            item = sched.scheduled[i]
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
             tokens = req.all_token_ids + item.spec_token_ids
@@ -94,9 +103,24 @@ class ModelRunner:
             tables.append(table)
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
-            sample_rows.append(list(range(row0 + n - k, row0 + n)))
+            sample_rows[i] = list(range(row0 + n - k, row0 + n))
+            if self.lora is not None:
+                lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
-        return self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        if self.lora is not None:
+            batch.lora = self.lora.mapping_for(lora_spans, self.device)
+        return batch
+
+    def _batch_order(self, sched: SchedulerOutput) -> list[int]:
+        """The order of the scheduled requests' rows in the batch: as scheduled, or with LoRA
+        grouped by adapter, so that each adapter's rows are one slice (no gather/scatter).
+        ``sample_rows`` stays indexed as ``sched.scheduled``."""
+        indices = list(range(len(sched.scheduled)))
+        if self.lora is None:
+            return indices
+        slot = [self.lora.slot_of(item.request.params.lora_name) for item in sched.scheduled]
+        return sorted(indices, key=lambda i: -1 if slot[i] is None else slot[i])
 
     def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
         """Static batching's wasted work, made real: padded prompt tokens and finished rows
@@ -163,7 +187,13 @@ class ModelRunner:
                                  meta.block_tables, meta.seq_lens)
             return logits[torch.tensor(rows, device=self.device)].float()
         keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
-        logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
+        if self.lora is not None:
+            self.lora.activate(batch.lora)
+        try:
+            logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
+        finally:
+            if self.lora is not None:
+                self.lora.deactivate()
         return logits if rows else logits[:0]
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]]]:
