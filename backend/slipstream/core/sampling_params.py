@@ -16,6 +16,7 @@ import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from slipstream.core.structured_outputs import StructuredOutputsParams
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS); one between it and
 # MIN_SAMPLED_TEMPERATURE is raised to that, as vLLM does: logits / 1e-300 overflow float32
 # and the softmax of infinities is NaN.
@@ -68,6 +69,9 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
     prompt_logprobs: Optional[int] = None  # accepted for vLLM parity; no output carries them
     detokenize: bool = True  # False: token ids only, empty text
+    # The output must match a JSON schema / regex / choice / grammar (a dict with vLLM's
+    # field names is accepted and converted).
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +148,8 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are only supported when detokenize is True")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     def _validate_seed(self) -> None:
         if self.seed is None:

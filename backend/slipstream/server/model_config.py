@@ -54,6 +54,9 @@ INPUTS = [
                                          "presence_penalty", "frequency_penalty")],
     _io("seed", "TYPE_UINT64", [1]),
     _io("stop_words", "TYPE_STRING", [-1]),
+    # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
+    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    _io("guided_decoding_guide", "TYPE_STRING", [1]),
 ]
 INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
 OUTPUTS = [
