@@ -83,13 +83,20 @@ class StructuredOutputsParams:
             return ""
         if isinstance(value, str):
             return value
-        return json.dumps(list(value) if isinstance(value, tuple) else value, sort_keys=True)
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
 
     @property
     def cache_key(self) -> tuple:
-        """Equal for requests that compile to the same grammar."""
-        return (self.kind.value, self.spec_text, self.disable_any_whitespace,
-                self.disable_additional_properties)
+        """Equal for requests that compile to the same grammar (a schema sent as text or as
+        an object alike; key order is kept: it is the order of the output's properties)."""
+        text = self.spec_text
+        if self.kind is GuideKind.JSON and isinstance(self.json, str):
+            try:
+                text = json.dumps(json.loads(text))
+            except ValueError:
+                pass  # refused when compiled
+        return (self.kind.value, text, self.disable_any_whitespace,
+                self.disable_additional_properties, self.whitespace_pattern)
 
     @classmethod
     def from_value(cls, value: Any) -> "StructuredOutputsParams":
