@@ -14,6 +14,7 @@ Pure Python: errors are ``ValueError`` with a client-facing text (protocol.py tu
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -38,6 +39,8 @@ def gather_structured_outputs(values: dict, inputs: Mapping[str, np.ndarray]) ->
     """Replace, in ``values``, every structured-output name by one ``structured_outputs``
     dict (absent when the request asks for none). Two different shapes in one request are
     refused rather than one silently winning."""
+    for key in ("guided_decoding", "response_format", "guided_choice"):
+        values[key] = _json_text(key, values.get(key))  # HTTP parameters carry scalars only
     found = []
     for key in ("structured_outputs", "guided_decoding"):
         value = values.pop(key, None)
@@ -63,6 +66,17 @@ def gather_structured_outputs(values: dict, inputs: Mapping[str, np.ndarray]) ->
         if isinstance(spec, dict) and "whitespace_pattern" in legacy:
             spec = {**spec, "whitespace_pattern": legacy["whitespace_pattern"]}
         values["structured_outputs"] = spec
+
+
+def _json_text(key: str, value: Any) -> Any:
+    """An object or list sent as JSON text (Triton's HTTP request parameters cannot hold
+    objects); other strings are left as they are."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError(f"{key} is not valid JSON") from None
+    return value
 
 
 def _from_response_format(value: Any) -> Optional[dict]:

@@ -159,20 +159,48 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> None:
     rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
     if not rows:
         return
-    import llguidance.torch as llgt
-
     if len({id(reqs[i]) for i in rows}) != len(rows):
         raise ValueError("a request with structured outputs cannot verify draft tokens")
-    bitmask = llgt.allocate_token_bitmask(len(rows), logits.shape[-1])
+    words = (logits.shape[-1] + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    matchers = []
     for n, i in enumerate(rows):
         state = reqs[i].grammar
         state.sync(reqs[i])
-        llgt.fill_next_token_bitmask(state.matcher, bitmask, n)
-        if state.matcher.is_error():
-            raise ValueError(f"structured output failed: {state.matcher.get_error()}")
-    constrained = logits[rows]
-    llgt.apply_token_bitmask_inplace(constrained, bitmask)
-    logits[rows] = constrained
+        matchers.append((state.matcher, n))
+    _fill_bitmask(matchers, bitmask)
+    for matcher, _ in matchers:
+        if matcher.is_error():
+            raise ValueError(f"structured output failed: {matcher.get_error()}")
+    logits[rows] = logits[rows].masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]),
+                                             float("-inf"))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+_EXECUTOR = []  # one llguidance thread pool, made on first use
+
+
+def _fill_bitmask(matchers: list, bitmask: torch.Tensor) -> None:
+    """Each ``(matcher, row)``'s allowed tokens into ``bitmask[row]``; several rows are
+    computed in parallel by llguidance's native threads. (``llguidance.torch`` is not
+    imported: its module-level torch.compile fails inside Triton's Python stub.)"""
+    row_bytes = bitmask.shape[1] * 4
+    if len(matchers) == 1:
+        matcher, row = matchers[0]
+        matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+        return
+    if not _EXECUTOR:
+        import llguidance
+
+        _EXECUTOR.append(llguidance.LLExecutor())
+    _EXECUTOR[0].unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, len(matchers))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[n, ceil(V / 32)]`` int32 bitmask -> ``[n, V]`` bool (llguidance's own apply uses
+    torch.compile: seconds of compile on first use, and it fails in Triton's Python stub)."""
+    bits = (bitmask[:, :, None] >> _BITS) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _what(kind: GuideKind) -> str:
