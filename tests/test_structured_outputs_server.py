@@ -12,7 +12,11 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("llguidance")
 
-from test_server import (MODEL, PROMPTS, StreamClient, http_post, reference, repo,  # noqa: E402,F401
+from slipstream import EngineConfig, SamplingParams  # noqa: E402
+from slipstream.engine_loop import EngineLoop  # noqa: E402
+from slipstream.server.protocol import split_parameters  # noqa: E402
+from slipstream.server.launcher import read_parameters  # noqa: E402
+from test_server import (MODEL, PROMPTS, StreamClient, http_post, repo,  # noqa: E402,F401
                          run_stream, server, text_inputs, texts, tiny_model)
 
 pytestmark = pytest.mark.skipif(
@@ -28,6 +32,24 @@ CHOICES = ["Positive", "Negative", "Neutral"]
 BASE = {"temperature": 0, "max_tokens": 100}
 FINISH = {"return_finish_reason": np.array([True])}
 FREE = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def reference(repo):
+    """prompt -> the engine's greedy text for it alone (only the prompts asked for)."""
+    engine_settings, _ = split_parameters(read_parameters((repo / MODEL / "config.pbtxt").read_text()))
+    loop = EngineLoop(EngineConfig.from_dict(engine_settings)).start()
+    cache = {}
+
+    def get(prompt, **params):
+        key = (prompt, tuple(sorted(params.items())))
+        if key not in cache:
+            cache[key] = loop.generate(prompt, SamplingParams.from_dict(params)).text
+        return cache[key]
+    try:
+        yield get
+    finally:
+        loop.shutdown()
 
 
 def s(text):
@@ -126,7 +148,7 @@ def test_http_generate_with_response_format_and_guided_choice(server):
     assert status == 200 and json.loads(body)["text_output"] in [f"Is it good?{c}" for c in CHOICES]
     status, body = http_post(server, f"/v2/models/{MODEL}/generate", {
         "text_input": "JSON:", "exclude_input_in_output": True, "parameters": {
-            **BASE, "max_tokens": 300, "response_format": json.dumps(
+            **BASE, "max_tokens": 60, "response_format": json.dumps(
                 {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})}})
     assert status == 200, body
     valid_json_prefix_or_whole(json.loads(body)["text_output"])
