@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -82,7 +84,9 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        matcher = self._compile(spec)  # outside the lock: a big schema stalls no other thread
+        # Outside the lock, on the low-priority compile thread: a big schema holds up only
+        # the request that sent it (the caller waits), not the engine's step.
+        matcher = _COMPILE_POOL.submit(self._compile, spec).result()
         with self._lock:
             self._cache[key] = matcher
             self.num_compiled += 1
@@ -112,6 +116,19 @@ class GrammarCompiler:
                 self._lltokenizer = llguidance.hf.from_tokenizer(
                     self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_id)
             return self._lltokenizer
+
+
+def _lowest_priority() -> None:
+    """Make the calling thread the last the OS schedules (nice 19; Linux threads each have
+    their own): while a grammar compiles, the engine's torch threads keep their cores."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at normal priority
+        pass
+
+
+_COMPILE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
+                                   initializer=_lowest_priority)
 
 
 def grammar_definition(spec: StructuredOutputsParams) -> str:
