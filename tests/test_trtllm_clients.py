@@ -340,6 +340,20 @@ def test_readme_generate_curl_with_empty_bad_and_stop_words(server):
     assert len(answer["text_output"]) > len("What is machine learning?")
 
 
+def test_guided_decoding_regex_through_the_ensemble(server):
+    """TRT-LLM's guided decoding inputs on the unary ensemble: the random tiny model's text
+    matches the regex because the grammar forces it."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = {"text_input": np.array([["Give me a code"]], dtype=object),
+              "max_tokens": np.array([[24]], np.int32),
+              "exclude_input_in_output": np.array([[True]]),
+              "guided_decoding_guide_type": np.array([[b"regex"]], dtype=object),
+              "guided_decoding_guide": np.array([[rb"[0-9]{3}-[a-z]{2}"]], dtype=object)}
+    result = client.infer("ensemble", [prepare_tensor(k, v) for k, v in inputs.items()])
+    client.close()
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", result.as_numpy("text_output")[0].decode())
+
+
 def test_genai_perf_tensorrtllm_payload_with_min_length(server):
     """genai-perf --backend tensorrtllm --output-tokens-mean 12
     --output-tokens-mean-deterministic: text_input, max_tokens and min_length (= max_tokens)
@@ -388,8 +402,8 @@ REFUSALS = {
     "embedding bias lengths differ": ({"embedding_bias_words": np.array([[b"a", b"b"]], object),
                                        "embedding_bias_weights": np.array([[1.0]], np.float32)},
                                       "embedding_bias_weights"),
-    "guided decoding": ({"guided_decoding_guide_type": np.array([[b"json"]], object)},
-                        "guided_decoding_guide_type"),
+    "guide without its type": ({"guided_decoding_guide": np.array([[b"[0-9]+"]], object)},
+                               "guided_decoding_guide_type"),
     "lora_task_id": ({"lora_task_id": np.array([[3]], np.uint64)}, "lora_task_id"),
     "stream on the non-decoupled model": ({"stream": np.array([[True]])}, "decoupled mode"),
 }

@@ -238,15 +238,18 @@ def test_accuracy_greedy_matches_hugging_face(server):
         [(p + hf_completion(p)[1]).encode() for p in PROMPTS]
 
 
-def test_structured_outputs_are_refused_clearly(server):
-    """accuracy_test.py::test_structured_outputs: guided decoding cannot be honoured here, so
-    the request gets an error instead of an unconstrained answer."""
+def test_structured_outputs_choice_answers_one_of_the_choices(server):
+    """accuracy_test.py::test_structured_outputs (its request: the choice spec as a JSON
+    string in sampling_parameters; the baseline: the answer is one of the choices, whatever
+    the random model prefers)."""
+    prompt = "Classify intent of the sentence: Harry Potter is underrated. "
     sampling = {**SAMPLING_PARAMETERS,
                 "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]})}
-    request = create_vllm_request("Classify intent of the sentence: Harry Potter is underrated. ",
-                                  0, False, sampling)
+    request = create_vllm_request(prompt, 0, False, sampling)
     [(result, error)] = stream_requests(server.grpc_url, MODEL, [request])
-    assert result is None and "structured outputs" in str(error)
+    assert error is None, error
+    text = result.as_numpy("text_output")[0].decode()
+    assert text in (prompt + "Positive", prompt + "Negative")
 
 
 # ------------------------------------------------ L0_backend_vllm/enabled_stream (3 tests)

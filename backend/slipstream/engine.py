@@ -30,6 +30,7 @@ from slipstream.worker.cpu_linear import prepare_linears
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepare_sampling
+from slipstream.worker.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
@@ -56,6 +57,7 @@ class LLMEngine:
             self.lora = load_lora_layers(config.lora_modules, self.model, config.max_lora_rank,
                                          self.dtype, self.device)
         self.eos_token_id = self._eos_token_id()
+        self.grammars = GrammarCompiler(self.tokenizer, self.logits_vocab_size, self.eos_token_id)
         self.kv_cache = self._allocate_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -157,7 +159,10 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, ids, params, self.eos_token_id, priority)
+        req = Request(rid, ids, params, self.eos_token_id, priority)
+        if params.structured_outputs is not None:  # compiled here, off the step path
+            req.grammar = self.grammars.state_for(params.structured_outputs)
+        return req
 
     def check_lora(self, name: Optional[str]) -> None:
         """vLLM's (vllm_backend's) refusals of an adapter this engine does not serve."""
@@ -347,9 +352,10 @@ class LLMEngine:
     @staticmethod
     def _speculates(req: Request) -> bool:
         # Penalties and min_tokens are applied once per step from the tokens before it,
-        # not per draft row, so such requests would not match plain decoding.
+        # not per draft row, so such requests would not match plain decoding; a grammar's
+        # mask is computed for the next token only, so constrained requests never draft.
         p = req.params
-        return (p.use_speculation and p.repetition_penalty == 1.0 and not p.presence_penalty
+        return (req.grammar is None and p.use_speculation and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
 
     def _report(self, update: RequestUpdate) -> RequestOutput:

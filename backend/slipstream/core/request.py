@@ -92,6 +92,9 @@ class Request:
         self.first_scheduled_time: Optional[float] = None  # set by EngineStats.record_step
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.error: Optional[str] = None
+        # Structured outputs: the grammar matcher (worker.structured_output.GrammarState),
+        # set by the engine when the request asks for one; None = free generation.
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,7 @@ import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from slipstream.core.structured_outputs import StructuredOutputsParams
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS); one between it and
 # MIN_SAMPLED_TEMPERATURE is raised to that, as vLLM does: logits / 1e-300 overflow float32
 # and the softmax of infinities is NaN.
@@ -69,6 +70,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # accepted for vLLM parity; no output carries them
     detokenize: bool = True  # False: token ids only, empty text
     lora_name: Optional[str] = None  # the LoRA adapter to apply (engine's lora_modules name)
+    # The output must match a JSON schema / regex / choice / grammar (a dict with vLLM's
+    # field names is accepted and converted).
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +153,8 @@ class SamplingParams:
             raise ValueError(f"lora_name must be a non-empty string, got {show(self.lora_name)}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are only supported when detokenize is True")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     def _validate_seed(self) -> None:
         if self.seed is None:

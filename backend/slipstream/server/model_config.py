@@ -67,9 +67,10 @@ INPUTS = [
     _io("embedding_bias_words", "TYPE_STRING", [-1]),
     _io("embedding_bias_weights", "TYPE_FP32", [-1]),
     _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
-    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),  # refused
-    _io("guided_decoding_guide", "TYPE_STRING", [1]),  # refused
     _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
+    # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
+    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    _io("guided_decoding_guide", "TYPE_STRING", [1]),
 ]
 INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
 OUTPUTS = [

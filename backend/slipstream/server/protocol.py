@@ -20,6 +20,7 @@ import numpy as np
 
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
+from slipstream.server.guided_decoding import REQUEST_KEYS, TRTLLM_INPUTS, gather_structured_outputs
 
 DEFAULT_MAX_TOKENS = 16
 # Largest sampling_parameters / request parameters JSON: far above any valid request (stop
@@ -65,14 +66,15 @@ INPUT_TYPES = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "
                **{k: "BOOL" for k in _BOOL_OPTIONS if k != "stream"},
                "max_tokens": "INT32", "min_tokens": "INT32", "top_k": "INT32", "end_id": "INT32",
                "priority": "INT32", "seed": "UINT64",
-               **{k: "FP32" for k in _TYPED_FLOAT}, "stop_words": "BYTES"}
+               **{k: "FP32" for k in _TYPED_FLOAT}, "stop_words": "BYTES",
+               **{k: "BYTES" for k in TRTLLM_INPUTS}}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # vLLM sampling-parameter names accepted with a fixed value only.
 _FIXED = {"n": 1, "best_of": 1}
-# vLLM's names for structured (guided) decoding, which this engine cannot honour.
-STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding", "guided_json", "guided_regex",
-                          "guided_choice", "guided_grammar", "response_format")
-# Request-parameter names kept for refuse_unsupported, so they are refused, not ignored.
+# vLLM's names for structured (guided) decoding (server/guided_decoding.py reads them).
+STRUCTURED_OUTPUT_KEYS = REQUEST_KEYS
+# Request-parameter names kept for refuse_unsupported (so they are refused, not ignored)
+# or for structured outputs.
 _REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
 
 
@@ -206,7 +208,7 @@ def parse_request(inputs: Mapping[str, np.ndarray],
 
     for name, value in inputs.items():
         arr = np.asarray(value)
-        if name in ("text_input", "sampling_parameters", "image"):
+        if name in ("text_input", "sampling_parameters", "image", *TRTLLM_INPUTS):
             continue
         if name in _BOOL_OPTIONS:
             _check_dtype(name, arr, arr.dtype.kind == "b")
@@ -253,6 +255,10 @@ def parse_request(inputs: Mapping[str, np.ndarray],
         opts.exclude_input_in_output = True
 
     # --- sampling parameters
+    try:
+        gather_structured_outputs(values, inputs)
+    except ValueError as e:
+        raise BadRequestError(str(e)) from None
     refuse_unsupported(values, max_logprobs)
     values.setdefault("max_tokens", default_max_tokens)
     if isinstance(values.get("stop"), str):
@@ -276,11 +282,6 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
             if got is not None and _as_int(name, got) != fixed:
                 raise BadRequestError(f"Received {name}={_brief(got)}, but only single choice "
                                       f"({name}={fixed}) is currently supported")
-    for key in STRUCTURED_OUTPUT_KEYS:
-        if values.get(key) not in (None, "", {}):
-            raise BadRequestError(f"'{key}': structured outputs (guided decoding) are not "
-                                  "supported by this backend")
-        values.pop(key, None)
     if values.get("logits_processors"):
         raise BadRequestError("per-request logits processors are not supported")
     values.pop("logits_processors", None)

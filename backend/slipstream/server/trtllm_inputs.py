@@ -7,7 +7,8 @@ one engine request. ``translate`` then maps one row's TRT-LLM-only inputs onto S
 sampling settings (``min_length`` -> ``min_tokens``, ``random_seed`` -> ``seed``,
 ``num_return_sequences`` -> ``n``, ``bad_words``, ``embedding_bias_*`` -> ``logit_bias`` ...)
 and refuses, naming the input, what a text model served here cannot honour (beam search,
-logits outputs, LoRA by task id, guided decoding).
+logits outputs, LoRA by task id). Guided decoding's inputs pass on to ``parse_request``
+(``guided_decoding.py``).
 """
 from __future__ import annotations
 
@@ -24,12 +25,10 @@ TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_
                  "return_log_probs", "return_context_logits", "return_generation_logits",
                  "return_perf_metrics", "beam_width", "num_return_sequences",
                  "embedding_bias_words", "embedding_bias_weights", "decoder_text_input",
-                 "guided_decoding_guide_type", "guided_decoding_guide", "lora_task_id")
+                 "lora_task_id")
 # Inputs whose any non-empty value is refused: input name -> why.
 REFUSED = {
     "decoder_text_input": "encoder-decoder models are not supported",
-    "guided_decoding_guide_type": "guided decoding is not supported by this backend",
-    "guided_decoding_guide": "guided decoding is not supported by this backend",
     "lora_task_id": "LoRA adapters by task id are not supported",
 }
 # Flags that may be sent as false only.

@@ -6,7 +6,7 @@ penalties), as vLLM reports them; a request that asked for ``logprobs=N`` also g
 sampled token's rank and the top-N alternatives (``TokenLogprob``).
 
 Order per row, as vLLM applies them: vocabulary constraints (``allowed_token_ids``,
-``bad_words``, ``logit_bias``), ``min_tokens``, penalties, then temperature, top-k, top-p and
+``bad_words``, ``logit_bias``), the structured-output grammar mask, ``min_tokens``, penalties, then temperature, top-k, top-p and
 ``min_p`` for sampled requests.
 
 Fail-soft: when the batched sample raises, the rows are sampled again one by one (with the
@@ -22,6 +22,7 @@ import torch
 
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
+from slipstream.worker.structured_output import apply_grammar_masks
 
 _FINITE = torch.finfo(torch.float32).max
 PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
@@ -113,6 +114,7 @@ class Sampler:
             raise FloatingPointError("the model produced NaN logits")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_constraints(logits, reqs)
+        apply_grammar_masks(logits, reqs)  # structured outputs: their rows only
         logits = self._apply_penalties(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
