@@ -24,6 +24,8 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
+    # per scheduled request: the rows whose logits score its next prompt token (prompt_logprobs)
+    prompt_rows: list[list[int]] = None
 
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
@@ -79,6 +81,7 @@ class ModelRunner:
         seq_lens: list = []
         tables: list = []
         sample_rows: list = []
+        prompt_rows: list = []
         bs = self.block_size
         for item in sched.scheduled:
             req, n = item.request, item.num_new_tokens
@@ -95,8 +98,11 @@ class ModelRunner:
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
             sample_rows.append(list(range(row0 + n - k, row0 + n)))
+            prompt_rows.append(_prompt_logprob_rows(req, start, n, row0))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
-        return self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        batch.prompt_rows = prompt_rows
+        return batch
 
     def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
         """Static batching's wasted work, made real: padded prompt tokens and finished rows
@@ -155,8 +161,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Forward the packed batch; logits (fp32) only for the rows that are sampled."""
+        """Forward the packed batch; logits (fp32) only for the rows that are sampled, then
+        those of the prompt-logprob rows (``batch.prompt_rows``, in request order)."""
         rows = [r for rows in batch.sample_rows for r in rows]
+        rows += [r for rows in batch.prompt_rows or [] for r in rows]
         meta = batch.meta
         if self.graphs is not None and meta.decode_only and rows:
             logits = self.graphs(batch.input_ids, batch.positions, meta.slot_mapping,
@@ -168,5 +176,27 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]]]:
         """Logits of the sampled rows, and which rows each scheduled request owns."""
+        logits, sample_rows, _ = self.execute_with_prompt_logits(sched)
+        return logits, sample_rows
+
+    def execute_with_prompt_logits(self, sched: SchedulerOutput) -> tuple:
+        """``execute``, plus per scheduled request the logits of its prompt-logprob rows
+        (``[rows, V]``, or None): row j scores prompt token ``first + j + 1``."""
         batch = self.prepare(sched)
-        return self.run(batch), batch.sample_rows
+        logits = self.run(batch)
+        num_sampled = sum(len(r) for r in batch.sample_rows)
+        prompt_logits, cursor = [], num_sampled
+        for rows in batch.prompt_rows:
+            prompt_logits.append(logits[cursor:cursor + len(rows)] if rows else None)
+            cursor += len(rows)
+        return logits[:num_sampled], batch.sample_rows, prompt_logits
+
+
+def _prompt_logprob_rows(req, start: int, n: int, row0: int) -> list[int]:
+    """The rows of this chunk whose logits score a prompt token not scored yet (a recomputed
+    prompt is not scored twice): position p scores token p + 1, up to the prompt's last."""
+    if req.params.prompt_logprobs is None:
+        return []
+    first = max(start, len(req.prompt_logprobs))
+    last = min(start + n, req.num_prompt_tokens - 1)
+    return list(range(row0 + first - start, row0 + last - start)) if last > first else []
