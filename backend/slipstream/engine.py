@@ -15,7 +15,7 @@ from slipstream.core.batch_scheduler import BatchScheduler
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import (FinishReason, Request, RequestOutput, RequestStatus,
-                                     merge_output)
+                                     TokenLogprob, merge_output)
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
 from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
@@ -435,7 +435,7 @@ class LLMEngine:
         prompt_lps = None
         if req.params.prompt_logprobs is not None and update.new_token_ids \
                 and req.num_output_tokens == len(update.new_token_ids):  # its first output
-            prompt_lps = [None] + list(req.prompt_logprobs)
+            prompt_lps = prompt_logprobs_output(req)
         return RequestOutput(
             request_id=req.request_id, text=text, token_ids=list(update.new_token_ids),
             logprobs=list(update.new_logprobs), finished=req.is_finished,
@@ -474,6 +474,18 @@ class LLMEngine:
         s = self.scheduler
         return self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
                                    self.block_manager)
+
+
+def prompt_logprobs_output(req: Request) -> list:
+    """vLLM's shape: None for the first prompt token, then per token a dict token id ->
+    TokenLogprob (with its rank), the prompt token first, then its top-N alternatives."""
+    entries: list = [None]
+    for token, lp in zip(req.prompt_token_ids[1:], req.prompt_logprobs):
+        position = {token: lp}
+        for rank, (alt, value) in enumerate(lp.top, start=1):
+            position.setdefault(alt, TokenLogprob(value, rank))
+        entries.append(position)
+    return entries
 
 
 def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[list[int]]) -> tuple:
