@@ -364,21 +364,22 @@ def test_vllm_metrics(server):
         assert metrics[f"vllm:{name}_seconds_sum"] > 0
 
 
-def test_custom_sampling_params_n_is_refused_and_n_is_still_reported(server):
-    """vllm_metrics_test.py::test_custom_sampling_params sends n=2 and expects the
-    request_params_n histogram; this engine returns one completion per request, so n=2 gets a
-    clear error, and n=1 requests fill the histogram."""
-    request = create_vllm_request(PROMPTS[0], 0, False, {**SAMPLING_PARAMETERS, "n": "2",
-                                                          "temperature": "1"})
-    [(result, error)] = stream_requests(server.grpc_url, "vllm_metrics", [request])
-    assert result is None and "only single choice (n=1) is currently supported" in str(error)
-    before = parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
-        "vllm:request_params_n_count", 0)
-    vllm_infer_twice(server, "vllm_metrics")
+def test_custom_sampling_params(server):
+    """vllm_metrics_test.py::test_custom_sampling_params: n=2, temperature=1 requests fill the
+    request_params_n histogram (with n itself), and each returns its 2 sequences."""
+    before = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
+    requests = [create_vllm_request(p, i, False, {**SAMPLING_PARAMETERS, "n": "2",
+                                                  "temperature": "1"})
+                for i, p in enumerate(PROMPTS)]
+    results = stream_requests(server.grpc_url, "vllm_metrics", requests)
+    assert all(error is None for _, error in results)
+    assert all(result.as_numpy("text_output").shape == (2,) for result, _ in results)
+    count = before.get("vllm:request_params_n_count", 0) + len(PROMPTS)
     assert wait_for(lambda: parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
-        "vllm:request_params_n_count", 0) >= before + 6)
+        "vllm:request_params_n_count", 0) >= count)
     metrics = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
-    assert metrics["vllm:request_params_n_sum"] == metrics["vllm:request_params_n_count"]
+    assert metrics["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == \
+        2 * len(PROMPTS)
     assert "vllm:request_params_n_bucket" in metrics
 
 
