@@ -318,7 +318,11 @@ class LLMEngine:
         return merged
 
     def _execute_batch(self, sched: SchedulerOutput) -> SampledTokens:
-        logits, sample_rows, prompt_logits = self.runner.execute_with_prompt_logits(sched)
+        if any(item.request.params.prompt_logprobs is not None for item in sched.scheduled):
+            logits, sample_rows, prompt_logits = self.runner.execute_with_prompt_logits(sched)
+        else:
+            logits, sample_rows = self.runner.execute(sched)
+            prompt_logits = []
         logits, sample_rows, row_reqs = _fan_out(sched, logits, sample_rows)
         failed: dict[str, str] = {}
         try:
