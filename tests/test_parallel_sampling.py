@@ -161,3 +161,19 @@ def test_invalid_n_and_best_of_are_refused_with_vllm_messages():
     engine = make_engine(max_num_seqs=4)
     with pytest.raises(ValueError, match="max_num_seqs=4"):
         engine.add_request(PROMPT, SamplingParams(n=5))
+
+
+def test_engine_loop_streams_every_sequence_and_ends_once():
+    from slipstream.engine_loop import EngineLoop
+
+    engine = make_engine()
+    with EngineLoop(engine) as loop:
+        stream = loop.submit(PROMPT, SamplingParams(n=2, max_tokens=6, **GREEDY))
+        outs = list(stream)
+        with pytest.raises(ValueError, match="index"):
+            loop.generate(PROMPT, SamplingParams(n=2))
+    tokens = {0: [], 1: []}
+    for out in outs:
+        tokens[out.index] += out.token_ids
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    assert tokens[0] == tokens[1] == hf_greedy(tiny_model_dir("llama"), PROMPT, 6)

@@ -370,8 +370,9 @@ class LLMEngine:
         # Penalties and min_tokens are applied once per step from the tokens before it,
         # not per draft row, so such requests would not match plain decoding.
         p = req.params
-        return (p.use_speculation and req.group is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
+        return (p.use_speculation and req.group is None and p.repetition_penalty == 1.0
+                and not p.presence_penalty and not p.frequency_penalty
+                and req.num_output_tokens >= p.min_tokens)
 
     def _report(self, update: RequestUpdate) -> list[RequestOutput]:
         """The client's view of one update: its outputs (none while best_of holds them back)."""
@@ -472,7 +473,8 @@ class LLMEngine:
             for out in self.step():
                 total = merged[out.request_id].setdefault(out.index, RequestOutput(out.request_id))
                 merge_output(total, out)
-        return [[seqs[i] for i in sorted(seqs)] for seqs in (merged[r.request_id] for r in reqs)]
+        return [[seqs[i] for i in sorted(seqs)] or [RequestOutput(r.request_id)]
+                for r, seqs in ((r, merged[r.request_id]) for r in reqs)]
 
     def get_stats(self) -> StatsSnapshot:
         s = self.scheduler
