@@ -51,19 +51,20 @@ def run(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
         engine.add_request(p, params)
     want = len(prompts) * params.n
     prompt_tokens = engine.stats.prompt_tokens
+    sampled: set = set()  # (request, index) that have their first token
     peak, prefill, decode, started = 0, None, [], time.perf_counter()
     while engine.has_unfinished():
         running = engine.scheduler.running
         decoding = (len(running) == want and not engine.scheduler.waiting
                     and all(r.num_output_tokens > 0 for r in running))
         t0 = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         t1 = time.perf_counter()
         peak = max(peak, engine.block_manager.num_used_blocks)
         if decoding:
             decode.append(t1 - t0)
-        elif prefill is None and len(engine.scheduler.running) == want and all(
-                r.num_output_tokens > 0 for r in engine.scheduler.running):
+        sampled.update((o.request_id, o.index) for o in outputs if o.token_ids)
+        if prefill is None and len(sampled) == want:
             prefill = t1 - started
     return {"peak_blocks": peak, "prefill_s": prefill,
             "decode_step_s": statistics.mean(decode) if decode else None,
@@ -119,17 +120,27 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=1000)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--logprob-context", type=int, default=64)
+    ap.add_argument("--sections", default="kv,n,prompt_logprobs",
+                    help="which measures to run, comma-separated")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     engine = LLMEngine(EngineConfig(model=args.model, block_size=BLOCK, max_num_seqs=64,
                                     max_num_batched_tokens=8192, enable_prefix_caching=False,
                                     kv_cache_memory_bytes=1 << 30, max_model_len=2048))
-    report = {"cpu": cpu_name(), "model": args.model, "rounds": args.rounds,
-              "kv_blocks": kv_blocks(engine, args.long_prompt)}
+    show({"cpu": cpu_name(), "model": args.model, "rounds": args.rounds})
+    if "kv" in sections:
+        show({"kv_blocks": kv_blocks(engine, args.long_prompt)})
     for batch in (8, 32):
-        report[f"n_sampling_batch_{batch}"] = step_times(engine, batch, args.context, args.rounds)
-        report[f"prompt_logprobs_batch_{batch}"] = prompt_logprob_times(
-            engine, batch, args.logprob_context, args.rounds)
-    print(json.dumps(report, indent=1))
+        if "n" in sections:
+            show({f"n_sampling_batch_{batch}": step_times(engine, batch, args.context,
+                                                          args.rounds)})
+        if "prompt_logprobs" in sections:
+            show({f"prompt_logprobs_batch_{batch}": prompt_logprob_times(
+                engine, batch, args.logprob_context, args.rounds)})
+
+
+def show(part: dict) -> None:
+    print(json.dumps(part, indent=1), flush=True)
 
 
 if __name__ == "__main__":
