@@ -498,15 +498,15 @@ def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[lis
     """Parallel sampling: the step that completes a group's prompt samples the prompt's last
     row once per sequence (the parent's row first, then its children's). Returns the logits
     to sample, the rows per scheduled request and the request owning each row."""
-    if not any(item.request.group is not None for item in sched.scheduled):
+    forking = [item.forks if rows else [] for item, rows in zip(sched.scheduled, sample_rows)]
+    if not any(forking):  # every step but a fork: no copy of the logits
         return logits, sample_rows, [item.request for item, rows in zip(sched.scheduled, sample_rows)
                                      for _ in rows]
     picks: list[int] = []
     rows_out: list[list[int]] = []
     row_reqs: list[Request] = []
     cursor = 0  # the first logits row of this request
-    for item, rows in zip(sched.scheduled, sample_rows):
-        forks = item.forks if rows else []
+    for item, rows, forks in zip(sched.scheduled, sample_rows, forking):
         picks += list(range(cursor, cursor + len(rows))) + [cursor + len(rows) - 1] * len(forks)
         row_reqs += [item.request] * len(rows) + forks
         rows_out.append(list(rows) + [rows[-1]] * len(forks) if rows else [])
