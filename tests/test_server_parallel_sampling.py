@@ -115,11 +115,14 @@ def test_cancelled_n_stream_frees_every_kv_block(server):
     client = StreamClient(server.grpc_url)
     client.send("many", text_inputs(PROMPT, sampling={"temperature": 1.0, "max_tokens": 900,
                                                       "ignore_eos": True, "n": 4}))
+    before = metrics(server)["slipstream_generation_tokens_total"]
     for _ in range(8):  # its sequences are generating
         client.queues["many"].get(timeout=60)
-    assert metrics(server)["slipstream_kv_blocks_used"] > 0
+    wait_metric(server, "slipstream_kv_blocks_used", lambda v: v > 0)
     client.close(cancel=True)
     wait_metric(server, "slipstream_kv_blocks_used", lambda v: v == 0)
     wait_metric(server, "slipstream_requests_running", lambda v: v == 0)
+    generated = metrics(server)["slipstream_generation_tokens_total"] - before
+    assert generated < 4 * 900, "the request ran to completion instead of being aborted"
     results, error = run_stream(server, text_inputs("still alive?", sampling={"max_tokens": 4}))
     assert error is None and results
