@@ -130,20 +130,20 @@ def test_logprobs_entries_in_vllm_json_layout():
 
 
 @pytest.mark.parametrize("sampling, message", [
-    ({"n": 2}, "Received n=2, but only single choice (n=1) is currently supported"),
-    ({"best_of": "3"}, "Received best_of=3, but only single choice (best_of=1) is currently"),
+    ({"n": 0}, "n must be at least 1, got 0."),
+    ({"n": "3", "best_of": "2"}, "best_of must be greater than or equal to n, got n=3 and best_of=2."),
     ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
     ({"prompt_logprobs": 30}, "Requested prompt logprobs of 30"),
 ])
 def test_what_cannot_be_honoured_is_refused_with_vllm_texts(sampling, message):
+    """Invalid values of what the engine honours (n, best_of, logprobs) and what it cannot
+    honour at all get vLLM's texts."""
     with pytest.raises(BadRequestError) as err:
         parse_request({"text_input": s("hi"), "sampling_parameters": s(json.dumps(sampling))})
     assert message in str(err.value)
     assert parse_request({"text_input": s("hi"), "sampling_parameters": s('{"n": 1}')})
-    with pytest.raises(BadRequestError, match="Received n=3"):  # HTTP "parameters" too
-        parse_request({"text_input": s("hi")}, {"n": 3})
-    with pytest.raises(BadRequestError, match="Received best_of=2"):
-        parse_request({"text_input": s("hi")}, {"best_of": 2})
+    with pytest.raises(BadRequestError, match="n must be at least 1"):  # HTTP "parameters" too
+        parse_request({"text_input": s("hi")}, {"n": -1})
 
 
 def test_lora_name_is_refused_from_json_and_from_request_parameters():
@@ -219,7 +219,7 @@ def test_parsed_priority_orders_the_engine_queue():
     ({"text_input": s("hi"), "sampling_parameters": s('{"max_tokens": "lots"}')}, None,
      "max_tokens"),
     ({"text_input": s("hi"), "sampling_parameters": s('{"bogus": 1}')}, None, "bogus"),
-    ({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, None, "(n=1)"),
+    ({"text_input": s("hi"), "sampling_parameters": s('{"n": 0}')}, None, "n must be at least 1"),
     ({"text_input": s("hi"), "max_tokens": np.array([1.5], np.float32)}, None, "must be INT32"),
     ({"text_input": s("hi"), "temperature": np.array([1], np.int32)}, None, "must be FP32"),
     ({"text_input": s("hi"), "stream": np.array([1], np.int32)}, None, "must be BOOL"),
@@ -265,3 +265,39 @@ def test_render_model_repository(tmp_path):
     assert (dst / "slipstream" / "1" / "model.py").exists()
     original = read_parameters((REPO / "slipstream" / "config.pbtxt").read_text())
     assert original["block_size"] == "16"  # the source is untouched
+
+
+def test_n_and_best_of_parse_from_strings_and_parameters():
+    parsed = parse_request({"text_input": s("hi"),
+                            "sampling_parameters": s('{"n": "3", "best_of": "4"}')})
+    assert (parsed.params.n, parsed.params.best_of) == (3, 4)
+    assert parse_request({"text_input": s("hi")}, {"n": 2}).params.n == 2
+
+
+def _out(index, text, token_ids, finish_reason=None, finished=False, cum=0.0):
+    from slipstream.core.request import RequestOutput, TokenLogprob
+    return RequestOutput("r", text, list(token_ids), [TokenLogprob(-1.0, 1, ())] * len(token_ids),
+                         finished, finish_reason, num_prompt_tokens=2, cumulative_logprob=cum,
+                         index=index)
+
+
+def test_n_sequences_are_returned_one_element_per_index():
+    from slipstream.server.protocol import ResponseBuilder
+    options = dict(return_finish_reason=True, return_num_output_tokens=True,
+                   return_cumulative_logprob=True)
+    parsed = parse_request({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, options)
+    builder = ResponseBuilder(parsed)
+    builder.absorb(_out(1, " b", [5], cum=-1.0))
+    builder.absorb(_out(0, " a", [4], "length", cum=-2.0))
+    out = builder.final(_out(1, "!", [6], "stop", finished=True, cum=-3.0))
+    assert out["text_output"].tolist() == [b"hi a", b"hi b!"]
+    assert out["finish_reason"].tolist() == [b"length", b"stop"]
+    assert out["num_output_tokens"].tolist() == [1, 2]
+    assert out["cumulative_logprob"].tolist() == [-2.0, -3.0]
+    stream = ResponseBuilder(parse_request(
+        {"text_input": s("hi"), "stream": np.array([True]),
+         "sampling_parameters": s('{"n": 2}')}, options))
+    first = stream.streamed(_out(1, " b", [5], cum=-1.0))
+    assert first["text_output"].tolist() == [b"", b" b"]
+    assert first["finish_reason"].tolist() == [b"None", b"None"]
+    assert first["num_output_tokens"].tolist() == [0, 1]

@@ -102,6 +102,18 @@ def test_free_requests_are_bit_identical_with_constrained_neighbours(engine):
         assert ranked[0] == ranked[1]
 
 
+def test_every_sequence_of_a_parallel_sampled_request_follows_the_grammar(engine):
+    """n=4 sampled sequences fork from one prefill: each gets its own matcher (sharing the
+    parent's would let one sequence's tokens advance the others' grammar)."""
+    [seqs] = engine.generate_sequences(
+        [[7, 8, 9, 10]], [constrained({"regex": REGEX}, n=4, temperature=1.0, seed=5)])
+    assert len(seqs) == 4
+    for out in seqs:
+        assert out.finish_reason == "stop", out.text
+        check("regex", out.text)
+    assert len({out.text for out in seqs}) > 1  # sampled apart, each constrained
+
+
 def test_grammar_completion_ends_the_request_as_stop_without_eos_text(engine):
     [out] = engine.generate([[400, 500, 600]], [constrained({"regex": "ok!"}, max_tokens=50)])
     assert (out.text, out.finish_reason) == ("ok!", "stop")

@@ -367,21 +367,22 @@ def test_vllm_metrics(server):
         assert metrics[f"vllm:{name}_seconds_sum"] > 0
 
 
-def test_custom_sampling_params_n_is_refused_and_n_is_still_reported(server):
-    """vllm_metrics_test.py::test_custom_sampling_params sends n=2 and expects the
-    request_params_n histogram; this engine returns one completion per request, so n=2 gets a
-    clear error, and n=1 requests fill the histogram."""
-    request = create_vllm_request(PROMPTS[0], 0, False, {**SAMPLING_PARAMETERS, "n": "2",
-                                                          "temperature": "1"})
-    [(result, error)] = stream_requests(server.grpc_url, "vllm_metrics", [request])
-    assert result is None and "only single choice (n=1) is currently supported" in str(error)
-    before = parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
-        "vllm:request_params_n_count", 0)
-    vllm_infer_twice(server, "vllm_metrics")
+def test_custom_sampling_params(server):
+    """vllm_metrics_test.py::test_custom_sampling_params: n=2, temperature=1 requests fill the
+    request_params_n histogram (with n itself), and each returns its 2 sequences."""
+    before = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
+    requests = [create_vllm_request(p, i, False, {**SAMPLING_PARAMETERS, "n": "2",
+                                                  "temperature": "1"})
+                for i, p in enumerate(PROMPTS)]
+    results = stream_requests(server.grpc_url, "vllm_metrics", requests)
+    assert all(error is None for _, error in results)
+    assert all(result.as_numpy("text_output").shape == (2,) for result, _ in results)
+    count = before.get("vllm:request_params_n_count", 0) + len(PROMPTS)
     assert wait_for(lambda: parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
-        "vllm:request_params_n_count", 0) >= before + 6)
+        "vllm:request_params_n_count", 0) >= count)
     metrics = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
-    assert metrics["vllm:request_params_n_sum"] == metrics["vllm:request_params_n_count"]
+    assert metrics["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == \
+        2 * len(PROMPTS)
     assert "vllm:request_params_n_bucket" in metrics
 
 
@@ -560,10 +561,13 @@ def test_auto_completed_config_matches_vllm_backend(server):
             "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
             "return_num_input_tokens", "return_num_output_tokens",
             "embedding_request"} <= set(inputs)
-    assert outputs == {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
-                       "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
-                       "num_input_tokens": ("TYPE_UINT32", [1]),
-                       "num_output_tokens": ("TYPE_UINT32", [-1])}
+    upstream = {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
+                "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
+                "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1])}
+    assert {name: outputs[name] for name in upstream} == upstream
+    # The one addition: prompt_logprobs (vLLM computes them; vllm_backend has no output for them).
+    assert {k: v for k, v in outputs.items() if k not in upstream} == {
+        "prompt_logprobs": ("TYPE_STRING", [-1])}
     assert config["model_transaction_policy"]["decoupled"] and config["max_batch_size"] == 0
 
 

@@ -17,10 +17,12 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.lora_limit import adapters_of
-from slipstream.core.request import Request, RequestOutput, RequestStatus
+from slipstream.core.request import (FinishReason, Request, RequestOutput, RequestStatus,
+                                     TokenLogprob, merge_output)
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
 from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
+from slipstream.core.sequence_group import SequenceGroup
 from slipstream.core.stats import EngineStats, StatsSnapshot
 from slipstream.core.swap_space import SwapSpace
 from slipstream.detokenizer import IncrementalDetokenizer
@@ -29,7 +31,8 @@ from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num
 from slipstream.worker.cpu_linear import prepare_linears
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
-from slipstream.worker.sampler import PerRequestError, Sampler, prepare as prepare_sampling
+from slipstream.worker.sampler import (PerRequestError, Sampler, prepare as prepare_sampling,
+                                       prompt_logprobs as score_prompt)
 from slipstream.worker.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
@@ -158,6 +161,7 @@ class LLMEngine:
                              f"({self.block_manager.num_usable_blocks} blocks of {self.config.block_size})")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        self._check_parallel_sampling(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.eos_token_id, priority)
         if params.structured_outputs is not None:  # compiled here, off the step path
@@ -169,6 +173,16 @@ class LLMEngine:
         error = lora_name_error(name, None if self.lora is None else self.lora.names)
         if error is not None:
             raise ValueError(error)
+
+    def _check_parallel_sampling(self, params: SamplingParams) -> None:
+        k = params.num_sequences
+        if k == 1:
+            return
+        if self.config.batching != "continuous":
+            raise ValueError("n > 1 and best_of > 1 need batching=continuous")
+        if k > self.config.max_num_seqs:
+            raise ValueError(f"the request asks for {k} sequences (n / best_of), but at most "
+                             f"max_num_seqs={self.config.max_num_seqs} run at once")
 
     @functools.cached_property
     def logits_vocab_size(self) -> int:
@@ -235,9 +249,18 @@ class LLMEngine:
         limit = self.config.max_queue_size
         if check_queue and limit and len(self.scheduler.waiting) >= limit:
             raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
-        self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer.for_params(
-            self.tokenizer, req.prompt_token_ids, req.params)
+        group = SequenceGroup.create(req)
+        sequences = group.sequences if group is not None else [req]
+        taken = [s.request_id for s in sequences if s.request_id in self.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        for seq in sequences[1:]:
+            if req.grammar is not None:  # each sequence is constrained on its own
+                seq.grammar = req.grammar.copy()
+        for seq in sequences:  # only the parent is queued: the children fork from it
+            self.requests[seq.request_id] = seq
+            self.detokenizers[seq.request_id] = IncrementalDetokenizer.for_params(
+                self.tokenizer, seq.prompt_token_ids, seq.params)
         self.scheduler.add(req)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -252,15 +275,19 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        if req.group is not None:
+            return self._end_group(req.group, RequestStatus.FINISHED_ABORTED, None)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._report(RequestUpdate(req))
+        return self._report(RequestUpdate(req))[0]
 
     def fail(self, request_id: str, message: str) -> Optional[RequestOutput]:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        if req.group is not None:
+            return self._end_group(req.group, RequestStatus.FINISHED_ERROR, message)
         self.scheduler.fail(req, message)
-        return self._report(RequestUpdate(req))
+        return self._report(RequestUpdate(req))[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -280,10 +307,11 @@ class LLMEngine:
         started = time.perf_counter()
         sampled = self._execute(sched)
         updates = self.scheduler.update_from_output(sched, sampled, self._stop_string)
+        self.kv_cache.copy_blocks(sched.block_copies)  # before any later step reuses a block
         self.stats.record_step(sched, time.perf_counter() - started)
         if self.proposer is not None:
             self._propose([item.request for item in sched.scheduled])
-        outputs = [self._report(u) for u in updates]
+        outputs = [out for u in updates for out in self._report(u)]
         if self.tracer is not None:
             self.tracer.record(sched, started, time.perf_counter(), self)
         return outputs
@@ -309,11 +337,16 @@ class LLMEngine:
             merged.token_ids += part.token_ids
             merged.logprobs += part.logprobs
             merged.errors.update(part.errors)
+            merged.prompt_logprobs.update(part.prompt_logprobs)
         return merged
 
     def _execute_batch(self, sched: SchedulerOutput) -> SampledTokens:
-        logits, sample_rows = self.runner.execute(sched)
-        row_reqs = [item.request for item, rows in zip(sched.scheduled, sample_rows) for _ in rows]
+        if any(item.request.params.prompt_logprobs is not None for item in sched.scheduled):
+            logits, sample_rows, prompt_logits = self.runner.execute_with_prompt_logits(sched)
+        else:
+            logits, sample_rows = self.runner.execute(sched)
+            prompt_logits = []
+        logits, sample_rows, row_reqs = _fan_out(sched, logits, sample_rows)
         failed: dict[str, str] = {}
         try:
             result = self.sampler(logits, row_reqs) if row_reqs else None
@@ -326,6 +359,12 @@ class LLMEngine:
             sampled.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
             sampled.logprobs.append(result.logprobs[cursor:cursor + len(rows)] if rows else [])
             cursor += len(rows)
+        for item, rows in zip(sched.scheduled, prompt_logits):
+            if rows is not None:
+                req = item.request
+                sampled.prompt_logprobs[req.request_id] = score_prompt(
+                    rows, req.prompt_token_ids, len(req.prompt_logprobs) + 1,
+                    req.params.prompt_logprobs)
         return sampled
 
     @staticmethod
@@ -355,11 +394,26 @@ class LLMEngine:
         # not per draft row, so such requests would not match plain decoding; a grammar's
         # mask is computed for the next token only, so constrained requests never draft.
         p = req.params
-        return (req.grammar is None and p.use_speculation and p.repetition_penalty == 1.0 and not p.presence_penalty
+        return (req.grammar is None and req.group is None and p.use_speculation
+                and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
 
-    def _report(self, update: RequestUpdate) -> RequestOutput:
-        """The client's view of one update: text delta, and the request retired if it ended."""
+    def _report(self, update: RequestUpdate) -> list[RequestOutput]:
+        """The client's view of one update: its outputs (none while best_of holds them back)."""
+        req = update.request
+        if req.group is None:
+            return [self._sequence_output(update)]
+        group = req.group
+        if group.closed:  # ended as a whole earlier in this step (abort, failure)
+            return []
+        out = self._sequence_output(update)
+        if out.finish_reason is FinishReason.ERROR:  # one sequence failed: the request fails
+            final = self._end_group(group, RequestStatus.FINISHED_ERROR, out.error)
+            return [final] if final is not None else []
+        return group.collect(out)
+
+    def _sequence_output(self, update: RequestUpdate) -> RequestOutput:
+        """One sequence's text delta; the sequence is retired if it ended."""
         req = update.request
         self.stats.generation_tokens += len(update.new_token_ids)
         if update.num_drafted:
@@ -388,31 +442,63 @@ class LLMEngine:
             self.proposer.discard(req.request_id)
         self.requests.pop(req.request_id, None)
         self.detokenizers.pop(req.request_id, None)
-        self.stats.num_finished += 1
+        if req.index == 0:  # one client request, whatever its n
+            self.stats.num_finished += 1
+
+    def _end_group(self, group: SequenceGroup, status: RequestStatus,
+                   error: Optional[str]) -> Optional[RequestOutput]:
+        """End every sequence of a request at once (abort, or one sequence failed): one final
+        output for the client. None if the request had already ended."""
+        if group.closed:
+            return None
+        for seq in group.sequences:
+            if not seq.is_finished:
+                seq.error = error
+                self.scheduler.finish(seq, status)
+            if seq.request_id in self.requests:
+                self._retire(seq)
+        return group.close(status.finish_reason, error)
 
     @staticmethod
     def _output(req: Request, text: str, update: RequestUpdate) -> RequestOutput:
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and update.new_token_ids \
+                and req.num_output_tokens == len(update.new_token_ids):  # its first output
+            prompt_lps = prompt_logprobs_output(req)
         return RequestOutput(
             request_id=req.request_id, text=text, token_ids=list(update.new_token_ids),
             logprobs=list(update.new_logprobs), finished=req.is_finished,
             finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
             cumulative_logprob=req.cumulative_logprob, error=req.error,
-            timing=req.timing() if req.is_finished else None)
+            timing=req.timing() if req.is_finished else None, index=req.index,
+            prompt_logprobs=prompt_lps)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt],
                  params: Union[None, SamplingParams, list[SamplingParams]] = None,
                  apply_chat_template: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order."""
+        """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order
+        (``generate_sequences`` returns all ``n`` of each)."""
+        results = self.generate_sequences(prompts, params, apply_chat_template)
+        if any(len(seqs) > 1 for seqs in results):
+            raise ValueError("a request asks for n > 1 sequences: use generate_sequences")
+        return [seqs[0] for seqs in results]
+
+    def generate_sequences(self, prompts: list[Prompt],
+                           params: Union[None, SamplingParams, list[SamplingParams]] = None,
+                           apply_chat_template: bool = False) -> list[list[RequestOutput]]:
+        """Run prompts to completion; per prompt, its ``n`` aggregated outputs by index."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(p, sp, apply_chat_template=apply_chat_template)
                 for p, sp in zip(prompts, params_list)]
-        merged = {r.request_id: RequestOutput(r.request_id) for r in reqs}
+        merged: dict[str, dict[int, RequestOutput]] = {r.request_id: {} for r in reqs}
         while self.has_unfinished():
             for out in self.step():
-                merge_output(merged[out.request_id], out)
-        return [merged[r.request_id] for r in reqs]
+                total = merged[out.request_id].setdefault(out.index, RequestOutput(out.request_id))
+                merge_output(total, out)
+        return [[seqs[i] for i in sorted(seqs)] or [RequestOutput(r.request_id)]
+                for r, seqs in ((r, merged[r.request_id]) for r in reqs)]
 
     def get_stats(self) -> StatsSnapshot:
         s = self.scheduler
@@ -426,19 +512,41 @@ class LLMEngine:
             waiting_lora_adapters=tuple(sorted(adapters_of(s.waiting))))
 
 
+def prompt_logprobs_output(req: Request) -> list:
+    """vLLM's shape: None for the first prompt token, then per token a dict token id ->
+    TokenLogprob (with its rank), the prompt token first, then its top-N alternatives."""
+    entries: list = [None]
+    for token, lp in zip(req.prompt_token_ids[1:], req.prompt_logprobs):
+        position = {token: lp}
+        for rank, (alt, value) in enumerate(lp.top, start=1):
+            position.setdefault(alt, TokenLogprob(value, rank))
+        entries.append(position)
+    return entries
+
+
+def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[list[int]]) -> tuple:
+    """Parallel sampling: the step that completes a group's prompt samples the prompt's last
+    row once per sequence (the parent's row first, then its children's). Returns the logits
+    to sample, the rows per scheduled request and the request owning each row."""
+    forking = [item.forks if rows else [] for item, rows in zip(sched.scheduled, sample_rows)]
+    if not any(forking):  # every step but a fork: no copy of the logits
+        return logits, sample_rows, [item.request for item, rows in zip(sched.scheduled, sample_rows)
+                                     for _ in rows]
+    picks: list[int] = []
+    rows_out: list[list[int]] = []
+    row_reqs: list[Request] = []
+    cursor = 0  # the first logits row of this request
+    for item, rows, forks in zip(sched.scheduled, sample_rows, forking):
+        picks += list(range(cursor, cursor + len(rows))) + [cursor + len(rows) - 1] * len(forks)
+        row_reqs += [item.request] * len(rows) + forks
+        rows_out.append(list(rows) + [rows[-1]] * len(forks) if rows else [])
+        cursor += len(rows)
+    return logits[torch.tensor(picks, dtype=torch.long, device=logits.device)], rows_out, row_reqs
+
+
 def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:
     """vLLM's ``truncate_prompt_tokens``: keep the last ``keep`` tokens (-1: max_model_len)."""
     if keep is None:
         return ids
     keep = max_model_len if keep == -1 else keep
     return ids[-keep:]
-
-
-def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
-    """Fold an incremental output into a running total."""
-    total.text += delta.text
-    total.token_ids.extend(delta.token_ids)
-    total.logprobs.extend(delta.logprobs)
-    for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
-                 "num_cached_tokens", "cumulative_logprob", "error", "timing"):
-        setattr(total, name, getattr(delta, name))

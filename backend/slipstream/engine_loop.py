@@ -298,9 +298,13 @@ class EngineLoop:
         return self._stats
 
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
-        """Blocking convenience: the whole output of one request."""
+        """Blocking convenience: the whole output of one request (n = 1; with n > 1 read the
+        stream, each output names its sequence in ``index``)."""
         from slipstream.engine import merge_output
 
+        if params is not None and params.n > 1:
+            raise ValueError("generate returns one sequence: submit n > 1 requests and read "
+                             "each output's index")
         stream = self.submit(prompt, params, **kw)
         total = RequestOutput(stream.request_id)
         for out in stream:

@@ -86,7 +86,8 @@ class BlockManager:
 
         The last token is never served from cache: its logits are needed to sample.
         """
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need every prompt position's logits: recompute, as vLLM does.
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         tokens = req.all_token_ids
         hits: list[int] = []
@@ -148,6 +149,27 @@ class BlockManager:
             if block.block_hash is None and h not in self.hash_to_block:
                 block.block_hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> Optional[tuple[int, int]]:
+        """Give ``child`` the parent's KV for its first ``num_tokens`` tokens: full blocks are
+        shared (one more reference each); the partly filled last block, which both will write
+        their next tokens into, is copied into a fresh block. Returns that copy as
+        ``(source, destination)`` for the worker to make, or None. With no free block the child
+        recomputes the partial block's tokens instead (its progress stops before them)."""
+        full = num_tokens // self.block_size
+        child.block_table = []
+        for block_id in parent.block_table[:full]:
+            self._touch(block_id)
+            child.block_table.append(block_id)
+        parent_state = self.per_request.get(parent.request_id, _PerRequest())
+        self.per_request[child.request_id] = _PerRequest(list(parent_state.block_hashes[:full]))
+        child.num_computed_tokens = full * self.block_size
+        if num_tokens == child.num_computed_tokens or not self.free:
+            return None
+        copy = (parent.block_table[full], self._take_free())
+        child.block_table.append(copy[1])
+        child.num_computed_tokens = num_tokens
+        return copy
 
     def free_request(self, req: Request) -> None:
         """Release every block of ``req`` (tail first, so shared prefixes are evicted last)."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from slipstream.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slipstream.core.sequence_group import SequenceGroup
 
 
 class FinishReason(str, enum.Enum):
@@ -95,6 +98,12 @@ class Request:
         # Structured outputs: the grammar matcher (worker.structured_output.GrammarState),
         # set by the engine when the request asks for one; None = free generation.
         self.grammar = None
+        # Parallel sampling (n / best_of): which sequence of its group this is (0 = the one that
+        # prefills the prompt) and the group, None for a plain request.
+        self.index = 0
+        self.group: Optional["SequenceGroup"] = None
+        # prompt_logprobs: entry i is prompt token i + 1's TokenLogprob (token 0 has none).
+        self.prompt_logprobs: list = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,7 +139,10 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """Incremental output of one request: deltas since the previous output."""
+    """Incremental output of one request: deltas since the previous output.
+
+    With ``n`` > 1 each output is one sequence's (``index``); ``finish_reason`` says that
+    sequence ended, ``finished`` that the whole request did (its last output)."""
 
     request_id: str
     text: str = ""
@@ -144,3 +156,19 @@ class RequestOutput:
     cumulative_logprob: float = 0.0
     error: Optional[str] = None
     timing: Optional[RequestTiming] = None  # on the finished output only
+    index: int = 0  # which of the request's n sequences
+    # prompt_logprobs as vLLM returns them: None for the first prompt token, then a
+    # TokenLogprob per token (rank and top-N attached); on the request's first output only.
+    prompt_logprobs: Optional[list] = None
+
+
+def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
+    """Fold an incremental output into a running total."""
+    total.text += delta.text
+    total.token_ids.extend(delta.token_ids)
+    total.logprobs.extend(delta.logprobs)
+    for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
+                 "num_cached_tokens", "cumulative_logprob", "error", "timing", "index"):
+        setattr(total, name, getattr(delta, name))
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs

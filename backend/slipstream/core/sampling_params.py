@@ -31,6 +31,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# Sequences one request may generate (n, best_of): each is a running sequence of its own.
+MAX_PARALLEL_SEQUENCES = 64
 
 
 def show(value: Any) -> str:
@@ -67,7 +69,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
-    prompt_logprobs: Optional[int] = None  # accepted for vLLM parity; no output carries them
+    prompt_logprobs: Optional[int] = None  # None = off; N = each prompt token's logprob + top-N
+    n: int = 1  # sequences returned for the prompt (parallel sampling)
+    best_of: Optional[int] = None  # sequences generated (>= n); the n most likely are returned
     detokenize: bool = True  # False: token ids only, empty text
     lora_name: Optional[str] = None  # the LoRA adapter to apply (engine's lora_modules name)
     # The output must match a JSON schema / regex / choice / grammar (a dict with vLLM's
@@ -136,6 +140,10 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", 0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got "
+                                 f"{self.prompt_logprobs}")
+        self._validate_parallel_sampling()
         number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         self._validate_token_constraints()
         for name in ("include_stop_str_in_output", "skip_special_tokens",
@@ -155,6 +163,29 @@ class SamplingParams:
             raise ValueError("stop strings are only supported when detokenize is True")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+
+    def _validate_parallel_sampling(self) -> None:
+        # vLLM's messages: clients match them.
+        if isinstance(self.n, bool) or not isinstance(self.n, int):
+            raise ValueError(f"n must be an int, but is of type {type(self.n).__name__}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_PARALLEL_SEQUENCES:
+            raise ValueError(f"n must be at most {MAX_PARALLEL_SEQUENCES}, got {self.n}.")
+        if self.best_of is None:
+            return
+        if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
+            raise ValueError(f"best_of must be an int, but is of type {type(self.best_of).__name__}")
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                             f"best_of={self.best_of}.")
+        if self.best_of > MAX_PARALLEL_SEQUENCES:
+            raise ValueError(f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the engine generates for the prompt (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
     def _validate_seed(self) -> None:
         if self.seed is None:
@@ -228,7 +259,7 @@ class SamplingParams:
 
 
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
-               "truncate_prompt_tokens"}
+               "truncate_prompt_tokens", "n", "best_of"}
 _FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "min_p"}
 _BOOL_FIELDS = {"ignore_eos", "use_speculation", "include_stop_str_in_output",

@@ -91,8 +91,14 @@ class SchedulerBase(ABC):
             req = item.request
             if req.is_finished:
                 continue
+            forks = item.forks
+            if forks:  # before the parent advances: it may finish and free the shared blocks
+                updates += self._fork(sched, item, forks, tokens, logprobs, sampled.errors,
+                                      stop_string)
+                tokens, logprobs = tokens[:1], logprobs[:1]
             error = sampled.errors.get(req.request_id)
             if error is None:
+                req.prompt_logprobs += sampled.prompt_logprobs.get(req.request_id, [])
                 try:
                     update = self._advance(item, tokens, logprobs, stop_string)
                 except Exception as exc:  # this request's tokens or text: it alone fails
@@ -114,8 +120,14 @@ class SchedulerBase(ABC):
         update = RequestUpdate(req, num_drafted=len(item.spec_token_ids))
         accepted = self._accept_drafts(req, item.spec_token_ids, tokens)
         update.num_accepted = accepted - 1 if item.spec_token_ids else 0
+        return self._append(update, tokens[:accepted], logprobs[:accepted], stop_string)
+
+    def _append(self, update: RequestUpdate, tokens: list[int], logprobs: list[float],
+                stop_string: StopStringCheck) -> RequestUpdate:
+        """Append sampled tokens up to the first that stops the request; finish it then."""
+        req = update.request
         status = None
-        for token, lp in zip(tokens[:accepted], logprobs[:accepted] or [0.0] * accepted):
+        for token, lp in zip(tokens, logprobs or [0.0] * len(tokens)):
             req.append_token(token)
             req.cumulative_logprob += lp
             update.new_token_ids.append(token)
@@ -131,6 +143,40 @@ class SchedulerBase(ABC):
         if status is not None:
             self.finish(req, status)
         return update
+
+    def _fork(self, sched: SchedulerOutput, item: ScheduledRequest, children: list[Request],
+              tokens: list[int], logprobs: list[float], errors: dict[str, str],
+              stop_string: StopStringCheck) -> list[RequestUpdate]:
+        """The parent's prompt is computed: each child takes its KV (full blocks shared, the
+        partial block copied after this step), its own first token (row i of the step's rows
+        for the parent) and runs from now on. A failed row fails the whole group: it is one
+        client request."""
+        parent = item.request
+        parent.group.forked = True
+        failed = next((errors[s.request_id] for s in parent.group.sequences
+                       if s.request_id in errors), None)
+        if failed is not None:
+            errors.setdefault(parent.request_id, failed)
+        num_prompt = item.num_computed_before + item.num_new_tokens
+        updates = []
+        for i, child in enumerate(children, start=1):
+            if failed is not None:
+                self.fail(child, failed)
+                updates.append(RequestUpdate(child))
+                continue
+            copy = self.bm.fork(parent, child, num_prompt)
+            if copy is not None:
+                sched.block_copies.append(copy)
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.running.append(child)
+            try:
+                updates.append(self._append(RequestUpdate(child), tokens[i:i + 1],
+                                            logprobs[i:i + 1], stop_string))
+            except Exception as exc:  # its stop check or text: this sequence alone fails
+                self.fail(child, f"internal error: {exc}")
+                updates.append(RequestUpdate(child))
+        return updates
 
     def _accept_drafts(self, req: Request, drafts: list[int], tokens: list[int]) -> int:
         """How many sampled tokens to keep: the drafts the target agreed with, plus one.
@@ -217,6 +263,9 @@ class Scheduler(SchedulerBase):
                 break  # every waiting request's adapter would exceed max_loras
             if req in out.preempted:
                 break  # preempted this very step: taking it back now would only thrash
+            if req.group is not None and \
+                    len(self.running) + req.group.seats(req) > self.config.max_num_seqs:
+                break  # its children will fork into running slots of their own
             if req.status is RequestStatus.SWAPPED:
                 if not self._swap_in(req, out):
                     break

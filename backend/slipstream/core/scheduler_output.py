@@ -28,6 +28,16 @@ class ScheduledRequest:
         self.num_computed_before = self.request.num_computed_tokens
         self.num_tokens_before = self.request.num_tokens
 
+    @property
+    def forks(self) -> list[Request]:
+        """Parallel sampling: the children whose first tokens this step samples from the
+        prompt's last row (one row per sequence, the parent's first), else empty."""
+        group = self.request.group
+        if group is None or not group.forks_at(self.request, self.num_computed_before,
+                                               self.num_new_tokens, self.num_tokens_before):
+            return []
+        return group.children
+
 
 @dataclass
 class BatchPadding:
@@ -80,6 +90,9 @@ class SchedulerOutput:
     # Copies the worker makes before the forward, in this order: the order the scheduler
     # decided them in, since a later one may reuse blocks an earlier one released.
     swaps: list[SwapTransfer] = field(default_factory=list)
+    # (source, destination) KV blocks to copy after the step: the partly filled prompt block
+    # of each sequence forked in it (update_from_output records them).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +121,8 @@ class SampledTokens:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     errors: dict[str, str] = field(default_factory=dict)  # request id -> message
+    # request id -> TokenLogprobs of the prompt tokens this step scored (prompt_logprobs)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> "SampledTokens":

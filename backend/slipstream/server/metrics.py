@@ -386,7 +386,7 @@ class ModelMetrics:
             raise
 
     def track(self, arrival: float, params) -> RequestTrack:
-        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens)
+        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens, n=params.n)
 
     def on_outputs(self, track: RequestTrack, outs: Sequence, now: float) -> None:
         """The engine outputs of one request read at ``now`` (usually one)."""
@@ -421,7 +421,7 @@ class NoMetrics:
     families: list = []
 
     def track(self, arrival: float, params) -> RequestTrack:
-        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens)
+        return RequestTrack(arrival=arrival, max_tokens=params.max_tokens, n=params.n)
 
     def on_outputs(self, track: RequestTrack, outs: Sequence, now: float) -> None:
         track.num_output_tokens += sum(len(o.token_ids) for o in outs)

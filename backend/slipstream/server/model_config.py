@@ -46,6 +46,7 @@ INPUTS = [
     _io("return_finish_reason", "TYPE_BOOL", [1]),
     _io("return_cumulative_logprob", "TYPE_BOOL", [1]),
     _io("return_logprobs", "TYPE_BOOL", [1]),
+    _io("return_prompt_logprobs", "TYPE_BOOL", [1]),
     _io("return_num_input_tokens", "TYPE_BOOL", [1]),
     _io("return_num_output_tokens", "TYPE_BOOL", [1]),
     _io("embedding_request", "TYPE_STRING", [1]),  # refused per request: no embedding task
@@ -78,6 +79,7 @@ OUTPUTS = [
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -41,6 +41,7 @@ class RequestOptions:
     return_num_output_tokens: bool = False
     return_cumulative_logprob: bool = False
     return_logprobs: bool = False
+    return_prompt_logprobs: bool = False
     priority: int = 0
     apply_chat_template: bool = False
 
@@ -55,7 +56,8 @@ class ParsedRequest:
 # input name -> (kind, SamplingParams field or option name)
 _BOOL_OPTIONS = ("stream", "exclude_input_in_output", "return_finish_reason",
                  "return_num_input_tokens", "return_num_output_tokens",
-                 "return_cumulative_logprob", "return_logprobs", "apply_chat_template")
+                 "return_cumulative_logprob", "return_logprobs", "return_prompt_logprobs",
+                 "apply_chat_template")
 _TYPED_INT = {"max_tokens": "max_tokens", "min_tokens": "min_tokens", "top_k": "top_k",
               "seed": "seed", "end_id": "stop_token_ids"}
 _TYPED_FLOAT = {"temperature": "temperature", "top_p": "top_p",
@@ -69,13 +71,11 @@ INPUT_TYPES = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "
                **{k: "FP32" for k in _TYPED_FLOAT}, "stop_words": "BYTES",
                **{k: "BYTES" for k in TRTLLM_INPUTS}}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-# vLLM sampling-parameter names accepted with a fixed value only.
-_FIXED = {"n": 1, "best_of": 1}
 # vLLM's names for structured (guided) decoding (server/guided_decoding.py reads them).
 STRUCTURED_OUTPUT_KEYS = REQUEST_KEYS
 # Request-parameter names kept for refuse_unsupported (so they are refused, not ignored)
 # or for structured outputs.
-_REFUSED = {*_FIXED, *STRUCTURED_OUTPUT_KEYS, "logits_processors"}
+_REFUSED = {*STRUCTURED_OUTPUT_KEYS, "logits_processors"}
 
 
 def _is_int_dtype(a: np.ndarray) -> bool:
@@ -274,14 +274,8 @@ def parse_request(inputs: Mapping[str, np.ndarray],
 
 
 def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
-    """What vLLM accepts but this engine cannot honour gets a clear error (Triton's OpenAI
-    frontend's texts for n and best_of, vLLM's for logprobs) instead of being ignored."""
-    for name, fixed in _FIXED.items():
-        if name in values:
-            got = values.pop(name)
-            if got is not None and _as_int(name, got) != fixed:
-                raise BadRequestError(f"Received {name}={_brief(got)}, but only single choice "
-                                      f"({name}={fixed}) is currently supported")
+    """What vLLM accepts but this engine cannot honour gets a clear error (vLLM's texts for
+    logprobs) instead of being ignored."""
     if values.get("logits_processors"):
         raise BadRequestError("per-request logits processors are not supported")
     values.pop("logits_processors", None)
@@ -291,11 +285,6 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
                 and int(got) > max_logprobs:
             raise BadRequestError(f"Requested {what} logprobs of {int(got)}, which is greater "
                                   f"than max allowed: {max_logprobs}")
-
-
-def _brief(value: Any) -> str:
-    """A scalar as the client sent it (vLLM's texts show it bare), anything else bounded."""
-    return str(value)[:60] if isinstance(value, (int, float, str)) else show(value)
 
 
 def lora_error(inputs: Mapping[str, np.ndarray],
@@ -329,7 +318,8 @@ def output_names(options: RequestOptions) -> list:
                        ("return_num_input_tokens", "num_input_tokens"),
                        ("return_num_output_tokens", "num_output_tokens"),
                        ("return_cumulative_logprob", "cumulative_logprob"),
-                       ("return_logprobs", "logprobs")):
+                       ("return_logprobs", "logprobs"),
+                       ("return_prompt_logprobs", "prompt_logprobs")):
         if getattr(options, flag):
             names.append(name)
     return names
@@ -337,22 +327,42 @@ def output_names(options: RequestOptions) -> list:
 
 def build_outputs(options: RequestOptions, text: str, *, finish_reason: Optional[str],
                   num_input_tokens: int, num_output_tokens: int, cumulative_logprob: float,
-                  logprobs_json: str = "null") -> dict:
+                  logprobs_json: str = "null", prompt_logprobs_json: str = "null") -> dict:
     """name -> numpy array for the requested outputs of one response, in Triton's vLLM
     backend's wire format: ``finish_reason`` is ``"None"`` until the last response,
     ``num_input_tokens`` a UINT32 scalar, ``num_output_tokens`` UINT32 [1] (tokens in this
     response when streaming), ``logprobs`` a JSON string (``"null"`` when not asked for)."""
-    out = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    return build_sequence_outputs(options, [text], finish_reasons=[finish_reason],
+                                  num_input_tokens=num_input_tokens,
+                                  num_output_tokens=[num_output_tokens],
+                                  cumulative_logprobs=[cumulative_logprob],
+                                  logprobs_json=[logprobs_json],
+                                  prompt_logprobs_json=prompt_logprobs_json)
+
+
+def build_sequence_outputs(options: RequestOptions, texts: Sequence[str], *,
+                           finish_reasons: Sequence[Optional[str]], num_input_tokens: int,
+                           num_output_tokens: Sequence[int], cumulative_logprobs: Sequence[float],
+                           logprobs_json: Sequence[str], prompt_logprobs_json: str = "null") -> dict:
+    """``build_outputs`` for ``n`` sequences: as vLLM's backend returns ``n`` > 1, each
+    per-sequence output holds one element per sequence, in index order; ``prompt_logprobs``
+    (this backend's addition) is one JSON string for the request."""
+    def strings(values) -> np.ndarray:
+        return np.array([str(v).encode("utf-8") for v in values], dtype=np.object_)
+
+    out = {"text_output": strings(texts)}
     if options.return_finish_reason:
-        out["finish_reason"] = np.array([str(finish_reason).encode("utf-8")], dtype=np.object_)
+        out["finish_reason"] = strings(finish_reasons)
     if options.return_num_input_tokens:
         out["num_input_tokens"] = np.asarray(num_input_tokens, dtype=np.uint32)
     if options.return_num_output_tokens:
-        out["num_output_tokens"] = np.asarray([num_output_tokens], dtype=np.uint32)
+        out["num_output_tokens"] = np.asarray(list(num_output_tokens), dtype=np.uint32)
     if options.return_cumulative_logprob:
-        out["cumulative_logprob"] = np.array([cumulative_logprob], dtype=np.float32)
+        out["cumulative_logprob"] = np.array(list(cumulative_logprobs), dtype=np.float32)
     if options.return_logprobs:
-        out["logprobs"] = np.array([logprobs_json.encode("utf-8")], dtype=np.object_)
+        out["logprobs"] = strings(logprobs_json)
+    if options.return_prompt_logprobs:
+        out["prompt_logprobs"] = strings([prompt_logprobs_json])
     return out
 
 
@@ -372,6 +382,16 @@ def logprobs_entries(token_ids: Sequence[int], logprobs: Sequence[float], tokeni
     return entries
 
 
+def prompt_logprobs_entries(prompt_logprobs: Sequence, tokenizer, detokenize: bool = True) -> list:
+    """vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per token
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt token first."""
+    return [None if position is None else
+            {str(t): {"logprob": float(lp), "rank": getattr(lp, "rank", None),
+                      "decoded_token": decode_token(tokenizer, t) if detokenize else None}
+             for t, lp in position.items()}
+            for position in prompt_logprobs]
+
+
 def decode_token(tokenizer, token_id: int) -> str:
     """One token's text alone; a SentencePiece word-start marker that ``decode`` strips is put
     back as the space it stands for (vLLM does the same)."""
@@ -382,44 +402,78 @@ def decode_token(tokenizer, token_id: int) -> str:
     return text
 
 
+@dataclass
+class _SequenceState:
+    """What a response builder keeps of one of the request's sequences."""
+
+    texts: list = field(default_factory=list)
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    cumulative_logprob: float = 0.0
+
+
 class ResponseBuilder:
     """One request's responses: what to send for each engine output (streaming) or once at
-    the end (everything accumulated), with vLLM's prompt-prepending rule."""
+    the end (everything accumulated), with vLLM's prompt-prepending rule. With ``n`` > 1 each
+    output tensor holds one element per sequence, in index order; a streamed response carries
+    the sequence that moved (its ``index``) and empty deltas for the others."""
 
     def __init__(self, parsed: ParsedRequest, tokenizer=None) -> None:
         self.options, self.params, self.prompt = parsed.options, parsed.params, parsed.prompt
         self.tokenizer = tokenizer
-        self.texts: list = []
-        self.token_ids: list = []
-        self.logprobs: list = []
+        self.sequences = [_SequenceState() for _ in range(parsed.params.n)]
+        self.prompt_logprobs: Optional[list] = None
 
     def streamed(self, out) -> dict:
         """The response for one engine output of a streaming request."""
-        return self._outputs(out, out.text, out.token_ids, out.logprobs)
+        self._note(out)
+        deltas = [_SequenceState() for _ in self.sequences]
+        deltas[out.index] = _SequenceState([out.text], list(out.token_ids), list(out.logprobs or []))
+        return self._outputs(out, ["".join(d.texts) for d in deltas], deltas, out.prompt_logprobs)
 
     def absorb(self, out) -> None:
         """Non-streaming: keep an output for the final response."""
-        self.texts.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs or [])
+        seq = self._note(out)
+        seq.texts.append(out.text)
+        seq.token_ids.extend(out.token_ids)
+        seq.logprobs.extend(out.logprobs or [])
 
     def final(self, out) -> dict:
         """Non-streaming: the one response, after the finished output."""
         self.absorb(out)
-        text = "".join(self.texts)
-        if not self.options.exclude_input_in_output:
-            text = self.prompt + text
-        return self._outputs(out, text, self.token_ids, self.logprobs)
+        prefix = "" if self.options.exclude_input_in_output else self.prompt
+        texts = [prefix + "".join(s.texts) for s in self.sequences]
+        return self._outputs(out, texts, self.sequences, self.prompt_logprobs)
 
-    def _outputs(self, out, text: str, token_ids: list, logprobs: list) -> dict:
-        json_text = "null"
+    def _note(self, out) -> _SequenceState:
+        seq = self.sequences[out.index]
+        if out.finish_reason is not None:
+            seq.finish_reason = out.finish_reason
+        seq.cumulative_logprob = out.cumulative_logprob
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        return seq
+
+    def _outputs(self, out, texts: list, parts: list, prompt_lps: Optional[list]) -> dict:
+        logprobs_json = ["null"] * len(parts)
         if self.options.return_logprobs and self.params.logprobs is not None:
-            json_text = json.dumps(logprobs_entries(token_ids, logprobs, self.tokenizer,
-                                                    self.params.detokenize))
-        return build_outputs(self.options, text, finish_reason=out.finish_reason,
-                             num_input_tokens=out.num_prompt_tokens,
-                             num_output_tokens=len(token_ids),
-                             cumulative_logprob=out.cumulative_logprob, logprobs_json=json_text)
+            logprobs_json = [json.dumps(logprobs_entries(p.token_ids, p.logprobs, self.tokenizer,
+                                                         self.params.detokenize)) for p in parts]
+        prompt_json = "null"
+        if self.options.return_prompt_logprobs and prompt_lps is not None:
+            prompt_json = json.dumps(prompt_logprobs_entries(prompt_lps, self.tokenizer,
+                                                             self.params.detokenize))
+        if len(self.sequences) == 1:  # the finished output carries the sequence's own state
+            finish_reasons = [out.finish_reason]
+        else:
+            finish_reasons = [s.finish_reason for s in self.sequences]
+        return build_sequence_outputs(
+            self.options, texts, finish_reasons=finish_reasons,
+            num_input_tokens=out.num_prompt_tokens,
+            num_output_tokens=[len(p.token_ids) for p in parts],
+            cumulative_logprobs=[s.cumulative_logprob for s in self.sequences],
+            logprobs_json=logprobs_json, prompt_logprobs_json=prompt_json)
 
 
 # Settings of model.py that are not engine settings (everything else in config.pbtxt

@@ -65,6 +65,14 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked sequences: block ``dst`` := block ``src``, every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.data.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+
     def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
         """Gather blocks for swapping: ``[2, layers, n, block_size, Hkv, D]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)

@@ -26,6 +26,8 @@ class StepBatch:
     meta: AttentionMetadata
     sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
     lora: LoraMapping = field(default_factory=LoraMapping)  # rows per LoRA adapter
+    # per scheduled request: the rows whose logits score its next prompt token (prompt_logprobs)
+    prompt_rows: list[list[int]] = None
 
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
@@ -86,6 +88,7 @@ class ModelRunner:
         seq_lens: list = []
         tables: list = []
         sample_rows: list = [None] * len(sched.scheduled)
+        prompt_rows: list = [None] * len(sched.scheduled)
         lora_spans: list = []
         bs = self.block_size
         for i in self._batch_order(sched):
@@ -104,10 +107,12 @@ class ModelRunner:
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
             sample_rows[i] = list(range(row0 + n - k, row0 + n))
+            prompt_rows[i] = _prompt_logprob_rows(req, start, n, row0)
             if self.lora is not None:
                 lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        batch.prompt_rows = prompt_rows
         if self.lora is not None:
             batch.lora = self.lora.mapping_for(lora_spans, self.device)
         return batch
@@ -115,7 +120,7 @@ class ModelRunner:
     def _batch_order(self, sched: SchedulerOutput) -> list[int]:
         """The order of the scheduled requests' rows in the batch: as scheduled, or with LoRA
         grouped by adapter, so that each adapter's rows are one slice (no gather/scatter).
-        ``sample_rows`` stays indexed as ``sched.scheduled``."""
+        ``sample_rows`` and ``prompt_rows`` stay indexed as ``sched.scheduled``."""
         indices = list(range(len(sched.scheduled)))
         if self.lora is None:
             return indices
@@ -179,8 +184,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Forward the packed batch; logits (fp32) only for the rows that are sampled."""
+        """Forward the packed batch; logits (fp32) only for the rows that are sampled, then
+        those of the prompt-logprob rows (``batch.prompt_rows``, in request order)."""
         rows = [r for rows in batch.sample_rows for r in rows]
+        rows += [r for rows in batch.prompt_rows or [] for r in rows]
         meta = batch.meta
         if self.graphs is not None and meta.decode_only and rows:
             logits = self.graphs(batch.input_ids, batch.positions, meta.slot_mapping,
@@ -198,5 +205,27 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]]]:
         """Logits of the sampled rows, and which rows each scheduled request owns."""
+        logits, sample_rows, _ = self.execute_with_prompt_logits(sched)
+        return logits, sample_rows
+
+    def execute_with_prompt_logits(self, sched: SchedulerOutput) -> tuple:
+        """``execute``, plus per scheduled request the logits of its prompt-logprob rows
+        (``[rows, V]``, or None): row j scores prompt token ``first + j + 1``."""
         batch = self.prepare(sched)
-        return self.run(batch), batch.sample_rows
+        logits = self.run(batch)
+        num_sampled = sum(len(r) for r in batch.sample_rows)
+        prompt_logits, cursor = [], num_sampled
+        for rows in batch.prompt_rows:
+            prompt_logits.append(logits[cursor:cursor + len(rows)] if rows else None)
+            cursor += len(rows)
+        return logits[:num_sampled], batch.sample_rows, prompt_logits
+
+
+def _prompt_logprob_rows(req, start: int, n: int, row0: int) -> list[int]:
+    """The rows of this chunk whose logits score a prompt token not scored yet (a recomputed
+    prompt is not scored twice): position p scores token p + 1, up to the prompt's last."""
+    if req.params.prompt_logprobs is None:
+        return []
+    first = max(start, len(req.prompt_logprobs))
+    last = min(start + n, req.num_prompt_tokens - 1)
+    return list(range(row0 + first - start, row0 + last - start)) if last > first else []

@@ -229,6 +229,21 @@ def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogp
     return TokenLogprob(sampled, rank, top)
 
 
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], first: int,
+                    top_n: int) -> list[TokenLogprob]:
+    """vLLM's ``prompt_logprobs``: row j of ``logits`` scores prompt token ``first + j``; each
+    entry is that token's logprob under the raw model distribution, its rank and the top-N."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    targets = torch.tensor(prompt_token_ids[first:first + logprobs.shape[0]], dtype=torch.long)
+    values = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs >= values).sum(dim=1).tolist()
+    tops = [()] * len(ranks)
+    if top_n > 0:
+        top_values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
+    return [TokenLogprob(v, rank, top) for v, rank, top in zip(values[:, 0].tolist(), ranks, tops)]
+
+
 def banned_next_tokens(bad_words_token_ids: list, generated: list) -> list:
     """A bad word's last token is banned when the tokens before it were just generated."""
     banned = []

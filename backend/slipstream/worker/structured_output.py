@@ -46,6 +46,11 @@ class GrammarState:
     matcher: Any  # llguidance.LLMatcher
     consumed: int = 0  # output tokens the matcher has accepted
 
+    def copy(self) -> "GrammarState":
+        """An independent matcher at the same point (a forked sequence follows the grammar
+        on its own)."""
+        return GrammarState(self.matcher.deep_copy(), self.consumed)
+
     def sync(self, req) -> None:
         """Accept the request's output tokens the matcher has not seen yet."""
         out_start = req.num_prompt_tokens

@@ -1,0 +1,136 @@
+"""Parallel sampling (vLLM's ``n`` and ``best_of``): one request, several sequences.
+
+The request's own ``Request`` is sequence 0, the parent: it alone is queued and prefills the
+prompt. The step that completes the prompt samples one first token per sequence from the
+prompt's last logits row; the scheduler then forks the children (sequences 1..k-1) from the
+parent, sharing its KV blocks through the block manager's reference counts (full prompt blocks
+are shared, the partly filled last block is copied: each sequence writes its own tokens
+there). From then on every sequence is an ordinary running request.
+
+Seeds: child ``i`` samples with ``seed + i`` (vLLM's rule), so a seeded request gives the same
+``n`` sequences whatever else shares the batch. ``best_of`` > ``n``: all ``best_of`` run and
+the ``n`` with the highest cumulative logprob are returned when the last one finishes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
+from slipstream.core.sampling_params import SEED_RANGE, SamplingParams
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine-internal id of sequence ``index`` (vLLM v1 names children the same way)."""
+    return request_id if index == 0 else f"{index}_{request_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence ``index``'s parameters: its own seed; prompt logprobs only on sequence 0."""
+    child = copy.copy(params)  # not replace(): that would re-run __post_init__ (bad_words ids)
+    if params.seed is not None and index:
+        seed = params.seed + index
+        child.seed = seed if seed <= SEED_RANGE[1] else seed - 2 ** 64
+    if index:
+        child.prompt_logprobs = None
+    return child
+
+
+@dataclass
+class SequenceGroup:
+    request_id: str  # the client's id, also sequence 0's
+    n: int  # sequences returned
+    sequences: list[Request]  # in index order; [0] is the parent
+    forked: bool = False
+    closed: bool = False  # its last output (finished=True) has been made
+    ended: set = field(default_factory=set)  # indices of the sequences that have ended
+    # best_of > n: each sequence's whole output, kept until the group is ranked at the end.
+    held: dict[int, RequestOutput] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, parent: Request) -> Optional["SequenceGroup"]:
+        """The group for a request that asks for more than one sequence, else None."""
+        params = parent.params
+        k = params.num_sequences
+        if k == 1:
+            return None
+        parent.params = child_params(params, 0)
+        seqs = [parent] + [
+            Request(child_request_id(parent.request_id, i), parent.prompt_token_ids,
+                    child_params(params, i), parent.eos_token_id, parent.priority,
+                    parent.arrival_time)
+            for i in range(1, k)]
+        group = cls(parent.request_id, params.n, seqs)
+        for i, seq in enumerate(seqs):
+            seq.index, seq.group = i, group
+        return group
+
+    @property
+    def parent(self) -> Request:
+        return self.sequences[0]
+
+    @property
+    def children(self) -> list[Request]:
+        return self.sequences[1:]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    @property
+    def selects_best(self) -> bool:
+        """best_of > n: outputs are held back and ranked when every sequence has ended."""
+        return len(self.sequences) > self.n
+
+    def seats(self, req: Request) -> int:
+        """Running slots ``req`` takes when admitted: the parent brings its unforked children."""
+        return len(self.sequences) if req is self.parent and not self.forked else 1
+
+    def forks_at(self, req: Request, computed_before: int, num_new: int, tokens_before: int) -> bool:
+        """Whether this step of ``req`` completes the prompt and so forks the children."""
+        return (req is self.parent and not self.forked
+                and computed_before + num_new == tokens_before == req.num_prompt_tokens)
+
+    def best(self) -> list[Request]:
+        """The ``n`` sequences to return, most likely first (cumulative logprob)."""
+        ranked = sorted(self.sequences, key=lambda s: s.cumulative_logprob, reverse=True)
+        return ranked[:self.n]
+
+    # -- outputs -----------------------------------------------------------------------
+    def collect(self, out: RequestOutput) -> list[RequestOutput]:
+        """The client's outputs for one sequence's output: passed on (n sequences), or held
+        until every sequence has ended and then the best n, re-indexed by rank (best_of)."""
+        out.request_id = self.request_id
+        if out.finish_reason is not None:
+            self.ended.add(out.index)
+        done = len(self.ended) == len(self.sequences)
+        self.closed = done
+        if not self.selects_best:
+            out.finished = done  # only the request's very last output ends its stream
+            return [out]
+        total = self.held.setdefault(out.index, RequestOutput(self.request_id, index=out.index))
+        merge_output(total, out)
+        return self._ranked() if done else []
+
+    def _ranked(self) -> list[RequestOutput]:
+        prompt_logprobs = self.held[0].prompt_logprobs
+        outputs = []
+        for rank, seq in enumerate(self.best()):
+            out = self.held[seq.index]
+            out.index, out.finished, out.prompt_logprobs = rank, False, None
+            outputs.append(out)
+        outputs[0].prompt_logprobs = prompt_logprobs
+        outputs[-1].finished = True
+        return outputs
+
+    def close(self, reason: Optional[FinishReason], error: Optional[str]) -> RequestOutput:
+        """The one final output of a request ended as a whole (abort, a failed sequence)."""
+        self.closed = True
+        parent = self.parent
+        return RequestOutput(self.request_id, finished=True, finish_reason=reason, error=error,
+                             num_prompt_tokens=parent.num_prompt_tokens,
+                             num_output_tokens=parent.num_output_tokens,
+                             num_cached_tokens=parent.num_cached_tokens,
+                             cumulative_logprob=parent.cumulative_logprob,
+                             timing=parent.timing())
