@@ -259,6 +259,27 @@ def test_num_return_sequences_one_sets_sequence_index(server, reference):
     assert results[0].as_numpy("batch_index")[0][0] == 0
 
 
+def test_num_return_sequences_streams_each_sequence_with_its_sequence_index(server, reference):
+    """`-n 3 --streaming`: every response carries one sequence (one ``text_output``) and its
+    ``sequence_index``; greedy (TRT-LLM's default without top_k/top_p), so each of the three
+    adds up to the greedy text. Without streaming it is a clear error."""
+    results = stream_request(server, "ensemble_stream", prepare_inputs(
+        PROMPTS[2], OUTPUT_LEN, streaming=True, num_return_sequences=3),
+        outputs=["text_output", "sequence_index", "batch_index"])
+    assert not any(isinstance(r, Exception) for r in results), results
+    texts = {}
+    for r in results:
+        out = r.as_numpy("text_output")
+        assert out.shape == (1,)  # this sequence's piece alone, not all three
+        index = int(r.as_numpy("sequence_index")[0][0])
+        texts[index] = texts.get(index, "") + out[0].decode()
+    assert sorted(texts) == [0, 1, 2]
+    assert set(texts.values()) == {greedy_text(reference, PROMPTS[2])}
+    [error] = stream_request(server, "ensemble_stream", prepare_inputs(
+        PROMPTS[2], OUTPUT_LEN, num_return_sequences=3))
+    assert isinstance(error, InferenceServerException) and "num_return_sequences" in str(error)
+
+
 # ------------------------------------------------------------------------------- end_to_end_test.py
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_end_to_end_test_ensemble_unary_infer(server, reference, protocol):

@@ -39,8 +39,9 @@ from slipstream.server.metrics import ModelMetrics, NoMetrics
 from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
                                         lora_error, parse_request)
 from slipstream.server.row_sender import RowGroup
-from slipstream.server.trtllm_inputs import (STREAMING_NOT_DECOUPLED, split_rows,
-                                             translate, trtllm_queue_full)
+from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_STREAMING,
+                                             STREAMING_NOT_DECOUPLED, split_rows, translate,
+                                             trtllm_queue_full)
 from slipstream.server.trtllm_outputs import TrtllmResponses
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -194,6 +195,8 @@ class TritonPythonModel:
                                    max_logprobs=self.settings.max_logprobs)
             if parsed.options.stream and not self.decoupled:
                 raise BadRequestError(STREAMING_NOT_DECOUPLED)
+            if row.options.num_return_sequences > 1 and not parsed.options.stream:
+                raise BadRequestError(PER_SEQUENCE_NEEDS_STREAMING)
             kwargs = {"priority": parsed.options.priority}
             if parsed.options.apply_chat_template:
                 kwargs["apply_chat_template"] = True

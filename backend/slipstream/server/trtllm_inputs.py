@@ -44,6 +44,10 @@ QUEUE_FULL = ("Exceeds maximum queue size: Maximum queue size of {limit} has bee
               "please try again later")
 STREAMING_NOT_DECOUPLED = ("Streaming is only supported if model is deployed using decoupled "
                            "mode.")
+# Each of num_return_sequences > 1 is its own stream of responses (with its sequence_index),
+# which one non-streaming response cannot carry.
+PER_SEQUENCE_NEEDS_STREAMING = ("input 'num_return_sequences' > 1 needs streaming (stream=true on "
+                                "a decoupled model): each sequence is answered on its own")
 
 
 def trtllm_queue_full(limit: int) -> str:
@@ -58,6 +62,7 @@ class TrtllmOptions:
     end_ids: List[int] = field(default_factory=list)  # their text is not emitted
     with_indices: bool = False  # emit batch_index and sequence_index
     batch_index: int = 0
+    num_return_sequences: int = 1  # > 1: one response stream per sequence, as TRT-LLM sends
 
 
 @dataclass
@@ -164,6 +169,7 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
 
     if "num_return_sequences" in present:
         params["n"] = _int("num_return_sequences", present["num_return_sequences"])
+        opts.num_return_sequences = params["n"]
         opts.with_indices = True
     if "return_log_probs" in present and _flag("return_log_probs", present["return_log_probs"]):
         opts.return_log_probs = True

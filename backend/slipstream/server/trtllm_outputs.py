@@ -30,7 +30,10 @@ class TrtllmResponses:
 
     def streamed(self, out) -> Dict[str, np.ndarray]:
         out = self._strip_end_id(out)
-        return self._extend(self.inner.streamed(out), out, list(out.logprobs or []))
+        outputs = self.inner.streamed(out)
+        if self.options.num_return_sequences > 1:  # only the sequence that moved
+            outputs = _one_sequence(outputs, out.index, self.options.num_return_sequences)
+        return self._extend(outputs, out, list(out.logprobs or []))
 
     def absorb(self, out) -> None:
         out = self._strip_end_id(out)
@@ -64,6 +67,14 @@ class TrtllmResponses:
         if piece and out.text.endswith(piece):
             return dataclasses.replace(out, text=out.text[:-len(piece)])
         return out
+
+
+def _one_sequence(outputs: Dict[str, np.ndarray], index: int,
+                  n: int) -> Dict[str, np.ndarray]:
+    """TRT-LLM answers each of ``num_return_sequences`` on its own (``sequence_index`` says
+    which): keep that sequence's element of every per-sequence output."""
+    return {name: (value[index:index + 1] if np.ndim(value) and len(value) == n else value)
+            for name, value in outputs.items()}
 
 
 def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
