@@ -176,7 +176,12 @@ def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
         print(f"restarting tritonserver ({len(restarts)} of at most {max_restarts} in "
               f"{RESTART_WINDOW_S / 60:.0f} minutes) ...", flush=True)
         t0 = time.monotonic()
-        server.start()
+        try:
+            server.start()
+        except TritonServerError as e:  # died or hung before ready: clean up, try again
+            print(f"restart failed: {e}", file=sys.stderr, flush=True)
+            server.kill()
+            continue
         print(f"ready again in {time.monotonic() - t0:.1f} s", flush=True)
 
 
