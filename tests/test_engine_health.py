@@ -8,21 +8,13 @@ import time
 
 import pytest
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.engine import merge_output
 from slipstream.engine_loop import EngineDeadError, EngineLoop, HealthState
 from slipstream.engine_supervisor import EngineSupervisor
-from support import tiny_model_dir
+from test_engine_loop import GREEDY, config  # the same tiny engine
 
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def config(**overrides):
-    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=300)
-    settings.update(overrides)
-    return EngineConfig(**settings)
 
 
 def collect(stream, timeout=60):

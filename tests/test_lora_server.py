@@ -8,14 +8,14 @@ import os
 import re
 import shutil
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launcher import TritonServer, find_tritonserver  # noqa: E402
+from slipstream.server.launcher import TritonServer  # noqa: E402
+from support import http_generate, need_tritonserver  # noqa: E402
 from lora_support import adapter_dir, merged_greedy  # noqa: E402
 from vllm_backend_support import (SAMPLING_PARAMETERS, create_vllm_request,  # noqa: E402
                                   stream_requests, tokenizer_of, write_model)
@@ -33,12 +33,7 @@ UNKNOWN = "LoRA {} is not supported, we currently support ['doll', 'sheep']"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    try:
-        find_tritonserver()
-    except Exception as e:  # pragma: no cover - the [server] extra is part of `make install`
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no tritonserver: {e}")
+    need_tritonserver()
     repo = tmp_path_factory.mktemp("lora_repo")
     model_dir = write_model(repo, MODEL, parameters={"REPORT_CUSTOM_METRICS": "true"},
                             model_json={"enable_lora": True, "max_loras": 2,
@@ -67,16 +62,6 @@ def lora_request(prompt: str, request_id, name, **extra) -> dict:
     return request
 
 
-def http_generate(server, body: dict) -> tuple:
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate",
-                                 data=json.dumps(body).encode())
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_requests_on_two_adapters_and_the_base_model_batched_together_match_merged_models(server):
     """multi_lora_test.py::test_multi_lora_requests, with every request on one stream at once
     (so the engine runs them in the same steps) and the base model beside the adapters."""
@@ -96,11 +81,11 @@ def test_unknown_lora_gets_vllm_backends_error_over_grpc_and_http(server):
     [(result, error)] = stream_requests(server.grpc_url, MODEL,
                                         [lora_request(prompt, 0, "bactrian")])
     assert result is None and error.message() == UNKNOWN.format("bactrian")
-    status, body = http_generate(server, {"text_input": PROMPTS[1], "parameters": {
+    status, body = http_generate(server, MODEL, {"text_input": PROMPTS[1], "parameters": {
         "stream": False, "temperature": 0, "top_p": 1, "lora_name": "unavailable",
         "exclude_input_in_output": True}})
     assert status == 400 and body == {"error": UNKNOWN.format("unavailable")}
-    status, body = http_generate(server, {"text_input": PROMPTS[1], "parameters": {
+    status, body = http_generate(server, MODEL, {"text_input": PROMPTS[1], "parameters": {
         "stream": False, "temperature": 0, "top_p": 1, "lora_name": "sheep", "max_tokens": 8,
         "ignore_eos": True, "exclude_input_in_output": True}})
     assert status == 200 and body["text_output"] == expected_text("sheep", PROMPTS[1])

@@ -15,7 +15,6 @@ import json
 import queue
 import re
 import shutil
-import threading
 import urllib.request
 from functools import partial
 from pathlib import Path
@@ -30,9 +29,8 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine_loop import EngineLoop  # noqa: E402
-from slipstream.server.launcher import (TritonServer, find_tritonserver,  # noqa: E402
-                                        render_model_repository)
-from support import tiny_model_dir  # noqa: E402
+from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
+from support import need_tritonserver, tiny_model_dir  # noqa: E402
 from test_server import http_post  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +65,7 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo):
-    try:
-        find_tritonserver()
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"no tritonserver: {e}")
+    need_tritonserver()
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, models=list(SAMPLES),
                       startup_timeout=300) as srv:
         yield srv

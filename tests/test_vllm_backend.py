@@ -24,7 +24,8 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from slipstream.server.launcher import TritonServer, find_tritonserver  # noqa: E402
+from slipstream.server.launcher import TritonServer  # noqa: E402
+from support import http_generate, need_tritonserver  # noqa: E402
 from vllm_backend_support import (SAMPLING_PARAMETERS, VLLM_DEFAULT_MAX_TOKENS,  # noqa: E402
                                   bool_input, create_vllm_request, hf_completion,
                                   hf_stream_pieces, parse_vllm_metrics, stream_requests,
@@ -113,15 +114,6 @@ def build_repository(repo):
     return repo
 
 
-def need_tritonserver():
-    try:
-        find_tritonserver()
-    except Exception as e:  # pragma: no cover - the [server] extra is part of `make install`
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no tritonserver: {e}")
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     return build_repository(tmp_path_factory.mktemp("vllm_repo"))
@@ -157,16 +149,6 @@ def vllm_texts(server, prompts, sampling=SAMPLING_PARAMETERS, stream=False, mode
     results = results_of(stream_requests(server.grpc_url, model, requests))
     by_id = {r.get_response().id: r.as_numpy("text_output")[0] for r in results}
     return [by_id[str(i)] for i in range(len(prompts))]
-
-
-def http_generate(server, model, body):
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
-                                 data=json.dumps(body).encode())
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def wait_for(predicate, timeout=15.0):
