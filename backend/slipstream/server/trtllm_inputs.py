@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.protocol import BadRequestError
+from slipstream.server.protocol import BadRequestError, _scalar
 
 # Inputs read here and never passed on to parse_request.
 TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_seed",
@@ -90,26 +90,18 @@ def split_rows(inputs: Mapping[str, np.ndarray], batched: bool) -> List[Dict[str
     return rows
 
 
-def _one(name: str, arr: np.ndarray) -> Any:
-    arr = np.asarray(arr)
-    if arr.size != 1:
-        raise BadRequestError(f"input '{name}' must hold exactly one element, got shape "
-                              f"{list(arr.shape)}")
-    return arr.reshape(-1)[0]
-
-
 def _int(name: str, arr: np.ndarray) -> int:
     if np.asarray(arr).dtype.kind not in "iu":
         raise BadRequestError(f"input '{name}' must be an integer tensor, got numpy dtype "
                               f"{np.asarray(arr).dtype}")
-    return int(_one(name, arr))
+    return int(_scalar(name, arr))
 
 
 def _flag(name: str, arr: np.ndarray) -> bool:
     if np.asarray(arr).dtype.kind != "b":
         raise BadRequestError(f"input '{name}' must be BOOL, got numpy dtype "
                               f"{np.asarray(arr).dtype}")
-    return bool(_one(name, arr))
+    return bool(_scalar(name, arr))
 
 
 def _words(name: str, arr: np.ndarray) -> List[str]:
@@ -155,7 +147,7 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
                               "supported, only beam_width=1")
     if "length_penalty" in present:
         # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
-        value = float(_one("length_penalty", present["length_penalty"]))
+        value = float(_scalar("length_penalty", present["length_penalty"]))
         if not math.isfinite(value):
             raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
     if "pad_id" in present:
@@ -205,8 +197,8 @@ def _greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:
     the temperature); Slipstream's own defaults (top_k off, top_p 1.0) sample."""
     top_k = inputs.get("top_k")
     top_p = inputs.get("top_p")
-    k_off = top_k is None or (np.asarray(top_k).size == 1 and int(_one("top_k", top_k)) == 0)
-    p_off = top_p is None or (np.asarray(top_p).size == 1 and float(_one("top_p", top_p)) == 0.0)
+    k_off = top_k is None or (np.asarray(top_k).size == 1 and int(_scalar("top_k", top_k)) == 0)
+    p_off = top_p is None or (np.asarray(top_p).size == 1 and float(_scalar("top_p", top_p)) == 0.0)
     if k_off and p_off:
         inputs["top_k"] = np.array([1], dtype=np.int32)
         inputs.pop("top_p", None)
