@@ -154,12 +154,8 @@ class TritonPythonModel:
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
                 rows = split_rows(inputs, self.batched)
-            except BadRequestError as e:
-                self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
-                continue
             except Exception as e:  # never let one request take the batch down
-                self.logger.log_error(traceback.format_exc())
-                self._reject(sender, _error(f"{ERROR_PREFIX}internal error: {e}"))
+                self._refuse(sender, e)
                 continue
             senders = [sender]
             if self.batched or not self.decoupled:
@@ -201,24 +197,28 @@ class TritonPythonModel:
             if parsed.options.apply_chat_template:
                 kwargs["apply_chat_template"] = True
             stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
-        except OverloadedError as e:
-            self._reject(sender, _error(self._overloaded_text(e), _code("UNAVAILABLE")))
-            return
-        except EngineDeadError as e:
-            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
-            return
-        except (BadRequestError, ValueError) as e:
-            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
-            return
         except Exception as e:  # never let one request take the batch down
-            self.logger.log_error(traceback.format_exc())
-            self._reject(sender, _error(f"{ERROR_PREFIX}internal error: {e}"))
+            self._refuse(sender, e)
             return
         builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
                                   self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
                                    self.metrics.track(arrival, parsed.params)))
         self.wake.set()
+
+    def _refuse(self, sender, e: Exception) -> None:
+        """The one error response of a request that cannot be served: UNAVAILABLE when the
+        engine cannot take it, INVALID_ARG when the request is wrong, else an internal error
+        (logged with its traceback)."""
+        if isinstance(e, OverloadedError):
+            self._reject(sender, _error(self._overloaded_text(e), _code("UNAVAILABLE")))
+        elif isinstance(e, EngineDeadError):
+            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("UNAVAILABLE")))
+        elif isinstance(e, ValueError):  # BadRequestError included
+            self._reject(sender, _error(ERROR_PREFIX + str(e), _code("INVALID_ARG")))
+        else:
+            self.logger.log_error(traceback.format_exc())
+            self._reject(sender, _error(f"{ERROR_PREFIX}internal error: {e}"))
 
     def _encode(self, text):
         return self.loop.tokenizer.encode(text, add_special_tokens=False)
