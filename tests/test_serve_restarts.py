@@ -7,7 +7,9 @@ stand-in whose starts fail as scripted."""
 import subprocess
 import sys
 
-from slipstream.server.cli import _serve_until_stopped
+import pytest
+
+from slipstream.server.cli import _serve_until_stopped, _start_first
 from slipstream.server.launcher import TritonServerError
 
 
@@ -50,3 +52,23 @@ def test_a_restart_that_dies_before_ready_is_retried_within_the_budget():
     assert _serve_until_stopped(server, max_restarts=4) == 1  # gives up only at the budget
     assert server.start_calls == 4  # fail, ok (ready again), fail, fail: each one retried
     assert server.kills >= 4
+
+
+class FirstStart(ScriptedServer):
+    """A first start that fails, having come up (listening) or not."""
+
+    def __init__(self, came_up: bool) -> None:
+        super().__init__(["fail"])
+        self._came_up = came_up
+
+    def came_up(self) -> bool:
+        return self._came_up
+
+
+def test_a_first_start_that_died_after_coming_up_goes_to_the_restart_loop():
+    assert _start_first(FirstStart(came_up=True)) is False
+
+
+def test_a_first_start_that_never_came_up_is_an_error_not_a_restart():
+    with pytest.raises(TritonServerError):
+        _start_first(FirstStart(came_up=False))

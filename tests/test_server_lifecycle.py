@@ -17,7 +17,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launcher import TritonServer, free_port, render_model_repository  # noqa: E402
+from slipstream.server.launcher import (TritonServer, TritonServerError, free_port,  # noqa: E402
+                                        render_model_repository)
 from test_server import (OVERRIDES, REPO, run_stream, text_inputs, texts,  # noqa: E402
                          tiny_model)  # tiny_model is a fixture
 
@@ -265,4 +266,34 @@ def test_engine_failing_every_step_takes_the_server_down(tiny_model, tmp_path):
     assert all("NaN" in e for e in errors), errors
     assert code is not None and not server.is_ready()
     assert "cannot be recovered" in server.log_path.read_text()
+    assert wait_gone(server.shm_prefix) == ([], [])
+
+
+def test_a_stub_killed_before_serve_saw_ready_is_a_crash_to_restart_not_a_failed_start(
+        tiny_model, tmp_path):
+    """Seen in CI: the stub died after tritonserver was listening but before ``serve``'s own
+    readiness poll saw it, and ``serve`` exited 1 as if the server could not start. The
+    launcher now tells the two apart from this run's log: ``came_up`` is True here, so
+    ``serve`` hands it to the restart loop; a server that never listened raises as before."""
+    repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), startup_timeout=300, log_path=tmp_path / "log")
+    (tmp_path / "log").write_text("Started GRPCInferenceService\nStarted HTTPService\n")  # an older run's
+    server.start(wait=False)
+    try:
+        assert not server.came_up()  # only this run's lines count
+        deadline = time.monotonic() + 300
+        while not server.is_ready():  # the test, not the launcher, sees it ready
+            assert server.running and time.monotonic() < deadline
+            time.sleep(0.1)
+        stub = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
+                              capture_output=True, text=True).stdout.split()
+        assert len(stub) == 1
+        os.kill(int(stub[0]), signal.SIGKILL)
+        server.process.wait(60)  # the watchdog stops tritonserver
+        with pytest.raises(TritonServerError, match="before it was ready"):
+            server.wait_ready()
+        assert server.came_up()
+    finally:
+        server.kill()
     assert wait_gone(server.shm_prefix) == ([], [])

@@ -185,6 +185,21 @@ def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
         print(f"ready again in {time.monotonic() - t0:.1f} s", flush=True)
 
 
+def _start_first(server: TritonServer) -> bool:
+    """Start tritonserver: True once it is ready, False when it came up and then died before
+    we saw it ready (a stub killed in that window), which the restart loop handles like any
+    crash. A server that never came up (a bad setting, a model that fails to load) raises:
+    starting it again would fail the same way."""
+    try:
+        server.start()
+    except TritonServerError as e:
+        if not server.came_up():
+            raise
+        print(f"tritonserver died as it came up: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def run_serve(args: argparse.Namespace) -> int:
     overrides = parse_sets(args.set)
     if args.model:
@@ -211,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"starting tritonserver (model {engine.get('model', 'default')}; log "
               f"{server.log_path or 'on stdout'}) ...", flush=True)
         t0 = time.monotonic()
-        server.start()
+        if not _start_first(server):
+            return _serve_until_stopped(server, args.max_restarts)
         print(f"ready in {time.monotonic() - t0:.1f} s\n"
               f"  models   {', '.join(names)}\n"
               f"  HTTP     http://{server.http_url}  (POST /v2/models/{prompt_model}/generate, "

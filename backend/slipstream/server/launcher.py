@@ -366,6 +366,7 @@ class TritonServer:
         self.log_path = _log_file(log_path)
         self.process: Optional[subprocess.Popen] = None
         self.install: Optional[TritonInstall] = None
+        self._log_start = 0
 
     # endpoints
     @property
@@ -411,6 +412,7 @@ class TritonServer:
         env = server_env(self.install)
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab", buffering=0) if self.log_path else None
+        self._log_start = self._log.tell() if self._log is not None else 0  # this run's lines
         # Own session: Ctrl-C in the terminal reaches our handler only; we stop Triton ourselves.
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -430,6 +432,20 @@ class TritonServer:
         except OSError:
             return ""
         return text[-chars:]
+
+    def came_up(self) -> bool:
+        """Whether this run's tritonserver got as far as listening (its log says so): one that
+        dies after that crashed while serving, one that dies before failed to start. Unknown
+        (False) with the log on stdout."""
+        if self.log_path is None:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read()
+        except OSError:
+            return False
+        return b"Started GRPCInferenceService" in text and b"Started HTTPService" in text
 
     def load_errors(self) -> list:
         """(model, reason) for each model Triton failed to load, from its log (the reason's
