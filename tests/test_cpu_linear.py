@@ -11,7 +11,7 @@ def _model(bias: bool) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(96, 200, bias=bias), torch.nn.Linear(200, 40))
 
 
-@pytest.mark.parametrize("layout", ["onednn", "transposed", "stock"])
+@pytest.mark.parametrize("layout", ["auto", "onednn", "transposed", "stock"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_every_layout_computes_the_stock_product(layout, rows):
     model = _model(bias=rows % 2 == 1)
@@ -23,7 +23,7 @@ def test_every_layout_computes_the_stock_product(layout, rows):
         got = model(x)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert applied.value == layout or (layout == "onednn" and not onednn_available())
+    assert applied.value == layout or (layout in ("auto", "onednn") and not onednn_available())
 
 
 def test_onednn_layout_runs_packed_weights():

@@ -40,22 +40,29 @@ def test_other_architectures_keep_the_hf_forward(arch):
     assert FastForward.for_model(model) is None
 
 
-def test_lean_forward_runs_four_gemms_per_layer_with_onednn():
-    """q/k/v and gate/up each run as one oneDNN GEMM: 4 a layer (qkv, o, gate-up, down)
-    plus the LM head, against 7 a layer in the Hugging Face forward."""
+@pytest.mark.parametrize("layout, gemm", [("onednn", "mkldnn::_linear_pointwise"),
+                                          ("auto", "slipstream_cpu::small_gemm")])
+def test_lean_forward_runs_four_gemms_per_layer(layout, gemm):
+    """q/k/v and gate/up each run as one GEMM (fused only where that is bit for bit the
+    layers' own product, so this also checks that): 4 a layer (qkv, o, gate-up, down) plus
+    the LM head, against 7 a layer in the Hugging Face forward. With ``auto`` these few-row
+    steps run the small-GEMM kernel."""
     from slipstream.worker.cpu_linear import onednn_available
+    from slipstream.worker.ops import cpu_kernels
 
     if not onednn_available():
         pytest.skip("oneDNN linear unavailable in this torch build")
+    if layout == "auto" and not cpu_kernels.load():
+        pytest.skip(f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
 
     def gemms_per_step(fast: bool) -> int:
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
                                         max_model_len=64, num_gpu_blocks_override=40,
-                                        cpu_linear="onednn", fast_forward=fast))
+                                        cpu_linear=layout, fast_forward=fast))
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # warm
         with torch.profiler.profile() as prof:
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=1, temperature=0))
-        return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+        return sum(e.count for e in prof.key_averages() if e.key == gemm)
 
     from transformers import AutoConfig
 

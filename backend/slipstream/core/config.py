@@ -9,7 +9,7 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-CPU_LINEARS = ("onednn", "transposed", "stock")  # worker/cpu_linear.py
+CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
 ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
 
@@ -57,7 +57,7 @@ class EngineConfig:
 
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    cpu_linear: str = "onednn"  # CPU: oneDNN-packed weights, "transposed" or "stock" layout
+    cpu_linear: str = "auto"  # CPU: oneDNN + the small-GEMM kernel; "onednn", "transposed", "stock"
     attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
     fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
     enable_lora: bool = False  # serve PEFT adapters per request (lora_name)

@@ -1,7 +1,12 @@
 """How the model's linear layers multiply on CPU: the weight layout and the GEMM library.
 
-``onednn`` (the default) packs every ``nn.Linear`` weight once into oneDNN's blocked layout
-and runs the layer through oneDNN's inner product, as vLLM's CPU backend does; torch's own
+``auto`` (the default) is ``onednn`` plus, for a product of a few rows (a decode step at small
+batch), the compiled small-GEMM kernel (``ops/cpu_small_gemm.cpp``) on its own packed copy of
+the weight: there the product is bound by reading the weight from memory, which oneDNN does at
+~20 GB/s on the AMD EPYC VMs here against the kernel's ~30 (docs/benchmarks.md). The price is
+that copy: the weights are held once more. ``onednn`` packs every ``nn.Linear`` weight once
+into oneDNN's blocked layout and runs the layer through oneDNN's inner product, as vLLM's CPU
+backend does; torch's own
 fp32 ``linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's
 shapes at 30-130 GFLOP/s against oneDNN's 110-210, and the 49k-row LM head at a third of
 oneDNN's speed. ``transposed`` keeps torch's linear on a column-major copy of the weight
@@ -18,10 +23,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from slipstream.worker.ops import cpu_kernels
+
 log = logging.getLogger("slipstream")
 
 
 class CpuLinear(str, enum.Enum):
+    AUTO = "auto"
     ONEDNN = "onednn"
     TRANSPOSED = "transposed"
     STOCK = "stock"
@@ -30,6 +38,10 @@ class CpuLinear(str, enum.Enum):
 # oneDNN picks its blocked weight format for a typical row count; any count works with it.
 _PACK_ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows the small-GEMM kernel beats oneDNN (2 threads, AMD EPYC: 1 row 17.5 ms
+# against 26.5 for one decode step's weights, 8 rows 21.4 against 28.9, 32 rows 50.5 against
+# 53.7); above, oneDNN's tiling wins as the product turns compute-bound.
+SMALL_GEMM_MAX_ROWS = 32
 
 
 def onednn_available() -> bool:
@@ -42,13 +54,31 @@ def _onednn_forward(packed: torch.Tensor, bias: Optional[torch.Tensor],
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _pack(module: torch.nn.Linear) -> None:
-    weight = module.weight.detach().contiguous()
+def _auto_forward(packed: torch.Tensor, small: torch.Tensor, n: int,
+                  bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    width = x.shape[-1]
+    rows = x.numel() // width if width else 0
+    if 0 < rows <= SMALL_GEMM_MAX_ROWS:
+        out = torch.ops.slipstream_cpu.small_gemm(x.reshape(rows, width), small, n, bias)
+        return out.view(*x.shape[:-1], n)
+    return _onednn_forward(packed, bias, x)
+
+
+def _gemm(weight: torch.Tensor, bias: Optional[torch.Tensor], mode: CpuLinear) -> Callable:
+    """The product with ``weight`` [N, K] in ``mode`` (ONEDNN or AUTO), packed once."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
-    bias = None if module.bias is None else module.bias.detach()
+    if mode is CpuLinear.AUTO:
+        small = torch.ops.slipstream_cpu.pack_small_gemm_weight(weight)
+        return functools.partial(_auto_forward, packed, small, weight.shape[0], bias)
+    return functools.partial(_onednn_forward, packed, bias)
+
+
+def _pack(module: torch.nn.Linear, mode: CpuLinear) -> None:
+    weight = module.weight.detach().contiguous()
+    bias = None if module.bias is None else module.bias.detach().contiguous()
     # An instance attribute shadows Linear.forward; the stock weight stays (tied embeddings
     # and any code that reads .weight keep working).
-    module.forward = functools.partial(_onednn_forward, packed, bias)
+    module.forward = _gemm(weight, bias, mode)
 
 
 def _stacked(modules: Sequence[torch.nn.Linear]) -> tuple:
@@ -67,9 +97,8 @@ def fused_linear(modules: Sequence[torch.nn.Linear],
     of several. Split, its output is each layer's own where the library computes an output
     column the same way at either width (the caller checks)."""
     weight, bias = _stacked(modules)
-    if mode is CpuLinear.ONEDNN:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
-        return functools.partial(_onednn_forward, packed, bias)
+    if mode in (CpuLinear.ONEDNN, CpuLinear.AUTO):
+        return _gemm(weight, bias, mode)
     if mode is CpuLinear.TRANSPOSED:
         weight = weight.t().contiguous().t()
     return lambda x: F.linear(x, weight, bias)
@@ -81,6 +110,8 @@ def applied_mode(module: torch.nn.Linear) -> Optional[CpuLinear]:
     forward = module.__dict__.get("forward")
     if isinstance(forward, functools.partial) and forward.func is _onednn_forward:
         return CpuLinear.ONEDNN
+    if isinstance(forward, functools.partial) and forward.func is _auto_forward:
+        return CpuLinear.AUTO
     if forward is not None:
         return None
     if not module.weight.is_contiguous() and module.weight.t().is_contiguous():
@@ -98,14 +129,16 @@ def prepare_linears(model: torch.nn.Module, mode: str) -> CpuLinear:
     (``onednn`` falls back to ``transposed`` where oneDNN or the dtype is unsupported)."""
     choice = CpuLinear(mode)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if choice is CpuLinear.ONEDNN:
-        dtype = linears[0].weight.dtype if linears else torch.float32
+    dtype = linears[0].weight.dtype if linears else torch.float32
+    if choice is CpuLinear.AUTO and not (dtype == torch.float32 and cpu_kernels.load()):
+        choice = CpuLinear.ONEDNN  # the kernel is fp32 only, and may not compile here
+    if choice in (CpuLinear.ONEDNN, CpuLinear.AUTO):
         if not onednn_available() or dtype not in _ONEDNN_DTYPES:
             log.warning("oneDNN linear unavailable for %s; using transposed weights", dtype)
             choice = CpuLinear.TRANSPOSED
     for module in linears:
-        if choice is CpuLinear.ONEDNN:
-            _pack(module)
+        if choice in (CpuLinear.ONEDNN, CpuLinear.AUTO):
+            _pack(module, choice)
         elif choice is CpuLinear.TRANSPOSED:
             _transpose(module)
     return choice

@@ -1,4 +1,5 @@
-"""CPU attention with a compiled decode kernel: the ``AttentionOps`` the CPU engine uses.
+"""The compiled CPU kernels, and CPU attention with the decode kernel: the ``AttentionOps``
+the CPU engine uses. (The small-GEMM kernel built beside it serves ``worker/cpu_linear.py``.)
 
 Decode rows (one new token per sequence) run ``cpu_paged_attention.cpp``, which reads each
 sequence's K/V blocks in place from the paged cache: the torch path first gathers every
@@ -34,7 +35,8 @@ from slipstream.worker.ops.metadata import AttentionMetadata
 log = logging.getLogger("slipstream")
 
 ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_paged_attention.cpp", "cpu_small_gemm.cpp"))
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
@@ -66,7 +68,8 @@ def _abi_flag() -> str:
 
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(),
+                 compiler.encode(),
                  " ".join(COMPILE_FLAGS).encode(), _abi_flag().encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -79,12 +82,19 @@ def _build(target: Path, compiler: str) -> None:
     libs = [f"-L{p}" for p in library_paths()]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        subprocess.run([compiler, *COMPILE_FLAGS, _abi_flag(), *includes, "-c", str(SOURCE),
-                        "-o", str(obj)], check=True, capture_output=True, text=True)
+        lib = Path(tmp) / target.name
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        compiles = [subprocess.Popen([compiler, *COMPILE_FLAGS, _abi_flag(), *includes, "-c",
+                                      str(source), "-o", obj], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+                    for source, obj in zip(SOURCES, objects)]
+        for proc in compiles:  # side by side: each takes ~10 s
+            _, err = proc.communicate()
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
         # No -fopenmp here: the OpenMP calls resolve to the runtime torch already loaded
         # (a second runtime would bring a second thread pool).
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), *libs, "-ltorch_cpu",
+        subprocess.run([compiler, "-shared", *objects, "-o", str(lib), *libs, "-ltorch_cpu",
                         "-lc10"], check=True, capture_output=True, text=True)
         os.replace(lib, target)
 
@@ -107,7 +117,7 @@ def _load() -> bool:
     target = _cache_root() / _build_key(compiler) / "slipstream_cpu_kernels.so"
     try:
         if not target.exists():
-            log.info("compiling the CPU attention kernel (once) into %s", target.parent)
+            log.info("compiling the CPU kernels (once) into %s", target.parent)
             _build(target, compiler)
         torch.ops.load_library(str(target))
         return True
