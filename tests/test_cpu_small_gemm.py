@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
 op = torch.ops.slipstream_cpu
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 32])  # below, at and past the row tile
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 25, 32])  # below, at and past the row tile
 @pytest.mark.parametrize("n", [16, 40, 100])  # whole blocks, a pair and a half, a ragged tail
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_gemm_computes_the_linear_product(rows, n, bias):

@@ -17,14 +17,15 @@ def test_vllm_sample_engine_args_map_onto_engine_settings():
                       "enable_prefix_caching": "false", "enable_chunked_prefill": True,
                       "seed": 3, "swap_space": 0.5, "scheduling_policy": "priority",
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                             "prompt_lookup_max": 4}})
+                                             "prompt_lookup_max": 4,
+                                             "disable_by_batch_size": 6}})
     assert args.engine == {
         "model": "default", "gpu_memory_utilization": 0.5, "enable_cuda_graphs": False,
         "max_model_len": 1024, "dtype": "float16", "block_size": 32, "max_num_seqs": 8,
         "max_num_batched_tokens": 256, "enable_prefix_caching": False,
         "enable_chunked_prefill": True, "seed": 3, "swap_space_bytes": 2**29,
         "policy": "priority", "speculative_method": "ngram", "num_speculative_tokens": 3,
-        "ngram_prompt_lookup_max": 4}
+        "ngram_prompt_lookup_max": 4, "speculative_disable_by_batch_size": 6}
     EngineConfig.from_dict(args.engine)  # every mapped value is a valid setting
 
 

@@ -132,6 +132,58 @@ def test_requests_with_penalties_or_min_tokens_do_not_speculate():
     assert_no_leaks(engine)
 
 
+def test_min_tokens_with_ignore_eos_and_no_stop_tokens_still_speculates(plain_outputs):
+    """Then min_tokens blocks nothing (EOS is not blocked under ignore_eos), so drafts are
+    exact: the benchmark's exact-length requests (min_tokens = max_tokens) speculate."""
+    prompts, params = workload()
+    exact = [SamplingParams(max_tokens=p.max_tokens, min_tokens=p.max_tokens, **GREEDY)
+             for p in params]
+    engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=3)
+    assert [r.token_ids for r in engine.generate(prompts, exact)] == plain_outputs("gpt2")
+    assert engine.get_stats().spec_accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
+def _drafts_per_step(engine: LLMEngine, prompts: list, params) -> list:
+    """(running requests, most drafts any request carries) after each step."""
+    seen = []
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        seen.append((len(running), max((len(r.spec_token_ids) for r in running), default=0)))
+    return seen
+
+
+@pytest.mark.parametrize("budget", [6, 12])
+def test_row_budget_caps_each_requests_drafts_by_the_running_batch(plain_outputs, budget):
+    """One row per running request plus its drafts stays within ``speculative_row_budget``:
+    no drafts at all once the batch alone fills it; outputs stay exact."""
+    prompts, params = workload()
+    engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=4,
+                         speculative_row_budget=budget)
+    p = SamplingParams(max_tokens=24, **GREEDY)
+    seen = _drafts_per_step(engine, prompts, p)
+    assert all(n + n * drafts <= budget for n, drafts in seen if drafts), seen
+    assert any(drafts for _, drafts in seen)  # the tail, with few requests left, speculates
+    assert any(n >= budget // 2 for n, _ in seen)  # and the full batch did not
+    plain = make_engine("gpt2").generate(prompts, p)
+    capped = make_engine("gpt2", speculative_method="ngram", speculative_row_budget=budget)
+    assert [r.token_ids for r in capped.generate(prompts, p)] == [r.token_ids for r in plain]
+    assert_no_leaks(engine)
+
+
+def test_disable_by_batch_size_stops_drafting_above_that_many_running_requests():
+    prompts, _ = workload()
+    engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=4,
+                         speculative_disable_by_batch_size=3)
+    seen = _drafts_per_step(engine, prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert all(n <= 3 for n, drafts in seen if drafts), seen
+    assert any(drafts for _, drafts in seen) and any(n > 3 for n, _ in seen)
+    assert_no_leaks(engine)
+
+
 def test_stop_string_inside_accepted_drafts_stops_at_the_same_token():
     prompt = [500, 600] * 6
     plain = make_engine("gpt2")

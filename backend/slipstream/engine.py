@@ -382,21 +382,39 @@ class LLMEngine:
 
     def _propose(self, reqs: list[Request]) -> None:
         """Draft tokens for every request that just sampled and may speculate, in one batch."""
+        cap = self._draft_cap(len(self.scheduler.running))
+        if cap == 0:
+            return
         eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and self._speculates(r)
                     and r.num_tokens - r.num_computed_tokens == 1]
         if eligible:
-            for req, drafts in zip(eligible, self.proposer.propose_batch(eligible)):
+            for req, drafts in zip(eligible, self.proposer.propose_batch(eligible, cap)):
                 req.spec_token_ids = list(drafts)
+
+    def _draft_cap(self, running: int) -> Optional[int]:
+        """Drafts each request may add to the next step (None: no cap): none past
+        ``speculative_disable_by_batch_size`` requests, and within
+        ``speculative_row_budget`` rows, one per request plus its drafts (a step of a few
+        rows is bound by reading the weights, so its extra rows cost little)."""
+        c = self.config
+        if c.speculative_disable_by_batch_size and running > c.speculative_disable_by_batch_size:
+            return 0
+        if c.speculative_row_budget:
+            return max(c.speculative_row_budget - running, 0) // max(running, 1)
+        return None
 
     @staticmethod
     def _speculates(req: Request) -> bool:
         # Penalties and min_tokens are applied once per step from the tokens before it,
         # not per draft row, so such requests would not match plain decoding; a grammar's
         # mask is computed for the next token only, so constrained requests never draft.
+        # min_tokens blocks nothing when EOS is ignored and there are no stop tokens.
         p = req.params
+        min_tokens_inert = p.ignore_eos and not p.stop_token_ids
         return (req.grammar is None and req.group is None and p.use_speculation
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty and req.num_output_tokens >= p.min_tokens)
+                and not p.frequency_penalty
+                and (req.num_output_tokens >= p.min_tokens or min_tokens_inert))
 
     def _report(self, update: RequestUpdate) -> list[RequestOutput]:
         """The client's view of one update: its outputs (none while best_of holds them back)."""

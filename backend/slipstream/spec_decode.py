@@ -47,10 +47,11 @@ from slipstream.core.request import Request, RequestStatus
 log = logging.getLogger("slipstream")
 
 
-def max_drafts(req: Request, config: EngineConfig) -> int:
+def max_drafts(req: Request, config: EngineConfig, cap: Optional[int] = None) -> int:
     """How many drafts are worth proposing: a step appends at most ``drafts + 1`` tokens,
-    which must fit both ``max_tokens`` and ``max_model_len``."""
-    k = min(config.num_speculative_tokens,
+    which must fit both ``max_tokens`` and ``max_model_len``; at most ``cap`` (the step's
+    share of the draft rows, ``LLMEngine._draft_cap``)."""
+    k = min(config.num_speculative_tokens, config.num_speculative_tokens if cap is None else cap,
             req.params.max_tokens - req.num_output_tokens - 1,
             config.max_model_len - req.num_tokens - 1)
     return max(k, 0)
@@ -60,11 +61,11 @@ class Proposer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    def propose(self, req: Request) -> list[int]:
-        return self.propose_batch([req])[0]
+    def propose(self, req: Request, cap: Optional[int] = None) -> list[int]:
+        return self.propose_batch([req], cap)[0]
 
-    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
-        return [self.propose(r) for r in reqs]
+    def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
+        return [self.propose(r, cap) for r in reqs]
 
     def discard(self, request_id: str) -> None:
         """Forget per-request state (no-op for stateless proposers)."""
@@ -80,14 +81,14 @@ class NgramProposer(Proposer):
         if self.n_max < self.n_min:
             raise ValueError("ngram_prompt_lookup_max must be >= ngram_prompt_lookup_min")
 
-    def propose(self, req: Request) -> list[int]:
-        k = max_drafts(req, self.config)
+    def propose(self, req: Request, cap: Optional[int] = None) -> list[int]:
+        k = max_drafts(req, self.config, cap)
         if k <= 0:
             return []
         return ngram_lookup(req.all_token_ids, k, self.n_min, self.n_max)
 
-    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
-        return [self.propose(r) for r in reqs]
+    def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
+        return [self.propose(r, cap) for r in reqs]
 
 
 def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -204,14 +205,14 @@ class DraftModelProposer(Proposer):
         return shadow
 
     # -- proposing ------------------------------------------------------------------------
-    def propose_batch(self, reqs: list[Request]) -> list[list[int]]:
+    def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
         from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
         self._collect_garbage()
         out = [[] for _ in reqs]
         active: list = []
         for i, req in enumerate(reqs):
-            k = max_drafts(req, self.config)
+            k = max_drafts(req, self.config, cap)
             if k <= 0:
                 continue
             shadow = self._sync(req)

@@ -52,6 +52,13 @@ class EngineConfig:
     speculative_method: Optional[str] = None  # None, "ngram" or "draft"
     num_speculative_tokens: int = 4
     speculative_model: Optional[str] = None
+    # vLLM's disable_by_batch_size: no drafts in a step while more requests than this run
+    # (0: no limit). Verifying drafts is nearly free while a step is bound by reading the
+    # weights (few rows), and costs compute once the batch is large.
+    speculative_disable_by_batch_size: int = 0
+    # Drafts per request in a step are capped so that the step's decode rows (one per
+    # running request, plus drafts) stay within this (0: no cap).
+    speculative_row_budget: int = 0
     ngram_prompt_lookup_max: int = 3
     ngram_prompt_lookup_min: int = 1
 
@@ -82,6 +89,10 @@ class EngineConfig:
             positive(name)
         if self.max_model_len is not None:
             positive("max_model_len")
+        for name in ("speculative_disable_by_batch_size", "speculative_row_budget"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:

@@ -64,7 +64,7 @@ def _speculative_config(value: Any) -> dict:
     if not isinstance(value, dict):
         raise ValueError("speculative_config must be an object")
     known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
-             "prompt_lookup_min"}
+             "prompt_lookup_min", "disable_by_batch_size"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
@@ -80,7 +80,8 @@ def _speculative_config(value: Any) -> dict:
     out = {"speculative_method": method}
     renames = {"model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens",
                "prompt_lookup_max": "ngram_prompt_lookup_max",
-               "prompt_lookup_min": "ngram_prompt_lookup_min"}
+               "prompt_lookup_min": "ngram_prompt_lookup_min",
+               "disable_by_batch_size": "speculative_disable_by_batch_size"}
     out.update({renames[k]: v for k, v in value.items() if k in renames})
     return out
 

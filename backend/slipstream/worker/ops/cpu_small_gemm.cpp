@@ -4,7 +4,7 @@
 // oneDNN's inner product reads it at ~20 GB/s here against ~33 GB/s the memory gives a plain
 // stream. This kernel streams a weight packed as [N/16][K][16] (16 output columns side by
 // side, zero-padded) once per call: each 64-byte load of the weight feeds one FMA per row.
-// Rows beyond a tile of 8 re-read the block from cache, not memory.
+// Rows beyond a tile of 12 re-read the block from cache, not memory.
 //
 // Built with cpu_paged_attention.cpp by slipstream/worker/ops/cpu_kernels.py:
 // torch.ops.slipstream_cpu.pack_small_gemm_weight, torch.ops.slipstream_cpu.small_gemm.
@@ -22,7 +22,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // output columns per packed block
-constexpr int kRowTile = 8;     // rows sharing one pass over a block pair
+constexpr int kRowTile = 12;    // rows sharing one pass over a block pair (24 accumulators)
 
 // acc[m][b] (b: one of two column blocks) += x[m, k] * w[b][k] over k; then y = acc + bias.
 template <int M>
@@ -82,8 +82,9 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int, float*, int64_t,
                         int64_t, int64_t, const float*);
-constexpr TileFn kTiles[kRowTile + 1] = {nullptr,  tile<1>, tile<2>, tile<3>, tile<4>,
-                                         tile<5>,  tile<6>, tile<7>, tile<8>};
+constexpr TileFn kTiles[kRowTile + 1] = {nullptr,  tile<1>, tile<2>,  tile<3>,  tile<4>,
+                                         tile<5>,  tile<6>, tile<7>,  tile<8>,  tile<9>,
+                                         tile<10>, tile<11>, tile<12>};
 
 // [N, K] -> [ceil(N/16), K, 16], the columns past N zero.
 at::Tensor pack_small_gemm_weight(const at::Tensor& weight) {
