@@ -174,6 +174,29 @@ def test_row_budget_caps_each_requests_drafts_by_the_running_batch(plain_outputs
     assert_no_leaks(engine)
 
 
+def test_seeded_sampled_requests_keep_their_text_whatever_the_batch_under_a_row_budget():
+    """With drafts capped by the batch, a seeded sampled request would draw a different number
+    of random values per step depending on its neighbours: it does not draft, and its text is
+    the same alone and beside others."""
+    prompt = [500, 600] * 6
+    seeded = SamplingParams(max_tokens=16, temperature=1.5, seed=11, ignore_eos=True)
+
+    def run(neighbours: int) -> list:
+        # A draft model drafts every step (prompt lookup finds nothing in random text).
+        engine = make_engine("gpt2", speculative_method="draft", speculative_row_budget=12,
+                             speculative_model=str(tiny_model_dir("gpt2")))
+        for _ in range(neighbours):
+            engine.add_request(prompt, SamplingParams(max_tokens=16, **GREEDY))
+        mine = engine.add_request(prompt, seeded).request_id
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for out in engine.step() if out.request_id == mine for t in out.token_ids]
+        assert engine.get_stats().spec_draft_tokens > 0 or neighbours == 0
+        return tokens
+
+    assert run(0) == run(5)
+
+
 def test_disable_by_batch_size_stops_drafting_above_that_many_running_requests():
     prompts, _ = workload()
     engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=4,

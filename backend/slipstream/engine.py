@@ -387,6 +387,10 @@ class LLMEngine:
             return
         eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and self._speculates(r)
                     and r.num_tokens - r.num_computed_tokens == 1]
+        if cap is not None:
+            # A seeded sampled request draws one number per row, so its text would depend on
+            # how many requests it shared steps with: it drafts only while that is fixed.
+            eligible = [r for r in eligible if r.params.seed is None or r.params.greedy]
         if eligible:
             for req, drafts in zip(eligible, self.proposer.propose_batch(eligible, cap)):
                 req.spec_token_ids = list(drafts)
