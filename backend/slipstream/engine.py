@@ -29,6 +29,7 @@ from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.cpu_norm import prepare_norms
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import (PerRequestError, Sampler, prepare as prepare_sampling,
@@ -55,6 +56,7 @@ class LLMEngine:
         self.config = config = model_loader.fit_max_model_len(config, self.model.config)
         if self.device.type == "cpu":
             prepare_linears(self.model, config.cpu_linear)
+            prepare_norms(self.model)
         self.lora: Optional[LoraLayers] = None
         if config.enable_lora:  # after packing: adapters wrap the packed linears
             self.lora = load_lora_layers(config.lora_modules, self.model, config.max_lora_rank,

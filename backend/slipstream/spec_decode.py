@@ -132,6 +132,7 @@ class DraftModelProposer(Proposer):
         from slipstream.worker import model_loader
         from slipstream.worker.kv_cache import KVCache, KVGeometry
         from slipstream.worker.cpu_linear import prepare_linears
+        from slipstream.worker.cpu_norm import prepare_norms
         from slipstream.worker.model_runner import ModelRunner
 
         self.engine = engine
@@ -142,6 +143,7 @@ class DraftModelProposer(Proposer):
             self.model = model_loader.load_model(path, engine.dtype, engine.device)
             if engine.device.type == "cpu":
                 prepare_linears(self.model, config.cpu_linear)
+                prepare_norms(self.model)
         self.draft_vocab = self.model.get_input_embeddings().num_embeddings
         target_vocab = engine.model.get_input_embeddings().num_embeddings
         if self.draft_vocab < len(engine.tokenizer):

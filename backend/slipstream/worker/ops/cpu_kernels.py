@@ -36,7 +36,7 @@ log = logging.getLogger("slipstream")
 
 ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_paged_attention.cpp", "cpu_small_gemm.cpp"))
+                for name in ("cpu_paged_attention.cpp", "cpu_small_gemm.cpp", "cpu_rms_norm.cpp"))
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
