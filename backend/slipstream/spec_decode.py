@@ -51,10 +51,9 @@ def max_drafts(req: Request, config: EngineConfig, cap: Optional[int] = None) ->
     """How many drafts are worth proposing: a step appends at most ``drafts + 1`` tokens,
     which must fit both ``max_tokens`` and ``max_model_len``; at most ``cap`` (the step's
     share of the draft rows, ``LLMEngine._draft_cap``)."""
-    k = min(config.num_speculative_tokens, config.num_speculative_tokens if cap is None else cap,
-            req.params.max_tokens - req.num_output_tokens - 1,
+    k = min(config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
             config.max_model_len - req.num_tokens - 1)
-    return max(k, 0)
+    return max(k if cap is None else min(k, cap), 0)
 
 
 class Proposer:
@@ -86,9 +85,6 @@ class NgramProposer(Proposer):
         if k <= 0:
             return []
         return ngram_lookup(req.all_token_ids, k, self.n_min, self.n_max)
-
-    def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
-        return [self.propose(r, cap) for r in reqs]
 
 
 def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -17,8 +17,8 @@ import torch
 from slipstream.worker.ops import cpu_kernels
 
 # x * rsqrt(mean(x^2) + eps) * weight, in float32 for an fp32 model (Gemma's adds 1 to the
-# weight: not one of these).
-_LLAMA_STYLE = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+# weight: not one of these). The lean forward accepts the same classes.
+LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 
 def _forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def prepare_norms(model: torch.nn.Module) -> int:
     """Route every fp32 Llama-style RMSNorm of a CPU model through the kernel; returns how
     many were (0 where the kernel is unavailable)."""
-    norms = [m for m in model.modules() if type(m).__name__ in _LLAMA_STYLE
+    norms = [m for m in model.modules() if type(m).__name__ in LLAMA_STYLE_NORMS
              and getattr(m, "weight", None) is not None and m.weight.dtype == torch.float32]
     if not norms or not cpu_kernels.load():
         return 0

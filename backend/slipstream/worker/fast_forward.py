@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import applied_mode, fused_linear
+from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
 
 # model_type -> how a layer finds its sliding window (None: no window)
 _WINDOW: dict = {
@@ -31,8 +32,6 @@ _WINDOW: dict = {
     "mistral": lambda config, attn: getattr(config, "sliding_window", None),
     "qwen2": lambda config, attn: getattr(attn, "sliding_window", None),
 }
-_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-
 
 Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
@@ -176,7 +175,7 @@ def _is_plain_llama(model: torch.nn.Module, config) -> bool:
         return False
     if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return False
-    if type(base.norm).__name__ not in _NORM_CLASSES or not hasattr(model, "lm_head"):
+    if type(base.norm).__name__ not in LLAMA_STYLE_NORMS or not hasattr(model, "lm_head"):
         return False
     if next(model.parameters()).dtype != torch.float32:
         return False
@@ -191,6 +190,6 @@ def _is_plain_llama(model: torch.nn.Module, config) -> bool:
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
             return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm).__name__ not in _NORM_CLASSES:
+            if type(norm).__name__ not in LLAMA_STYLE_NORMS:
                 return False
     return True

@@ -88,8 +88,8 @@ def _build(target: Path, compiler: str) -> None:
                                       str(source), "-o", obj], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
                     for source, obj in zip(SOURCES, objects)]
-        for proc in compiles:  # side by side: each takes ~10 s
-            _, err = proc.communicate()
+        errors = [proc.communicate()[1] for proc in compiles]  # side by side: ~10 s each
+        for proc, err in zip(compiles, errors):  # all finished before the folder goes
             if proc.returncode:
                 raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
         # No -fopenmp here: the OpenMP calls resolve to the runtime torch already loaded
