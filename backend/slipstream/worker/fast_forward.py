@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
+from slipstream.worker.ops import cpu_kernels
 
 # model_type -> how a layer finds its sliding window (None: no window)
 _WINDOW: dict = {
@@ -57,6 +58,26 @@ _PROJECTIONS: "weakref.WeakKeyDictionary[torch.nn.Module, Projection]" = weakref
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  head_dim: int) -> torch.Tensor:
+    """``modeling_llama``'s formula: x ``[T, heads*D]``, cos/sin ``[T, D]`` -> ``[T, heads, D]``."""
+    x = x.reshape(x.shape[0], -1, head_dim)
+    return (x * cos[:, None, :]) + (_rotate_half(x) * sin[:, None, :])
+
+
+def _kernel_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   head_dim: int) -> torch.Tensor:
+    """The same in one compiled pass (``ops/cpu_rotary.cpp``), bit for bit."""
+    out = torch.ops.slipstream_cpu.rotary(x, cos, sin, head_dim)
+    return out.view(x.shape[0], -1, head_dim)
+
+
+def _rotary_for(model: torch.nn.Module) -> Callable:
+    if next(model.parameters()).dtype == torch.float32 and cpu_kernels.load():
+        return _kernel_rotary
+    return _torch_rotary
 
 
 def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,7 +143,7 @@ class FastForward:
         self.num_kv_heads = model.config.num_key_value_heads
         self.head_dim = layers[0].o.in_features // self.num_heads
         self.final_norm = _fused_norm(self.base.norm)
-        self.act = F.silu
+        self.rotary = _rotary_for(model)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, fuse: bool = True) -> Optional["FastForward"]:
@@ -151,19 +172,22 @@ class FastForward:
         t = input_ids.shape[0]
         hidden = self.base.embed_tokens(input_ids[None])  # [1, T, hidden]
         cos, sin = self.base.rotary_emb(hidden, positions[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        cos, sin = cos[0], sin[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
             x = layer.norm_in(hidden)
             q, k, v = layer.qkv(x)
-            q, k, v = q.reshape(t, h, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            out = attention_step(layer.index, q, k, v, layer.scaling, layer.sliding_window)
-            hidden = hidden + layer.o(out.reshape(1, t, h * d))
+            q = self.rotary(q[0], cos, sin, d)
+            k = self.rotary(k[0], cos, sin, d)
+            out = attention_step(layer.index, q, k, v.reshape(t, hkv, d), layer.scaling,
+                                 layer.sliding_window)
+            # In place where the operands are this step's own temporaries: the same
+            # arithmetic without a fresh [T, width] buffer per operator (page faults at
+            # prefill sizes).
+            hidden.add_(layer.o(out.reshape(1, t, h * d)))
             x = layer.norm_post(hidden)
             gate, up = layer.gate_up(x)
-            hidden = hidden + layer.down(self.act(gate) * up)
+            hidden.add_(layer.down(F.silu(gate, inplace=True).mul_(up)))
         hidden = self.final_norm(hidden)
         return self.model.lm_head(hidden[:, keep, :])[0]
 

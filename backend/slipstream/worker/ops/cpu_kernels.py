@@ -36,11 +36,17 @@ log = logging.getLogger("slipstream")
 
 ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_paged_attention.cpp", "cpu_small_gemm.cpp", "cpu_rms_norm.cpp"))
+                for name in ("cpu_paged_attention.cpp", "cpu_small_gemm.cpp", "cpu_rms_norm.cpp",
+                             "cpu_rotary.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
                  "-DNDEBUG", "-w")
+# Kernels that must round exactly as torch's separate operators do: no reassociation and no
+# fused multiply-add (a product and a sum each round once, as torch's mul and add do).
+EXACT_FLAGS = ("-fno-fast-math", "-ffp-contract=off")
+EXACT_SOURCES = ("cpu_rotary.cpp",)
 
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": bool, "error": str
@@ -68,11 +74,17 @@ def _abi_flag() -> str:
 
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
+                 torch.__version__.encode(),
                  compiler.encode(),
-                 " ".join(COMPILE_FLAGS).encode(), _abi_flag().encode(), _cpu_flags().encode()):
+                 " ".join(COMPILE_FLAGS + EXACT_FLAGS + EXACT_SOURCES).encode(),
+                 _abi_flag().encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
+
+
+def _flags(source: Path) -> tuple:
+    return COMPILE_FLAGS + (EXACT_FLAGS if source.name in EXACT_SOURCES else ())
 
 
 def _build(target: Path, compiler: str) -> None:
@@ -84,7 +96,7 @@ def _build(target: Path, compiler: str) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         lib = Path(tmp) / target.name
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
-        compiles = [subprocess.Popen([compiler, *COMPILE_FLAGS, _abi_flag(), *includes, "-c",
+        compiles = [subprocess.Popen([compiler, *_flags(source), _abi_flag(), *includes, "-c",
                                       str(source), "-o", obj], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
                     for source, obj in zip(SOURCES, objects)]

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_parallel.h"
+
 namespace {
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -76,7 +78,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   // item is one (sequence, KV head) pair instead.
   const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? Hkv : 1;
   const int64_t items_per_seq = Hkv / heads_per_item;
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Items are taken one at a time: sequences differ in length, and a thread stalled by
+  // another process must not hold up the rest.
+  slipstream_cpu::dynamic_for(num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(heads_per_item * G * D), sums(heads_per_item * G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_parallel.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -119,7 +121,8 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   float* yp = y.data_ptr<float>();
   const int64_t blocks = packed.size(0), pairs = (blocks + 1) / 2;
   // Each task: one pair of column blocks, every row tile; the pair stays in cache meanwhile.
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  // Taken one pair at a time (~2-3 us of work each): a stalled thread's share moves on.
+  slipstream_cpu::dynamic_for(pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int nb = static_cast<int>(std::min<int64_t>(2, blocks - 2 * p));
       const float* w = wp + 2 * p * K * kLanes;
