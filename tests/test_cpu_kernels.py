@@ -35,7 +35,28 @@ def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
                           kw.get("softcap"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
     plan = meta.scratch["cpu_plan"]
-    assert plan.decode.rows.tolist() == [0, 6, 7, 17] and len(plan.prefill) == 2
+    # the 5-token chunk is five kernel rows; the 9-token chunk is prefill
+    assert plan.decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 17]
+    assert plan.decode.seq_lens.tolist() == [3, 8, 9, 10, 11, 12, 60, 2, 33]
+    assert [(c.start, c.q_len) for c in plan.prefill] == [(8, 9)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 6}, {"softcap": 4.0}])
+def test_a_verification_step_runs_every_token_on_the_kernel_causally(kw):
+    """Speculative verification: each sequence computes 1 + its drafts tokens at the end of
+    its context; token j sees the context up to itself, not the drafts after it."""
+    torch.manual_seed(3)
+    bs, hkv, h, d = 4, 3, 9, 16
+    q_lens = [5, 3, 1, cpu_kernels.MAX_KERNEL_QUERY]
+    seq_lens = [40, 7, 19, 70]
+    tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
+    q = torch.randn(sum(q_lens), h, d)
+    got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
+    want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
+                      kw.get("softcap"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plan = meta.scratch["cpu_plan"]
+    assert plan.prefill == [] and len(plan.decode.rows) == sum(q_lens)
 
 
 def test_other_dtypes_use_the_torch_path():
