@@ -1,9 +1,11 @@
 // Work sharing for the compiled CPU kernels: threads take chunks from a shared counter.
 //
 // at::parallel_for hands each thread a fixed share up front, so a kernel ends when its
-// slowest thread does. In a server the model's threads share the cores with the response
-// sender, tritonserver and the client: one preempted thread then stalls the whole step for
-// as long as it waits. Taking chunks as they go, the other thread does that share meanwhile.
+// slowest thread has done all of its share. In a server the model's threads share the cores
+// with the response sender, tritonserver and the client, and one of them is preempted now
+// and then. Taking chunks as they go, the other thread works through the late one's share
+// meanwhile; the region still ends only when the late thread reaches its end, but it no
+// longer has a whole share left to do when it gets its core back.
 #pragma once
 
 #include <ATen/Parallel.h>
