@@ -35,28 +35,44 @@ def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
                           kw.get("softcap"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
     plan = meta.scratch["cpu_plan"]
-    # the 5-token chunk is five kernel rows; the 9-token chunk is prefill
-    assert plan.decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 17]
-    assert plan.decode.seq_lens.tolist() == [3, 8, 9, 10, 11, 12, 60, 2, 33]
-    assert [(c.start, c.q_len) for c in plan.prefill] == [(8, 9)]
+    assert plan.decode.rows.tolist() == [0, 6, 7, 17] and len(plan.prefill) == 2
 
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 6}, {"softcap": 4.0}])
-def test_a_verification_step_runs_every_token_on_the_kernel_causally(kw):
-    """Speculative verification: each sequence computes 1 + its drafts tokens at the end of
-    its context; token j sees the context up to itself, not the drafts after it."""
+def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
+    """Speculative verification: a sequence computes its last token and its drafts at the end
+    of its context; token j sees the context up to itself, not the drafts after it. A prompt
+    chunk of the same length stays on the torch path."""
     torch.manual_seed(3)
     bs, hkv, h, d = 4, 3, 9, 16
-    q_lens = [5, 3, 1, cpu_kernels.MAX_KERNEL_QUERY]
-    seq_lens = [40, 7, 19, 70]
+    q_lens = [5, 3, 1, 5, 9]
+    seq_lens = [40, 7, 19, 70, 30]
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
+    meta.verify_host = [True, True, False, False, True]
     q = torch.randn(sum(q_lens), h, d)
     got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
     want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
                       kw.get("softcap"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     plan = meta.scratch["cpu_plan"]
-    assert plan.prefill == [] and len(plan.decode.rows) == sum(q_lens)
+    assert [(c.start, c.q_len) for c in plan.prefill] == [(9, 5)]  # the prompt chunk
+    assert plan.decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] + list(range(14, 23))
+    assert plan.decode.seq_lens.tolist() == [36, 37, 38, 39, 40, 5, 6, 7, 19] + list(range(22, 31))
+
+
+def test_a_verification_row_equals_the_decode_row_it_stands_for():
+    """Batch invariance: the kernel row of draft j is computed exactly as the decode step
+    that would have produced it alone computes it, bit for bit."""
+    torch.manual_seed(4)
+    bs, hkv, h, d = 4, 3, 9, 16
+    tables, kc, vc, meta = mixed_step([4], [23], bs, hkv, d)
+    meta.verify_host = [True]
+    q = torch.randn(4, h, d)
+    verified = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4)
+    for j in range(4):
+        alone = cpu_kernels.paged_decode_attention(q[j:j + 1], kc, vc, tables[:1],
+                                                   torch.tensor([20 + j], dtype=torch.int32), 0.4)
+        assert torch.equal(verified[j], alone[0])
 
 
 def test_other_dtypes_use_the_torch_path():

@@ -87,6 +87,7 @@ class ModelRunner:
         q_lens: list = []
         seq_lens: list = []
         tables: list = []
+        verify: list = []
         sample_rows: list = [None] * len(sched.scheduled)
         prompt_rows: list = [None] * len(sched.scheduled)
         lora_spans: list = []
@@ -104,6 +105,7 @@ class ModelRunner:
             q_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
+            verify.append(bool(item.spec_token_ids))  # drafts only follow a decoded token
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
             sample_rows[i] = list(range(row0 + n - k, row0 + n))
@@ -111,7 +113,9 @@ class ModelRunner:
             if self.lora is not None:
                 lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
+        verify.extend([False] * (len(q_lens) - len(verify)))  # padding rows
         batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
+        batch.meta.verify_host = verify
         batch.prompt_rows = prompt_rows
         if self.lora is not None:
             batch.lora = self.lora.mapping_for(lora_spans, self.device)

@@ -1,8 +1,8 @@
 """The compiled CPU kernels, and CPU attention with the decode kernel: the ``AttentionOps``
 the CPU engine uses. (The small-GEMM kernel built beside it serves ``worker/cpu_linear.py``.)
 
-Decode rows (one new token per sequence), and each token of a short chunk (speculative
-verification) as a row of its own, run ``cpu_paged_attention.cpp``, which reads each
+Decode rows (one new token per sequence), and each token of a speculative verification chunk
+as a row of its own, run ``cpu_paged_attention.cpp``, which reads each
 sequence's K/V blocks in place from the paged cache: the torch path first gathers every
 decode sequence's blocks into a padded copy (in every layer) and then attends over the copy,
 moving the context twice. Prefill chunks keep the torch path (fused SDPA on the gathered
@@ -155,19 +155,17 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 # ---------------------------------------------------------------------------- the operators
-# Chunks of at most this many new tokens (speculative verification: 1 + the drafts) run as
-# that many kernel rows, each at its own causal length, reading the blocks in place. The
-# torch path would gather the sequence's whole context and build masks in every layer
-# (~0.3 ms a sequence and layer): a 12-row verification step at batch 3-5 took 50-85 ms
-# against 35 ms for a plain decode step at batch 7. Longer chunks are prefill: compute-bound,
-# where SDPA over one gathered copy is the better use of the two cores.
-MAX_KERNEL_QUERY = 8
-
-
+# A verification chunk (a decoded token and its drafts) runs as one kernel row per token, each
+# at its own causal length, reading the blocks in place: exactly the rows plain decoding would
+# compute one step at a time. The torch path would gather the sequence's whole context and
+# build masks in every layer (~0.3 ms a sequence and layer): a 12-row verification step at
+# batch 3-5 took 50-55 ms against 33-35 ms for a plain batch-7 step. Prompt chunks stay on
+# the torch path whatever their length, so that a prompt token's path never depends on how
+# the step's budget happened to split its prompt (outputs independent of the batch).
 @dataclass
 class _DecodeRows:
-    """The step's kernel rows (same in every layer): every token of a short chunk, each
-    attending to its sequence's context up to and including itself."""
+    """The step's kernel rows (same in every layer): decode rows and every token of a
+    verification chunk, each attending to its sequence's context up to and including itself."""
     rows: torch.Tensor  # [n] int64: their rows in the step's query
     tables: torch.Tensor  # [n, max_blocks] int32
     seq_lens: torch.Tensor  # [n] int32: the context each row sees
@@ -187,7 +185,7 @@ def _kernel_rows(meta: AttentionMetadata, starts: list[int]) -> Optional[_Decode
                            meta.seq_lens.to(torch.int32).contiguous())
     rows, seqs, lens = [], [], []
     for i, n in enumerate(q_lens):
-        if n > MAX_KERNEL_QUERY:
+        if not _on_kernel(meta, i):
             continue
         for j in range(n):  # token j sits at position seq_len - n + j
             rows.append(starts[i] + j)
@@ -200,6 +198,10 @@ def _kernel_rows(meta: AttentionMetadata, starts: list[int]) -> Optional[_Decode
                        torch.tensor(lens, dtype=torch.int32))
 
 
+def _on_kernel(meta: AttentionMetadata, i: int) -> bool:
+    return meta.query_lens_host[i] == 1 or (i < len(meta.verify_host) and meta.verify_host[i])
+
+
 def _build_plan(meta: AttentionMetadata, group: int, block_size: int) -> _Plan:
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = [0]
@@ -207,7 +209,7 @@ def _build_plan(meta: AttentionMetadata, group: int, block_size: int) -> _Plan:
         starts.append(starts[-1] + n)
     prefill = [torch_ops._prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i:i + 1],
                                         group, block_size)
-               for i, n in enumerate(q_lens) if n > MAX_KERNEL_QUERY]
+               for i, n in enumerate(q_lens) if not _on_kernel(meta, i)]
     return _Plan(_kernel_rows(meta, starts), prefill)
 
 

@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Host copies used by the torch path to split work without device syncs.
     query_lens_host: list
     seq_lens_host: list
+    # verify_host[i]: sequence i's new tokens are its last decoded token and its drafts
+    # (speculative verification), not a prompt chunk; empty = none are.
+    verify_host: list = field(default_factory=list)
     # Per-step values an operator derives once and reuses in every layer (the torch path's
     # length groups and masks); a new metadata object comes with every step.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)
