@@ -8,8 +8,10 @@ arithmetic in one flat loop: the same Linear weights in the same library (q, k, 
 up each as one GEMM where that is bit-identical: one call and one read of the input instead
 of three and two; vLLM fuses them the same way), the model's own embedding and rotary modules, the rotary formula and residual order of
 ``modeling_llama``, ``F.rms_norm`` where it is bit-identical to the model's RMSNorm (checked
-once per model; the module itself otherwise), and the paged attention operators. Logits are
-the Hugging Face forward's, bit for bit, where the norm check passes.
+once per model; the module itself otherwise), the rotary formula in one compiled pass that
+rounds as torch's operators do (``ops/cpu_rotary.cpp``, fp32 with the CPU kernels loaded),
+and the paged attention operators. Logits are the Hugging Face forward's, bit for bit, where
+the norm check passes.
 
 Models whose structure differs from this (other norms, activations, attention variants)
 keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
