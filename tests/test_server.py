@@ -464,6 +464,34 @@ def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
             client.close()
 
 
+def test_a_request_cancelled_while_it_waits_is_noticed_and_ends_cancelled(tiny_model, tmp_path):
+    """A request with nothing to send yet is asked about cancellation less often than a
+    streaming one (IDLE_CANCEL_POLL_S), but still asked: cancelled in the queue, it ends
+    CANCELLED within a few seconds, and the running request goes on to its end."""
+    repo = render_model_repository(REPO, tmp_path / "repo", {
+        "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1})
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
+                      startup_timeout=300) as srv:
+        runner, waiter = StreamClient(srv.grpc_url), StreamClient(srv.grpc_url)
+        try:
+            long = {"temperature": 0, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
+            runner.send("running", text_inputs("first", sampling=long))
+            runner.queues["running"].get(timeout=60)  # it holds the only sequence slot
+            waiter.send("waiting", text_inputs("second", sampling=long))
+            time.sleep(0.3)
+            assert waiter.queues["waiting"].empty()  # still queued: nothing streamed
+            waiter.close(cancel=True)
+            deadline = time.monotonic() + 10
+            while "slipstream: cancelling request" not in srv.log_tail(10**6):
+                assert time.monotonic() < deadline, "the waiting request's cancel went unseen"
+                time.sleep(0.05)
+            final = runner.responses("running")[-1]
+            assert final.get_response().parameters["triton_final_response"].bool_param
+            assert runner.errors.empty()
+        finally:
+            runner.close()
+
+
 @pytest.mark.slow
 def test_serve_cli_default_model_answers_paris():
     """The README demo: `slipstream serve --prompt ... --exit-after-prompt` on SmolLM2."""
