@@ -158,7 +158,9 @@ def test_stop_unloads_first_so_an_idle_keepalive_connection_costs_nothing(tiny_m
     try:
         idle.request("GET", "/v2/health/ready")
         assert idle.getresponse().read() == b""
-        clients = Clients(server, sampling={**LONG, "max_tokens": 40})
+        # Long enough to be seen running: at 40 tokens the tiny model could finish all four
+        # between two metrics updates on a loaded machine, and the wait below never saw them.
+        clients = Clients(server, sampling={**LONG, "max_tokens": 200})
         wait_streaming(server, 1)
         server.stop()
         stopped = time.monotonic()
