@@ -114,8 +114,7 @@ class ModelRunner:
                 lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         verify.extend([False] * (len(q_lens) - len(verify)))  # padding rows
-        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows)
-        batch.meta.verify_host = verify
+        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify)
         batch.prompt_rows = prompt_rows
         if self.lora is not None:
             batch.lora = self.lora.mapping_for(lora_spans, self.device)
@@ -142,7 +141,8 @@ class ModelRunner:
             seq_lens.append(width)
             tables.append([0] * -(-width // self.block_size))
 
-    def _to_batch(self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows) -> StepBatch:
+    def _to_batch(self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows,
+                  verify) -> StepBatch:
         width = max(len(t) for t in tables)
         table_arr = np.full((len(tables), width), -1, dtype=np.int32)
         for i, t in enumerate(tables):
@@ -160,6 +160,7 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens_host=q_lens,
             seq_lens_host=seq_lens,
+            verify_host=verify,
         )
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)

@@ -216,8 +216,8 @@ def _build_plan(meta: AttentionMetadata, group: int, block_size: int) -> _Plan:
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
                     softcap: Optional[float] = None) -> torch.Tensor:
-    """``AttentionOps.paged_attention``: decode rows and short chunks by the kernel, prefill
-    chunks by torch."""
+    """``AttentionOps.paged_attention``: decode rows and verification chunks by the kernel,
+    prompt chunks by torch."""
     if not supports(query.dtype) or key_cache.dtype != torch.float32:
         return torch_ops.paged_attention(query, key_cache, value_cache, meta, scale,
                                          sliding_window, softcap)

@@ -81,7 +81,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   // Items are taken one at a time: sequences differ in length, and a thread stalled by
   // another process must not hold up the rest.
   slipstream_cpu::dynamic_for(num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(heads_per_item * G * D), sums(heads_per_item * G);
+    // Per thread, not per call: dynamic_for calls this once per item.
+    thread_local std::vector<float> scores, acc, sums;
+    acc.resize(heads_per_item * G * D);
+    sums.resize(heads_per_item * G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t h0 = (item % items_per_seq) * heads_per_item;  // first KV head
