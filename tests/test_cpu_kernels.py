@@ -1,4 +1,5 @@
-"""The compiled CPU decode kernel computes what the torch reference computes."""
+"""The compiled CPU attention kernels (decode and prefill) compute what the torch reference
+computes, and a row's result never depends on the rows computed beside it."""
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_decode_kernel_equals_the_torch_path(lens, kw):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
+def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefill_kernel():
     torch.manual_seed(1)
     bs, hkv, h, d = 4, 3, 9, 16
     q_lens = [1, 5, 1, 1, 9, 1]
@@ -35,14 +36,16 @@ def test_mixed_step_decode_rows_by_kernel_prefill_by_torch():
                           kw.get("softcap"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
     plan = meta.scratch["cpu_plan"]
-    assert plan.decode.rows.tolist() == [0, 6, 7, 17] and len(plan.prefill) == 2
+    assert plan.decode.rows.tolist() == [0, 6, 7, 17]
+    assert plan.prompts.chunks.tolist() == [[1, 5, 12], [8, 9, 9]]
+    assert plan.torch_chunks is not None  # the softcapped layer's way
 
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 6}, {"softcap": 4.0}])
 def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
     """Speculative verification: a sequence computes its last token and its drafts at the end
     of its context; token j sees the context up to itself, not the drafts after it. A prompt
-    chunk of the same length stays on the torch path."""
+    chunk of the same length goes to the prefill kernel."""
     torch.manual_seed(3)
     bs, hkv, h, d = 4, 3, 9, 16
     q_lens = [5, 3, 1, 5, 9]
@@ -55,7 +58,7 @@ def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
                       kw.get("softcap"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     plan = meta.scratch["cpu_plan"]
-    assert [(c.start, c.q_len) for c in plan.prefill] == [(9, 5)]  # the prompt chunk
+    assert plan.prompts.chunks.tolist() == [[9, 5, 70]]  # the prompt chunk
     assert plan.decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] + list(range(14, 23))
     assert plan.decode.seq_lens.tolist() == [36, 37, 38, 39, 40, 5, 6, 7, 19] + list(range(22, 31))
 
@@ -73,6 +76,50 @@ def test_a_verification_row_equals_the_decode_row_it_stands_for():
         alone = cpu_kernels.paged_decode_attention(q[j:j + 1], kc, vc, tables[:1],
                                                    torch.tensor([20 + j], dtype=torch.int32), 0.4)
         assert torch.equal(verified[j], alone[0])
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_prefill_kernel_equals_the_reference(d, window):
+    """Every head size the kernel has, chunks after cached context (prefix hits, earlier
+    chunks), partial row tiles and a 200-row chunk over several work items."""
+    torch.manual_seed(5)
+    bs, hkv, h = 16, 3, 9
+    q_lens = [7, 200, 2, 33, 16]
+    seq_lens = [7, 230, 90, 33, 17]
+    tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
+    q = torch.randn(sum(q_lens), h, d)
+    got = cpu_kernels.paged_attention(q, kc, vc, meta, d ** -0.5, sliding_window=window)
+    want = _reference(q, kc, vc, tables, q_lens, seq_lens, d ** -0.5, window)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert meta.scratch["cpu_plan"].torch_chunks is None  # all on the kernel
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_a_prompt_row_is_the_same_however_the_prompt_is_chunked(window):
+    """Batch invariance: a prompt's rows are bit for bit the same whether the prompt runs as
+    one chunk or in chunks the step budget (or a prefix-cache hit) cut, at any offset, one
+    token long included, next to other chunks."""
+    torch.manual_seed(6)
+    bs, hkv, h, d, n = 16, 3, 9, 64, 70
+    tables, kc, vc, meta = mixed_step([n], [n], bs, hkv, d)
+    q = torch.randn(n, h, d)
+    whole = cpu_kernels.paged_attention(q, kc, vc, meta, 0.125, sliding_window=window)
+    # the same sequence (same blocks) cut into chunks, each beside another sequence's chunk
+    other_tables, okc, ovc, _ = mixed_step([9], [9], bs, hkv, d)
+    for cut in ([5, 30, 35], [3, 64, 3], [17, 53], [1, 68, 1]):
+        done = 0
+        for size in cut:
+            table = torch.cat([tables, torch.full((1, tables.shape[1]), -1, dtype=torch.int32)])
+            table[1, :other_tables.shape[1]] = other_tables[0]
+            _, _, _, step = mixed_step([size, 9], [done + size, 9], bs, hkv, d)
+            step.block_tables = table
+            step.seq_lens = torch.tensor([done + size, 9], dtype=torch.int32)
+            step.prompt_host = [True, True]
+            rows = torch.cat([q[done:done + size], torch.randn(9, h, d)])
+            got = cpu_kernels.paged_attention(rows, kc, vc, step, 0.125, sliding_window=window)
+            assert torch.equal(got[:size], whole[done:done + size]), (cut, size)
+            done += size
 
 
 def test_other_dtypes_use_the_torch_path():

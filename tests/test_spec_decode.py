@@ -322,9 +322,10 @@ def test_speculative_sampling_preserves_the_target_distribution():
     assert_no_leaks(engine)
 
 
-def test_verification_chunks_are_flagged_to_the_attention_and_prompt_chunks_are_not(monkeypatch):
-    """The CPU attention runs a chunk as decode-kernel rows only when it is a verification
-    (the model runner's ``verify_host``): a prompt chunk's path must not depend on the batch."""
+def test_verification_chunks_and_prompt_chunks_are_flagged_to_the_attention(monkeypatch):
+    """The CPU attention runs a chunk as decode-kernel rows when it is a verification (the
+    model runner's ``verify_host``) and on the prefill kernel when it is a prompt chunk
+    (``prompt_host``), whatever its length: a prompt row's path must not depend on the batch."""
     from slipstream.worker.ops import cpu_kernels
 
     if not cpu_kernels.load():
@@ -332,18 +333,20 @@ def test_verification_chunks_are_flagged_to_the_attention_and_prompt_chunks_are_
     seen = []
     build = cpu_kernels._build_plan
 
-    def record(meta, group, block_size):
-        seen.append((list(meta.query_lens_host), list(meta.verify_host)))
-        return build(meta, group, block_size)
+    def record(meta):
+        seen.append((list(meta.query_lens_host), list(meta.verify_host), list(meta.prompt_host)))
+        return build(meta)
 
     monkeypatch.setattr(cpu_kernels, "_build_plan", record)
     engine = make_engine(speculative_method="ngram", num_speculative_tokens=3,
                          attention_ops="cpu")
     prompts, params = workload()
     engine.generate(prompts, params)
-    flagged = [(n, v) for q_lens, verify in seen for n, v in zip(q_lens, verify)]
-    assert any(v and n > 1 for n, v in flagged), "no verification chunk reached the attention"
-    assert all(n > 1 for n, v in flagged if v)  # a flagged chunk carries drafts
-    # prompt chunks (the first step's, 8-40 tokens, no drafts yet) are never flagged
-    first_q_lens, first_verify = seen[0]
-    assert not any(first_verify) and max(first_q_lens) > 1
+    flagged = [(n, v, p) for q_lens, verify, prompt in seen
+               for n, v, p in zip(q_lens, verify, prompt)]
+    assert any(v and n > 1 for n, v, _ in flagged), "no verification chunk reached the attention"
+    assert all(n > 1 and not p for n, v, p in flagged if v)  # drafts, after the prompt
+    assert all(n == 1 for n, v, p in flagged if not v and not p)  # the rest: decode rows
+    # prompt chunks (the first step's, 8-40 tokens, no drafts yet) are flagged as prompts
+    first_q_lens, first_verify, first_prompt = seen[0]
+    assert not any(first_verify) and all(first_prompt) and max(first_q_lens) > 1

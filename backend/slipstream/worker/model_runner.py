@@ -88,6 +88,7 @@ class ModelRunner:
         seq_lens: list = []
         tables: list = []
         verify: list = []
+        prompt: list = []
         sample_rows: list = [None] * len(sched.scheduled)
         prompt_rows: list = [None] * len(sched.scheduled)
         lora_spans: list = []
@@ -106,6 +107,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(table)
             verify.append(bool(item.spec_token_ids))  # drafts only follow a decoded token
+            prompt.append(start < req.num_prompt_tokens)
             reaches_end = start + n == len(tokens)
             k = 1 + len(item.spec_token_ids) if reaches_end else 0
             sample_rows[i] = list(range(row0 + n - k, row0 + n))
@@ -114,7 +116,9 @@ class ModelRunner:
                 lora_spans.append((self.lora.slot_of(req.params.lora_name), row0, n))
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         verify.extend([False] * (len(q_lens) - len(verify)))  # padding rows
-        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify)
+        prompt.extend([True] * (len(q_lens) - len(prompt)))
+        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify,
+                               prompt)
         batch.prompt_rows = prompt_rows
         if self.lora is not None:
             batch.lora = self.lora.mapping_for(lora_spans, self.device)
@@ -142,7 +146,7 @@ class ModelRunner:
             tables.append([0] * -(-width // self.block_size))
 
     def _to_batch(self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows,
-                  verify) -> StepBatch:
+                  verify, prompt) -> StepBatch:
         width = max(len(t) for t in tables)
         table_arr = np.full((len(tables), width), -1, dtype=np.int32)
         for i, t in enumerate(tables):
@@ -161,6 +165,7 @@ class ModelRunner:
             query_lens_host=q_lens,
             seq_lens_host=seq_lens,
             verify_host=verify,
+            prompt_host=prompt,
         )
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)

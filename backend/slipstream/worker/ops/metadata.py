@@ -28,6 +28,10 @@ class AttentionMetadata:
     # verify_host[i]: sequence i's new tokens are its last decoded token and its drafts
     # (speculative verification), not a prompt chunk; empty = none are.
     verify_host: list = field(default_factory=list)
+    # prompt_host[i]: sequence i's new tokens start inside its prompt (a prompt chunk, of any
+    # length, one token included); empty = unknown: chunks of more than one token that are
+    # not verification chunks count as prompt chunks.
+    prompt_host: list = field(default_factory=list)
     # Per-step values an operator derives once and reuses in every layer (the torch path's
     # length groups and masks); a new metadata object comes with every step.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)
