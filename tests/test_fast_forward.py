@@ -69,3 +69,38 @@ def test_lean_forward_runs_four_gemms_per_layer(layout, gemm):
     layers = AutoConfig.from_pretrained(str(tiny_model_dir("llama"))).num_hidden_layers
     assert gemms_per_step(fast=True) == 4 * layers + 1
     assert gemms_per_step(fast=False) == 7 * layers + 1
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_last_layer_finishes_only_the_rows_that_give_logits(fuse):
+    """A prompt's other rows need only their K/V from the last layer: its o-projection and
+    MLP run on the sampled rows alone, unless the projections are LoRA-wrapped (fuse=False:
+    adapters find their rows by position), where every row goes through."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir("llama")))
+    fast = FastForward.for_model(model, fuse=fuse)
+    seen = {}
+
+    def rows_into(index):
+        def hook(module, args):
+            seen.setdefault(index, args[0].shape[1])  # x: [1, rows, intermediate]
+        return hook
+
+    for layer in (fast.layers[0], fast.layers[-1]):
+        layer.down.register_forward_pre_hook(rows_into(layer.index))
+
+    def attend(index, q, k, v, scaling, window):  # causal attention within the one prompt
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scaling)
+        return out.transpose(0, 1)
+
+    ids = torch.randint(0, model.config.vocab_size, (12,))
+    keep = torch.tensor([5, 11])
+    with torch.no_grad():
+        logits = fast(ids, torch.arange(12), keep, attend)
+        want = model(ids[None]).logits[0, keep]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert seen == {0: 12, fast.layers[-1].index: 2 if fuse else 12}
