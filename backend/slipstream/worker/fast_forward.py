@@ -198,7 +198,7 @@ class FastForward:
             hidden.add_(layer.o(out.reshape(1, t, h * d)))
             x = layer.norm_post(hidden)
             gate, up = layer.gate_up(x)
-            hidden.add_(layer.down(F.silu(gate, inplace=True).mul_(up)))
+            hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
         hidden = self.final_norm(hidden if rows is None else hidden[:, rows, :])
         return self.model.lm_head(hidden)[0]
 
