@@ -122,6 +122,23 @@ def test_a_prompt_row_is_the_same_however_the_prompt_is_chunked(window):
             done += size
 
 
+def test_a_nan_prompt_row_stays_nan_and_harms_no_other_row():
+    """A row whose query is NaN (a broken model, an overflow) comes out NaN, so the sampler
+    refuses that request; the chunk's other rows and the other chunks are unchanged."""
+    torch.manual_seed(7)
+    bs, hkv, h, d = 16, 3, 9, 64
+    tables, kc, vc, meta = mixed_step([20, 12], [20, 30], bs, hkv, d)
+    q = torch.randn(32, h, d)
+    clean = cpu_kernels.paged_attention(q, kc, vc, meta, 0.125)
+    q[25, 4] = float("nan")  # one query head of row 5 of the second chunk
+    meta.scratch.clear()
+    got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.125)
+    assert torch.isnan(got[25, 4]).all()
+    others = torch.ones(32, h, dtype=torch.bool)
+    others[25, 4] = False
+    assert torch.equal(got[others], clean[others])
+
+
 def test_other_dtypes_use_the_torch_path():
     torch.manual_seed(2)
     _, kc, vc, meta = mixed_step([1, 1], [5, 9], 4, 1, 8)

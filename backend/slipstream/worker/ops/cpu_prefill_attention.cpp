@@ -43,8 +43,9 @@ constexpr int64_t VALUE_GROUP = 4; // query vectors sharing one pass over the va
 
 inline v16 splat(float x) { return v16{} + x; }
 
-// e^x for x <= 0 (x >= -87.3 keeps the result normal; below, it flushes to 0): Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial for e^r (~1 ulp).
+// e^x for x <= 0: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6
+// polynomial for e^r (~1 ulp). Below -87.3 it returns e^-87.3 (still normal; nil beside the
+// row's maximum, e^0). A NaN stays NaN (through r), so the sampler sees a broken row.
 inline v16 exp_nonpositive(v16 x) {
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
   // n = the integer nearest x / ln2 (truncation of a negative number rounds it up)
