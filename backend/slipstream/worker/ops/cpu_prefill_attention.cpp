@@ -40,6 +40,7 @@ constexpr int64_t ITEM_ROWS = 64;  // tokens per work item (its keys are transpo
 constexpr int64_t TILE_ROWS = 8;   // tokens whose scores are computed together
 constexpr int64_t SCORE_GROUP = 8; // query vectors sharing one pass over a key group
 constexpr int64_t VALUE_GROUP = 4; // query vectors sharing one pass over the values
+static_assert(SCORE_GROUP % VALUE_GROUP == 0, "the score groups pad the rows for both");
 
 inline v16 splat(float x) { return v16{} + x; }
 
@@ -90,6 +91,7 @@ inline int64_t first_key(int64_t pos, int64_t window) {
 
 struct Scratch {
   std::vector<v16> kt;  // key groups transposed: kt[group * D + d][t] = k_(16 group + t)[d]
+  std::vector<const float*> v;  // v[c]: the value row of the item's key kt_begin + c
   std::vector<float> q, s, sums;
 };
 
@@ -120,7 +122,20 @@ void transpose_keys(const Item& it, const Geometry& g, const float* k_base, int6
   }
 }
 
-// One tile: chunk rows r0..r1-1 (TILE_ROWS at most) of the item; kt holds keys from kt_begin.
+// The value rows of keys k_begin..last, found once per item (a division per key is as dear
+// as the key's multiply-adds).
+void value_rows(const Item& it, const Geometry& g, const float* v_base, int64_t k_begin,
+                int64_t last, int64_t D, Scratch& sc) {
+  sc.v.resize(last + 1 - k_begin);
+  for (int64_t key = k_begin; key <= last;) {
+    const float* block = v_base + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
+    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key)
+      sc.v[key - k_begin] = block + off * g.token_stride;
+  }
+}
+
+// One tile: chunk rows r0..r1-1 (TILE_ROWS at most) of the item; kt and v hold keys from
+// kt_begin.
 // ND: head_dim / 16.
 template <int ND>
 void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t kt_begin,
@@ -128,6 +143,7 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
   constexpr int64_t D = ND * KEYS;
   const int64_t nq = (r1 - r0) * g.G;  // query vector j: token r0 + j / G, head j % G
   const int64_t nq_pad = (nq + SCORE_GROUP - 1) / SCORE_GROUP * SCORE_GROUP;
+  const int64_t s_rows = nq_pad;  // a multiple of VALUE_GROUP too
   const int64_t pos0 = it.ctx_len - it.q_len;  // position of chunk row 0
   const int64_t last = pos0 + r1 - 1;          // the tile's last key
   const int64_t k_begin = first_key(pos0 + r0, g.window) / KEYS * KEYS;
@@ -139,7 +155,7 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
                        (it.kv_head * g.G + j % g.G) * g.q_head;
     std::memcpy(sc.q.data() + j * D, src, D * sizeof(float));
   }
-  sc.s.resize(nq_pad * cols);
+  sc.s.resize(s_rows * cols);
   sc.sums.resize(nq_pad);
   const float* qs = sc.q.data();
 
@@ -193,14 +209,15 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
     std::fill(s, s + c_lo, 0.f);
     sc.sums[j] = hsum(sum);
   }
-  std::fill(sc.s.begin() + nq * cols, sc.s.begin() + nq_pad * cols, 0.f);  // padding rows
+  std::fill(sc.s.begin() + nq * cols, sc.s.begin() + s_rows * cols, 0.f);  // padding rows
 
   // Values: out_j = sum_c p[j, c] v_c / sum_j, keys in order.
   for (int64_t j0 = 0; j0 < nq; j0 += VALUE_GROUP) {
     v16 acc[VALUE_GROUP][ND] = {};
     const float* p = sc.s.data() + j0 * cols;
+    const float* const* rows = sc.v.data() + (k_begin - kt_begin);
     for (int64_t c = 0; c <= last - k_begin; ++c) {
-      const v16u* v = reinterpret_cast<const v16u*>(token(v_base, it, g, k_begin + c, D));
+      const v16u* v = reinterpret_cast<const v16u*>(rows[c]);
       v16 vv[ND];
 #pragma GCC unroll 8
       for (int d = 0; d < ND; ++d) vv[d] = v[d];
@@ -229,6 +246,7 @@ void run_item(const Item& it, const Geometry& g, const float* q_base, const floa
   TORCH_CHECK(last / g.block_size < g.max_blocks, "block table too short");
   const int64_t kt_begin = first_key(pos0 + it.r0, g.window) / KEYS * KEYS;
   transpose_keys<ND * KEYS>(it, g, k_base, kt_begin, last, sc);
+  value_rows(it, g, v_base, kt_begin, last, ND * KEYS, sc);
   for (int64_t r0 = it.r0; r0 < it.r1; r0 += TILE_ROWS)
     run_tile<ND>(it, g, r0, std::min(it.r1, r0 + TILE_ROWS), kt_begin, q_base, v_base, o_base,
                  sc);
