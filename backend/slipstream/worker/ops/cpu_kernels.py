@@ -42,7 +42,8 @@ ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_paged_attention.cpp", "cpu_prefill_attention.cpp",
                              "cpu_small_gemm.cpp", "cpu_rms_norm.cpp", "cpu_rotary.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_parallel.h", "cpu_attention_checks.h"))
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",

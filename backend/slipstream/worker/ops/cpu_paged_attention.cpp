@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_attention_checks.h"
 #include "cpu_parallel.h"
 
 namespace {
@@ -31,18 +32,8 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
 void check(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
            const at::Tensor& value_cache, const at::Tensor& block_tables,
            const at::Tensor& seq_lens, const at::Tensor& rows) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "caches must be [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim mismatch");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
-              "block_tables must be int32 with contiguous rows");
+  slipstream_cpu::check_attention_io("paged_decode_attention", out, query, key_cache,
+                                     value_cache, block_tables);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens int32");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows int64");
   TORCH_CHECK(rows.size(0) == seq_lens.size(0) && block_tables.size(0) == seq_lens.size(0),

@@ -1,0 +1,27 @@
+// The tensors every compiled CPU attention kernel takes, checked alike: fp32 query and output
+// [T, H, D] with contiguous heads, paged caches [num_blocks, block_size, Hkv, D], int32 block
+// tables with contiguous rows.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace slipstream_cpu {
+
+inline void check_attention_io(const char* kernel, const at::Tensor& out,
+                               const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
+              kernel, ": float32 only");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "caches must be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim mismatch");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 with contiguous rows");
+}
+
+}  // namespace slipstream_cpu
