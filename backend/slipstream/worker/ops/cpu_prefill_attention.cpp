@@ -92,46 +92,40 @@ inline int64_t first_key(int64_t pos, int64_t window) {
 
 struct Scratch {
   std::vector<v16> kt;  // key groups transposed: kt[group * D + d][t] = k_(16 group + t)[d]
-  std::vector<const float*> v;  // v[c]: the value row of the item's key kt_begin + c
+  std::vector<const float*> k, v;  // k[c], v[c]: the rows of the item's key kt_begin + c
   std::vector<float> q, s, sums;
 };
 
-inline const float* token(const float* cache, const Item& it, const Geometry& g, int64_t key,
-                          int64_t D) {
-  return cache + it.table[key / g.block_size] * g.block_stride +
-         (key % g.block_size) * g.token_stride + it.kv_head * D;
+// The rows of keys k_begin..last in one cache, for the item's KV head, found a block at a
+// time (a division per key and tile is as dear as the key's multiply-adds).
+void token_rows(const float* cache, const Item& it, const Geometry& g, int64_t k_begin,
+                int64_t last, int64_t D, std::vector<const float*>& rows) {
+  rows.resize(last + 1 - k_begin);
+  for (int64_t key = k_begin; key <= last;) {
+    const float* block = cache + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
+    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key)
+      rows[key - k_begin] = block + off * g.token_stride;
+  }
 }
 
-// The item's keys k_begin..last, transposed in groups of 16 (zeros past last): each group is
-// then read by every query vector of the item's tiles.
+// The item's keys (rows sc.k), transposed in groups of 16 (zeros past the last): each group
+// is then read by every query vector of the item's tiles.
 template <int64_t D>
-void transpose_keys(const Item& it, const Geometry& g, const float* k_base, int64_t k_begin,
-                    int64_t last, Scratch& sc) {
-  const int64_t groups = (last + 1 - k_begin + KEYS - 1) / KEYS;
+void transpose_keys(Scratch& sc) {
+  const int64_t n = static_cast<int64_t>(sc.k.size());
+  const int64_t groups = (n + KEYS - 1) / KEYS;
   sc.kt.resize(groups * D);
   for (int64_t grp = 0; grp < groups; ++grp) {
     v16* kt = sc.kt.data() + grp * D;
     for (int64_t t = 0; t < KEYS; ++t) {
-      const int64_t key = k_begin + grp * KEYS + t;
-      if (key > last) {
+      const int64_t c = grp * KEYS + t;
+      if (c >= n) {
         for (int64_t d = 0; d < D; ++d) kt[d][t] = 0.f;
       } else {
-        const float* k = token(k_base, it, g, key, D);
+        const float* k = sc.k[c];
         for (int64_t d = 0; d < D; ++d) kt[d][t] = k[d];
       }
     }
-  }
-}
-
-// The value rows of keys k_begin..last, found once per item (a division per key is as dear
-// as the key's multiply-adds).
-void value_rows(const Item& it, const Geometry& g, const float* v_base, int64_t k_begin,
-                int64_t last, int64_t D, Scratch& sc) {
-  sc.v.resize(last + 1 - k_begin);
-  for (int64_t key = k_begin; key <= last;) {
-    const float* block = v_base + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
-    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key)
-      sc.v[key - k_begin] = block + off * g.token_stride;
   }
 }
 
@@ -140,7 +134,7 @@ void value_rows(const Item& it, const Geometry& g, const float* v_base, int64_t 
 // ND: head_dim / 16.
 template <int ND>
 void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t kt_begin,
-              const float* q_base, const float* v_base, float* o_base, Scratch& sc) {
+              const float* q_base, float* o_base, Scratch& sc) {
   constexpr int64_t D = ND * KEYS;
   const int64_t nq = (r1 - r0) * g.G;  // query vector j: token r0 + j / G, head j % G
   const int64_t nq_pad = (nq + SCORE_GROUP - 1) / SCORE_GROUP * SCORE_GROUP;
@@ -246,11 +240,11 @@ void run_item(const Item& it, const Geometry& g, const float* q_base, const floa
   const int64_t last = pos0 + it.r1 - 1;
   TORCH_CHECK(last / g.block_size < g.max_blocks, "block table too short");
   const int64_t kt_begin = first_key(pos0 + it.r0, g.window) / KEYS * KEYS;
-  transpose_keys<ND * KEYS>(it, g, k_base, kt_begin, last, sc);
-  value_rows(it, g, v_base, kt_begin, last, ND * KEYS, sc);
+  token_rows(k_base, it, g, kt_begin, last, ND * KEYS, sc.k);
+  token_rows(v_base, it, g, kt_begin, last, ND * KEYS, sc.v);
+  transpose_keys<ND * KEYS>(sc);
   for (int64_t r0 = it.r0; r0 < it.r1; r0 += TILE_ROWS)
-    run_tile<ND>(it, g, r0, std::min(it.r1, r0 + TILE_ROWS), kt_begin, q_base, v_base, o_base,
-                 sc);
+    run_tile<ND>(it, g, r0, std::min(it.r1, r0 + TILE_ROWS), kt_begin, q_base, o_base, sc);
 }
 
 void check(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
