@@ -466,7 +466,7 @@ def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
 
 def test_a_request_cancelled_while_it_waits_is_noticed_and_ends_cancelled(tiny_model, tmp_path):
     """A request with nothing to send yet is asked about cancellation less often than a
-    streaming one (IDLE_CANCEL_POLL_S), but still asked: cancelled in the queue, it ends
+    streaming one (CancelPolls.idle_s), but still asked: cancelled in the queue, it ends
     CANCELLED within a few seconds, and the running request goes on to its end."""
     repo = render_model_repository(REPO, tmp_path / "repo", {
         "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1})

@@ -20,7 +20,7 @@ from slipstream_bench import timeline
 from slipstream_bench.metrics import records_to_json, summarize
 from slipstream_bench.workload import Workload
 
-METRICS_INTERVAL_MS = 250  # the shipped default: measure what users run
+METRICS_INTERVAL_MS = 1000  # the shipped default: measure what users run
 
 
 def render(overrides: Mapping[str, object], work: Path,
@@ -54,9 +54,9 @@ def scrape(metrics_url: str) -> dict:
 
 
 def settled(metrics_url: str, name: str = "slipstream_engine_steps_total",
-            timeout: float = 10.0) -> dict:
+            timeout: float = 15.0) -> dict:
     """Metrics once ``name`` stopped moving (they refresh every METRICS_INTERVAL_MS)."""
-    pause = 4 * METRICS_INTERVAL_MS / 1000
+    pause = 2 * METRICS_INTERVAL_MS / 1000
     deadline = time.monotonic() + timeout
     last = scrape(metrics_url)
     while time.monotonic() < deadline:

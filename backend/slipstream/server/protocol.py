@@ -481,7 +481,7 @@ class ResponseBuilder:
 SERVER_PARAMETERS = {
     "default_max_tokens": str(DEFAULT_MAX_TOKENS),
     "apply_chat_template": "false",
-    "metrics_interval_ms": "250",
+    "metrics_interval_ms": "1000",
     # Triton vLLM backend's switches; "" = the default of the model's backend (model_config.py).
     "REPORT_CUSTOM_METRICS": "",
     "ENABLE_VLLM_HEALTH_CHECK": "false",

@@ -33,6 +33,7 @@ from slipstream.core.request import FinishReason
 from slipstream.engine_loop import EngineDeadError, OverloadedError
 from slipstream.engine_supervisor import EngineSupervisor
 from slipstream.server import model_config
+from slipstream.server.cancel_polls import CancelPolls
 from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.metrics import ModelMetrics, NoMetrics
@@ -46,11 +47,7 @@ from slipstream.server.trtllm_outputs import TrtllmResponses
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
-CANCEL_POLL_S = 0.1  # each is_cancelled() is a round trip to the Triton process
-# A request with nothing to send (queued, or in a long prefill) is asked less often: in a
-# burst of 64 requests the polls of waiting ones were half of all round trips to Triton,
-# each waking a thread in both processes on the cores the model runs on.
-IDLE_CANCEL_POLL_S = 1.0
+CANCEL_POLLS = CancelPolls()
 READY_POLL_S = 0.5  # how often, with requests in flight, Triton is asked if we still serve
 DRAIN_MARGIN_S = 3.0  # ends a drain this long before Triton's exit timeout runs out
 
@@ -301,7 +298,7 @@ class TritonPythonModel:
             if not progressed:
                 # Woken by new outputs or requests; the timeout only paces cancellation
                 # checks and metrics, so the model's CPU threads are not polled away.
-                self.wake.wait(CANCEL_POLL_S if active else self.metrics_interval)
+                self.wake.wait(CANCEL_POLLS.streaming_s if active else self.metrics_interval)
                 self.wake.clear()
 
     def _watch_shutdown(self, active, now):
@@ -360,8 +357,8 @@ class TritonPythonModel:
         return False
 
     def _poll_cancellation(self, p, now, has_output: bool) -> None:
-        interval = CANCEL_POLL_S if has_output else IDLE_CANCEL_POLL_S
-        if p.cancelled or now - p.last_cancel_check < interval:
+        if p.cancelled or not CANCEL_POLLS.due(p.last_cancel_check, now, has_output,
+                                               self.num_active):
             return
         p.last_cancel_check = now
         if p.sender.is_cancelled():
