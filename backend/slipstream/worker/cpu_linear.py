@@ -38,10 +38,15 @@ class CpuLinear(str, enum.Enum):
 # oneDNN picks its blocked weight format for a typical row count; any count works with it.
 _PACK_ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many rows the small-GEMM kernel beats oneDNN (2 threads, AMD EPYC: 1 row 17.5 ms
-# against 26.5 for one decode step's weights, 8 rows 21.4 against 28.9, 32 rows 50.5 against
-# 53.7); above, oneDNN's tiling wins as the product turns compute-bound.
-SMALL_GEMM_MAX_ROWS = 32
+# Up to this many rows the small-GEMM kernel runs the product, above it oneDNN. Taken alone
+# (2 threads, AMD EPYC Zen 4, one decode step's weights) the kernel is ahead to ~48 rows (48:
+# 63.9 against 69.0 ms) and oneDNN past it (64: 80.7 against 89.0 ms). In the engine's own
+# steps the kernel was as fast at 64 running (129.8 against 129.2 ms) and faster at 32-59
+# (95.6 against 111.0 ms); in the server, where the token path takes a core from one of the
+# two threads now and then, oneDNN's fixed split waits for the preempted thread while the
+# kernel's shared counter hands its work to the other: 193-194 against 180-181 tokens/s.
+# Without AVX-512 the kernel's portable loop is kept to the few rows it was measured at.
+SMALL_GEMM_MAX_ROWS = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 
 
 def onednn_available() -> bool:
