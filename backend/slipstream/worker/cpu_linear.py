@@ -1,10 +1,11 @@
 """How the model's linear layers multiply on CPU: the weight layout and the GEMM library.
 
-``auto`` (the default) is ``onednn`` plus, for a product of a few rows (a decode step at small
-batch), the compiled small-GEMM kernel (``ops/cpu_small_gemm.cpp``) on its own packed copy of
-the weight: there the product is bound by reading the weight from memory, which oneDNN does at
-~20 GB/s on the AMD EPYC VMs here against the kernel's ~30 (docs/benchmarks.md). The price is
-that copy: the weights are held once more. ``onednn`` packs every ``nn.Linear`` weight once
+``auto`` (the default) is ``onednn`` plus, for a product of up to ``SMALL_GEMM_MAX_ROWS`` rows
+(a decode step), the compiled small-GEMM kernel (``ops/cpu_small_gemm.cpp``) on its own packed
+copy of the weight: at a few rows the product is bound by reading the weight from memory, which
+oneDNN does at ~20 GB/s on the AMD EPYC VMs here against the kernel's ~30, and at any row count
+its threads take work from a shared counter, so one the OS preempts does not hold the other up
+(docs/benchmarks.md). The price is that copy: the weights are held once more. ``onednn`` packs every ``nn.Linear`` weight once
 into oneDNN's blocked layout and runs the layer through oneDNN's inner product, as vLLM's CPU
 backend does; torch's own
 fp32 ``linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's
