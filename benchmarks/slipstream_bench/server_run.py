@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from slipstream.server.protocol import split_parameters
+from slipstream.server.protocol import SERVER_PARAMETERS, split_parameters
 from slipstream.server.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, read_parameters,
                              render_model_repository)
 from slipstream_bench import loadgen
@@ -20,7 +20,8 @@ from slipstream_bench import timeline
 from slipstream_bench.metrics import records_to_json, summarize
 from slipstream_bench.workload import Workload
 
-METRICS_INTERVAL_MS = 1000  # the shipped default: measure what users run
+# the shipped default: measure what users run
+METRICS_INTERVAL_MS = int(SERVER_PARAMETERS["metrics_interval_ms"])
 
 
 def render(overrides: Mapping[str, object], work: Path,

@@ -5,13 +5,13 @@
 copy of the weight: at a few rows the product is bound by reading the weight from memory, which
 oneDNN does at ~20 GB/s on the AMD EPYC VMs here against the kernel's ~30, and at any row count
 its threads take work from a shared counter, so one the OS preempts does not hold the other up
-(docs/benchmarks.md). The price is that copy: the weights are held once more. ``onednn`` packs every ``nn.Linear`` weight once
-into oneDNN's blocked layout and runs the layer through oneDNN's inner product, as vLLM's CPU
-backend does; torch's own
-fp32 ``linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's
-shapes at 30-130 GFLOP/s against oneDNN's 110-210, and the 49k-row LM head at a third of
-oneDNN's speed. ``transposed`` keeps torch's linear on a column-major copy of the weight
-(faster than the stock layout for small batches on Intel Xeons); ``stock`` changes nothing.
+(docs/benchmarks.md). The price is that copy: the weights are held once more. ``onednn`` packs
+every ``nn.Linear`` weight once into oneDNN's blocked layout and runs the layer through
+oneDNN's inner product, as vLLM's CPU backend does; torch's own fp32 ``linear`` calls MKL's
+sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's shapes at 30-130 GFLOP/s against
+oneDNN's 110-210, and the 49k-row LM head at a third of oneDNN's speed. ``transposed`` keeps
+torch's linear on a column-major copy of the weight (faster than the stock layout for small
+batches on Intel Xeons); ``stock`` changes nothing.
 Outputs differ from the stock layout by float rounding only (relative 1e-6).
 """
 from __future__ import annotations

@@ -138,7 +138,6 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
   constexpr int64_t D = ND * KEYS;
   const int64_t nq = (r1 - r0) * g.G;  // query vector j: token r0 + j / G, head j % G
   const int64_t nq_pad = (nq + SCORE_GROUP - 1) / SCORE_GROUP * SCORE_GROUP;
-  const int64_t s_rows = nq_pad;  // a multiple of VALUE_GROUP too
   const int64_t pos0 = it.ctx_len - it.q_len;  // position of chunk row 0
   const int64_t last = pos0 + r1 - 1;          // the tile's last key
   const int64_t k_begin = first_key(pos0 + r0, g.window) / KEYS * KEYS;
@@ -150,7 +149,7 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
                        (it.kv_head * g.G + j % g.G) * g.q_head;
     std::memcpy(sc.q.data() + j * D, src, D * sizeof(float));
   }
-  sc.s.resize(s_rows * cols);
+  sc.s.resize(nq_pad * cols);
   sc.sums.resize(nq_pad);
   const float* qs = sc.q.data();
 
@@ -204,7 +203,7 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
     std::fill(s, s + c_lo, 0.f);
     sc.sums[j] = hsum(sum);
   }
-  std::fill(sc.s.begin() + nq * cols, sc.s.begin() + s_rows * cols, 0.f);  // padding rows
+  std::fill(sc.s.begin() + nq * cols, sc.s.begin() + nq_pad * cols, 0.f);  // padding rows
 
   // Values: out_j = sum_c p[j, c] v_c / sum_j, keys in order.
   for (int64_t j0 = 0; j0 < nq; j0 += VALUE_GROUP) {
