@@ -92,7 +92,9 @@ def test_parameters_override_model_json(tmp_path):
 
 
 @pytest.mark.parametrize("backend, params, model_json, report, families", [
-    ("slipstream", {}, {}, False, ("slipstream", "vllm")),  # vLLM backend: off by default
+    # on by default: the inference gateway's and vLLM's dashboards' series (issue 27)
+    ("slipstream", {}, {}, True, ("slipstream", "vllm")),
+    ("vllm", {}, {}, False, ("slipstream", "vllm")),  # the vLLM backend alias: its default, off
     ("slipstream", {"REPORT_CUSTOM_METRICS": "true"}, {}, True, ("slipstream", "vllm")),
     ("vllm", {"REPORT_CUSTOM_METRICS": "TRUE"}, {"disable_log_stats": True}, False,
      ("slipstream", "vllm")),

@@ -368,13 +368,26 @@ def test_custom_sampling_params(server):
     assert "vllm:request_params_n_bucket" in metrics
 
 
-@pytest.mark.parametrize("model", [MODEL, "vllm_metrics_false", "vllm_log_stats_off"])
+@pytest.mark.parametrize("model", ["vllm_metrics_false", "vllm_log_stats_off"])
 def test_vllm_metrics_disabled(server, model):
-    """vllm_metrics_test.py::test_vllm_metrics_disabled, three ways: REPORT_CUSTOM_METRICS
-    absent, "false", or model.json's disable_log_stats."""
+    """vllm_metrics_test.py::test_vllm_metrics_disabled, two ways: REPORT_CUSTOM_METRICS
+    "false", or model.json's disable_log_stats. (Absent, upstream's third way, means on under
+    backend "slipstream": test_vllm_metrics_on_by_default.)"""
     vllm_infer_twice(server, model)
     time.sleep(0.5)  # what would be recorded has been
     assert parse_vllm_metrics(server.metrics_url, model) == {}
+
+
+def test_vllm_metrics_on_by_default(server):
+    """Under backend "slipstream" the vLLM series are exported without REPORT_CUSTOM_METRICS,
+    labelled model_name as vLLM labels them, so the inference gateway reads them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    vllm_infer_twice(server, MODEL)
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    labels = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "vllm:num_requests_waiting"]
+    assert {"model": MODEL, "model_name": MODEL, "version": "1"} in labels
 
 
 def test_vllm_metrics_refused(tmp_path):

@@ -139,13 +139,16 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
     def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, priority: int = 0,
-                     apply_chat_template: bool = False) -> Request:
-        """Tokenize and validate; raises ``ValueError`` with a message fit for the client."""
+                     apply_chat_template: bool = False,
+                     add_special_tokens: bool = True) -> Request:
+        """Tokenize and validate; raises ``ValueError`` with a message fit for the client.
+        ``add_special_tokens=False``: a text prompt is tokenized without the tokenizer's BOS
+        and the like (a chat template rendered by the caller already holds them)."""
         params = params or SamplingParams()
         params.check_vocab(self.logits_vocab_size)
         self.check_lora(params.lora_name)
         self.check_prompt_size(prompt)
-        ids = self.tokenize(prompt, apply_chat_template)
+        ids = self.tokenize(prompt, apply_chat_template, add_special_tokens)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -212,22 +215,24 @@ class LLMEngine:
                     f"{self.config.max_model_len} tokens can hold (at most {self.max_prompt_bytes} "
                     "bytes for this tokenizer)")
 
-    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
+    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False,
+                 add_special_tokens: bool = True) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
         chat messages (``{"role", "content"}`` dicts, always templated), or token ids."""
         if isinstance(prompt, (list, tuple)) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)  # token ids: no need to wait while the tokenizer is busy
         with self._tokenizer_lock:
-            return self._tokenize(prompt, apply_chat_template)
+            return self._tokenize(prompt, apply_chat_template, add_special_tokens)
 
-    def _tokenize(self, prompt: Prompt, apply_chat_template: bool) -> list[int]:
+    def _tokenize(self, prompt: Prompt, apply_chat_template: bool,
+                  add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return self._apply_chat_template(list(prompt))
         if isinstance(prompt, str):
             if apply_chat_template:
                 return self._apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
             return list(prompt)

@@ -96,6 +96,7 @@ class _TokenizeJob:
     params: SamplingParams
     priority: int
     apply_chat_template: bool
+    add_special_tokens: bool = True
 
 
 def _is_text(prompt: Prompt) -> bool:
@@ -237,7 +238,8 @@ class EngineLoop:
     # -- client API ---------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                request_id: Optional[str] = None, priority: int = 0,
-               apply_chat_template: bool = False) -> OutputStream:
+               apply_chat_template: bool = False,
+               add_special_tokens: bool = True) -> OutputStream:
         """Check what is cheap in the caller's thread (errors raise here) and queue the rest.
 
         Token-id prompts are validated here in full. A text prompt is checked for size
@@ -258,10 +260,12 @@ class EngineLoop:
             engine.check_prompt_size(prompt)
             req = None
         else:
-            req = engine.make_request(prompt, params, rid, priority, apply_chat_template)
+            req = engine.make_request(prompt, params, rid, priority, apply_chat_template,
+                                      add_special_tokens)
         stream = self._admit(rid)
         if text:
-            self._jobs.put(_TokenizeJob(stream, prompt, params, priority, apply_chat_template))
+            self._jobs.put(_TokenizeJob(stream, prompt, params, priority, apply_chat_template,
+                                        add_special_tokens))
         else:
             self._commands.put(("add", req))
         return stream
@@ -327,7 +331,8 @@ class EngineLoop:
                 continue
             try:
                 req = self.engine.make_request(job.prompt, job.params, job.stream.request_id,
-                                               job.priority, job.apply_chat_template)
+                                               job.priority, job.apply_chat_template,
+                                               job.add_special_tokens)
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
                 self._reject(job.stream, exc)
                 continue

@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.core.stats import StatsSnapshot
@@ -112,6 +112,11 @@ def vllm_families(max_model_len: int) -> dict:
                                              "HISTOGRAM", VLLM_TTFT_BUCKETS),
         "vllm:time_per_output_token_seconds": ("Histogram of time per output token in "
                                                "seconds.", "HISTOGRAM", VLLM_TPOT_BUCKETS),
+        "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.",
+                                             "HISTOGRAM", VLLM_TPOT_BUCKETS),
+        "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_"
+                                                       "seconds per request.", "HISTOGRAM",
+                                                       VLLM_TPOT_BUCKETS),
         "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in "
                                              "seconds.", "HISTOGRAM", times),
         "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for "
@@ -128,6 +133,8 @@ def vllm_families(max_model_len: int) -> dict:
                                            "HISTOGRAM", tokens),
         "vllm:request_params_n": ("Histogram of the n request parameter.", "HISTOGRAM",
                                   VLLM_N_BUCKETS),
+        "vllm:request_max_num_generation_tokens": ("Histogram of maximum number of requested "
+                                                   "generation tokens.", "HISTOGRAM", tokens),
         "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.",
                                            "HISTOGRAM", tokens),
     }
@@ -145,6 +152,8 @@ class RequestTrack:
     last_token: Optional[float] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # sequence index -> tokens generated (n > 1: the longest is vLLM's max_num_generation_tokens)
+    tokens_by_sequence: dict[int, int] = field(default_factory=dict)
 
 
 class _SummaryFallback:
@@ -329,7 +338,10 @@ class VllmFamilies:
             since = track.first_token
         else:
             since = track.last_token
-        # Outputs read together share the time since the last one, token by token.
+        # vLLM's inter-token latency: one observation per output read (between consecutive
+        # streamed outputs); time per output token: the outputs read together share the time
+        # since the last one, token by token.
+        self._post(self.m["vllm:inter_token_latency_seconds"].observe, now - since)
         interval = (now - since) / num_tokens
         for _ in range(num_tokens):
             self._post(self.m["vllm:time_per_output_token_seconds"].observe, interval)
@@ -346,6 +358,11 @@ class VllmFamilies:
             "vllm:request_generation_tokens": track.num_output_tokens,
             "vllm:request_params_n": track.n,
             "vllm:request_params_max_tokens": track.max_tokens,
+            "vllm:request_max_num_generation_tokens": max(track.tokens_by_sequence.values(),
+                                                          default=track.num_output_tokens),
+            "vllm:request_time_per_output_token_seconds": (
+                (now - track.first_token) / (track.num_output_tokens - 1)
+                if track.first_token is not None and track.num_output_tokens > 1 else 0.0),
         }
         timing = getattr(out, "timing", None)
         if timing is not None and timing.first_scheduled is not None:
@@ -373,7 +390,11 @@ class ModelMetrics:
             if "slipstream" in families:
                 self.families.append(SlipstreamFamilies(factory, self._recorder.post))
             if "vllm" in families:
-                self.families.append(VllmFamilies(factory, self._recorder.post,
+                # vLLM's own label (dashboards and endpoint pickers filter on it) beside
+                # Triton vLLM backend's model / version
+                self._vllm_factory = _Factory(pb_utils, {**labels,
+                                                         "model_name": labels.get("model", "")})
+                self.families.append(VllmFamilies(self._vllm_factory, self._recorder.post,
                                                   max_model_len=max_model_len,
                                                   block_size=block_size, num_blocks=num_blocks,
                                                   max_loras=max_loras))
@@ -398,6 +419,10 @@ class ModelMetrics:
             track.first_token = now
             track.num_prompt_tokens = outs[0].num_prompt_tokens
         track.num_output_tokens += num_tokens
+        for o in outs:
+            index = getattr(o, "index", 0)
+            track.tokens_by_sequence[index] = track.tokens_by_sequence.get(index, 0) + \
+                len(o.token_ids)
         for family in self.families:
             if isinstance(family, VllmFamilies):
                 family.on_tokens(track, outs[0], num_tokens, now, first)

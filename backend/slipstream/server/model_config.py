@@ -8,10 +8,11 @@
   ``1/model.json`` (vLLM's engine arguments, ``engine_args``); parameters win over model.json,
   so ``slipstream serve --set`` overrides either.
 
-Defaults depend on the backend named in config.pbtxt: under ``slipstream`` (or ``vllm``, the
-alias) they are Triton vLLM backend's (custom metrics only with ``REPORT_CUSTOM_METRICS``,
-vLLM-named metric families too); under ``python`` (``model_repository/slipstream/1/model.py``)
-Slipstream's own (its metrics on).
+Defaults depend on the backend named in config.pbtxt: under ``slipstream`` the custom metrics
+are on, vLLM-named families too (what the inference gateway and vLLM's dashboards read); under
+``vllm`` (the alias) Triton vLLM backend's (custom metrics only with ``REPORT_CUSTOM_METRICS``);
+under ``python`` (``model_repository/slipstream/1/model.py``) Slipstream's own (its metrics on,
+``metric_families`` adds ``vllm``).
 """
 from __future__ import annotations
 
@@ -185,7 +186,10 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
     own_layout = backend == "python"
-    report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=own_layout)
+    # On by default except under the vllm alias, which keeps Triton vLLM backend's default
+    # (off) for repositories written for it: routers and dashboards read these series.
+    report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"],
+                   default=backend != "vllm")
     return ModelSettings(
         engine=engine,
         default_max_tokens=int(server["default_max_tokens"]),

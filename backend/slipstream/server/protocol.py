@@ -44,6 +44,9 @@ class RequestOptions:
     return_prompt_logprobs: bool = False
     priority: int = 0
     apply_chat_template: bool = False
+    # vLLM's request field: False tokenizes text without BOS (a chat template rendered by the
+    # client, e.g. the OpenAI frontend, already holds it).
+    add_special_tokens: bool = True
 
 
 @dataclass
@@ -57,7 +60,7 @@ class ParsedRequest:
 _BOOL_OPTIONS = ("stream", "exclude_input_in_output", "return_finish_reason",
                  "return_num_input_tokens", "return_num_output_tokens",
                  "return_cumulative_logprob", "return_logprobs", "return_prompt_logprobs",
-                 "apply_chat_template")
+                 "apply_chat_template", "add_special_tokens")
 _TYPED_INT = {"max_tokens": "max_tokens", "min_tokens": "min_tokens", "top_k": "top_k",
               "seed": "seed", "end_id": "stop_token_ids"}
 _TYPED_FLOAT = {"temperature": "temperature", "top_p": "top_p",

@@ -197,6 +197,8 @@ class TritonPythonModel:
             kwargs = {"priority": parsed.options.priority}
             if parsed.options.apply_chat_template:
                 kwargs["apply_chat_template"] = True
+            if not parsed.options.add_special_tokens:
+                kwargs["add_special_tokens"] = False
             stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
         except Exception as e:  # never let one request take the batch down
             self._refuse(sender, e)

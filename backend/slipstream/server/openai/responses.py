@@ -1,0 +1,154 @@
+"""OpenAI response objects (the ``openai`` package's own types) from the steps a generation
+streams: whole completions, streamed chunks, usage and logprobs in the shapes OpenAI's (and
+vLLM's) clients parse."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat import chat_completion as chat
+from openai.types.chat import chat_completion_chunk as chunk
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
+from openai.types.completion_choice import Logprobs
+
+from slipstream.server.openai.triton_client import SequenceDelta, TokenLogprob
+
+FINISH_REASONS = ("stop", "length")
+
+
+def finish_reason(reason: Optional[str]) -> Optional[str]:
+    if reason is None:
+        return None
+    return reason if reason in FINISH_REASONS else "stop"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def dump(obj) -> str:
+    """JSON of an openai object with the fields that were set (None ones included)."""
+    return obj.model_dump_json(exclude_unset=True)
+
+
+@dataclass
+class Choice:
+    """One choice accumulated for a non-streaming answer."""
+
+    text: str = ""
+    finish_reason: Optional[str] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Answer:
+    """What a whole request accumulates: choices by index and token counts."""
+
+    choices: dict[int, Choice] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, index: int, delta: SequenceDelta) -> None:
+        choice = self.choices.setdefault(index, Choice())
+        choice.text += delta.text
+        choice.logprobs.extend(delta.logprobs or [])
+        if delta.finish_reason is not None:
+            choice.finish_reason = finish_reason(delta.finish_reason)
+        self.completion_tokens += delta.num_tokens
+
+    def usage(self) -> CompletionUsage:
+        return CompletionUsage(prompt_tokens=self.prompt_tokens,
+                               completion_tokens=self.completion_tokens,
+                               total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+# ------------------------------------------------------------------------ logprobs
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokens: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
+    return [ChatCompletionTokenLogprob(
+        token=t.token, logprob=t.logprob, bytes=_bytes(t.token),
+        top_logprobs=[TopLogprob(token=tok, logprob=lp, bytes=_bytes(tok)) for tok, lp in t.top])
+        for t in tokens]
+
+
+def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> Logprobs:
+    """OpenAI's legacy shape; ``offset``: characters of text before these tokens."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return Logprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                    top_logprobs=[{**{tok: lp for tok, lp in t.top}, t.token: t.logprob}
+                                  for t in tokens],
+                    text_offset=offsets)
+
+
+# ------------------------------------------------------------------------ completions
+def completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> Completion:
+    choices = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason or "stop",
+                                logprobs=completion_logprobs(c.logprobs) if with_logprobs
+                                else None)
+               for i, c in sorted(answer.choices.items())]
+    return Completion(id=rid, object="text_completion", created=int(time.time()), model=model,
+                      choices=choices, usage=answer.usage())
+
+
+def completion_chunk(rid: str, model: str, index: int, text: str,
+                     reason: Optional[str], logprobs: Optional[Logprobs],
+                     usage: Optional[CompletionUsage] = None) -> Completion:
+    choice = CompletionChoice.model_construct(index=index, text=text,
+                                              finish_reason=finish_reason(reason),
+                                              logprobs=logprobs)
+    out = Completion.model_construct(id=rid, object="text_completion", created=int(time.time()),
+                                     model=model, choices=[choice])
+    if usage is not None:
+        out.usage = usage
+    return out
+
+
+def completion_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> Completion:
+    return Completion.model_construct(id=rid, object="text_completion", created=int(time.time()),
+                                      model=model, choices=[], usage=usage)
+
+
+# ------------------------------------------------------------------------ chat
+def chat_completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> ChatCompletion:
+    choices = [chat.Choice(
+        index=i, finish_reason=c.finish_reason or "stop",
+        message=ChatCompletionMessage(role="assistant", content=c.text),
+        logprobs=chat.ChoiceLogprobs(content=chat_logprobs(c.logprobs)) if with_logprobs
+        else None)
+        for i, c in sorted(answer.choices.items())]
+    return ChatCompletion(id=rid, object="chat.completion", created=int(time.time()),
+                          model=model, choices=choices, usage=answer.usage())
+
+
+def chat_chunk(rid: str, model: str, index: int, *, role: Optional[str] = None,
+               content: Optional[str] = None, reason: Optional[str] = None,
+               logprobs: Optional[list[TokenLogprob]] = None,
+               usage: Optional[CompletionUsage] = None) -> ChatCompletionChunk:
+    delta = chunk.ChoiceDelta()
+    if role is not None:
+        delta.role = role
+    if content is not None:
+        delta.content = content
+    choice = chunk.Choice(index=index, delta=delta, finish_reason=finish_reason(reason),
+                          logprobs=chunk.ChoiceLogprobs(content=chat_logprobs(logprobs))
+                          if logprobs is not None else None)
+    out = ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=int(time.time()),
+                              model=model, choices=[choice])
+    if usage is not None:
+        out.usage = usage
+    return out
+
+
+def chat_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=int(time.time()),
+                               model=model, choices=[], usage=usage)

@@ -1,0 +1,195 @@
+"""The OpenAI frontend's way into Triton: one gRPC bidirectional stream per generation, as any
+Triton client sends it, so Triton's scheduling, metrics and model control stay in charge.
+
+Each request is Triton vLLM backend's wire format (``text_input``, ``stream``,
+``sampling_parameters`` JSON, ``return_*`` flags). The model streams one response per engine
+output; with ``n`` > 1 each output tensor holds one element per sequence (the one that moved
+carries its delta, the others empty ones). Cancelling the gRPC call (the HTTP client went away)
+cancels the request in Triton, which the adapter polls and turns into an engine abort.
+"""
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import numpy as np
+
+from slipstream.server.openai.errors import OpenAIError, from_triton
+
+# vLLM's stand-in for a logprob of -inf in OpenAI responses (JSON has no infinity)
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its text and logprob, and the top alternatives by rank."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceDelta:
+    """What one response adds to one of the request's sequences."""
+
+    index: int
+    text: str
+    num_tokens: int
+    logprobs: Optional[list[TokenLogprob]] = None
+    finish_reason: Optional[str] = None  # set once, on the response that ends the sequence
+
+
+@dataclass
+class Step:
+    num_input_tokens: int
+    sequences: list[SequenceDelta]
+
+
+@dataclass
+class GenerateRequest:
+    model: str
+    prompt: str
+    sampling: dict[str, Any]
+    n: int = 1
+    top_logprobs: Optional[int] = None  # None: no logprobs
+
+
+def _tensor(grpcclient, name: str, value: np.ndarray, dtype: str):
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def _bytes(text: str) -> np.ndarray:
+    return np.array([text.encode("utf-8")], dtype=np.object_)
+
+
+def _logprob(value: Any) -> float:
+    value = float(value)
+    return MIN_LOGPROB if math.isinf(value) or math.isnan(value) else max(value, MIN_LOGPROB)
+
+
+def parse_logprobs(text: str, top_n: int) -> list[TokenLogprob]:
+    """vLLM backend's ``logprobs`` JSON (per token ``{id: {logprob, rank, decoded_token}}``,
+    the sampled token first) -> tokens with their ``top_n`` best alternatives by rank."""
+    out = []
+    for position in json.loads(text) or []:
+        entries = list(position.values())
+        sampled = entries[0]
+        ranked = sorted((e for e in entries if e.get("rank") is not None and e["rank"] <= top_n),
+                        key=lambda e: e["rank"])
+        out.append(TokenLogprob(sampled.get("decoded_token") or "", _logprob(sampled["logprob"]),
+                                [(e.get("decoded_token") or "", _logprob(e["logprob"]))
+                                 for e in ranked]))
+    return out
+
+
+class TritonGenerator:
+    """One gRPC channel (tritonclient's asyncio client) shared by every request; made in the
+    event loop that uses it."""
+
+    def __init__(self, grpc_url: str) -> None:
+        self.grpc_url = grpc_url
+        self._client = None
+
+    def client(self):
+        if self._client is None:
+            import tritonclient.grpc.aio as aio
+
+            self._client = aio.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def problem(self, models: Sequence[str]) -> Optional[str]:
+        """Why the server cannot serve (not ready, a model not ready or unreachable), or None."""
+        try:
+            client = self.client()
+            if not await client.is_server_ready():
+                return "the Triton server is not ready"
+            for name in models:
+                if not await client.is_model_ready(name):
+                    return f"model {name} is not ready"
+        except Exception as e:  # unreachable: it died or restarts
+            return f"the Triton server is unreachable: {e}"
+        return None
+
+    def _inputs(self, req: GenerateRequest) -> list:
+        import tritonclient.grpc as grpcclient
+
+        flags = {"stream": True, "return_finish_reason": True, "return_num_input_tokens": True,
+                 "return_num_output_tokens": True,
+                 "return_logprobs": req.top_logprobs is not None}
+        return [_tensor(grpcclient, "text_input", _bytes(req.prompt), "BYTES"),
+                _tensor(grpcclient, "sampling_parameters", _bytes(json.dumps(req.sampling)),
+                        "BYTES"),
+                *[_tensor(grpcclient, name, np.array([value]), "BOOL")
+                  for name, value in flags.items()]]
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Step]:
+        """The request's steps until every sequence has finished; an error raises
+        ``OpenAIError``. Closing the iterator early cancels the request in Triton."""
+        import grpc
+
+        inputs = self._inputs(req)
+
+        async def one_request():
+            yield {"model_name": req.model, "inputs": inputs,
+                   "request_id": f"openai-{uuid.uuid4().hex[:16]}"}
+
+        finished: set[int] = set()
+        stream = self.client().stream_infer(one_request())
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    raise from_triton(error.message() if hasattr(error, "message")
+                                      else str(error))
+                step = self._step(result, req, finished)
+                yield step
+                if len(finished) >= req.n:
+                    return
+            raise OpenAIError(500, "the model's response stream ended before it finished")
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            status = 503 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) \
+                else 500
+            raise OpenAIError(status, f"Triton: {e.details() if hasattr(e, 'details') else e}")
+        finally:
+            stream.cancel()  # a no-op once the call is over; an abort in the engine otherwise
+
+    @staticmethod
+    def _step(result, req: GenerateRequest, finished: set[int]) -> Step:
+        def strings(name: str) -> list[str]:
+            value = result.as_numpy(name)
+            if value is None:
+                return []
+            return [v.decode("utf-8") if isinstance(v, bytes) else str(v)
+                    for v in value.reshape(-1)]
+
+        texts = strings("text_output")
+        reasons = strings("finish_reason")
+        counts = result.as_numpy("num_output_tokens")
+        counts = [int(c) for c in counts.reshape(-1)] if counts is not None else [0] * len(texts)
+        num_input = result.as_numpy("num_input_tokens")
+        logprobs = strings("logprobs") if req.top_logprobs is not None else []
+        sequences = []
+        for index, text in enumerate(texts):
+            reason = reasons[index] if index < len(reasons) else "None"
+            ends = reason not in ("None", "") and index not in finished
+            if ends:
+                finished.add(index)
+            if not text and not counts[index] and not ends:
+                continue  # another sequence moved
+            lps = None
+            if index < len(logprobs) and logprobs[index] != "null":
+                lps = parse_logprobs(logprobs[index], req.top_logprobs or 0)
+            sequences.append(SequenceDelta(index, text, counts[index], lps,
+                                           reason if ends else None))
+        return Step(int(num_input.reshape(-1)[0]) if num_input is not None else 0, sequences)

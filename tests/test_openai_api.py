@@ -1,0 +1,391 @@
+"""The OpenAI-compatible API (``slipstream serve --openai-port``) against a real tritonserver,
+driven by the official ``openai`` SDK (sync and async, streaming) and plain HTTP. Every answer
+is compared with the same request through Triton's generate endpoint (greedy)."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import shutil
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lora_support import adapter_dir
+from slipstream.server.launcher import TritonServer
+from slipstream.server.openai.frontend import OpenAIFrontend
+from support import http_generate, need_tritonserver
+from vllm_backend_support import tokenizer_of, write_model
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"  # the tiny llama, LoRA adapters doll and sheep
+QUEUED = "tiny_queue1"  # one running request, one waiting: the third is refused
+SICK = "sick"  # its engine check fails from the second batch on (ENABLE_VLLM_HEALTH_CHECK)
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+SICK_MODEL_PY = '''
+import os, sys
+for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if _path and _path not in sys.path:
+        sys.path.insert(0, _path)
+from slipstream.server.triton_model import TritonPythonModel as _Adapter
+
+
+class TritonPythonModel(_Adapter):
+    checks = 0
+
+    def _engine_problem(self):
+        type(self).checks += 1
+        return "Simulated engine check_health() failure" if self.checks > 1 else None
+'''
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("openai_repo")
+    model_dir = write_model(repo, MODEL, model_json={"enable_lora": True, "max_loras": 2,
+                                                     "max_lora_rank": 16})
+    for name in ("doll", "sheep"):
+        shutil.copytree(adapter_dir(name), model_dir / "1" / "loras" / name)
+    (model_dir / "1" / "multi_lora.json").write_text(
+        json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"}))
+    write_model(repo, QUEUED, parameters={"max_queue_size": "1", "max_num_seqs": "1",
+                                          "metrics_interval_ms": "100"})
+    write_model(repo, SICK, backend="python", model_py=SICK_MODEL_PY,
+                parameters={"ENABLE_VLLM_HEALTH_CHECK": "true"})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    need_tritonserver()
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
+                      models=[MODEL, QUEUED, SICK], startup_timeout=600) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def frontend(repo, server):
+    with OpenAIFrontend.for_repository(repo, server.grpc_url,
+                                       metrics_url=server.metrics_url) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
+
+
+def generate(server, model: str, prompt: str, **parameters) -> str:
+    """The same request through Triton's generate endpoint: the reference."""
+    status, body = http_generate(server, model, {"text_input": prompt, "parameters": {
+        "stream": False, "exclude_input_in_output": True, **parameters}})
+    assert status == 200, body
+    return body["text_output"]
+
+
+def post(frontend, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(frontend.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def scrape(server) -> list:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def metric(server, name: str, model: str) -> float:
+    return sum(s.value for s in scrape(server)
+               if s.name == name and s.labels.get("model_name") == model)
+
+
+# ------------------------------------------------------------------------ models, health
+def test_models_lists_each_model_and_lora_adapter(client):
+    ids = {m.id: m for m in client.models.list().data}
+    assert {MODEL, QUEUED, SICK, "doll", "sheep"} <= set(ids)
+    assert ids["doll"].model_extra["parent"] == MODEL
+    assert ids[MODEL].owned_by == "slipstream" and ids[MODEL].model_extra["max_model_len"] == 1024
+    assert client.models.retrieve("sheep").id == "sheep"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+# ------------------------------------------------------------------------ equal to generate
+def test_chat_greedy_equals_generate_with_the_chat_template(server, client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=12)
+    expected = generate(server, MODEL, QUESTION, temperature=0, max_tokens=12,
+                        apply_chat_template=True)
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].message.role == "assistant"
+    tokenizer = tokenizer_of()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                             add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert answer.usage.prompt_tokens == len(prompt_ids)
+    assert answer.usage.completion_tokens == len(tokenizer(expected,
+                                                           add_special_tokens=False)["input_ids"])
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + \
+        answer.usage.completion_tokens
+
+
+def test_completions_greedy_equals_generate(server, client):
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10,
+                                       extra_body={"ignore_eos": True})
+    expected = generate(server, MODEL, PROMPT, temperature=0, max_tokens=10, ignore_eos=True)
+    assert answer.choices[0].text == expected
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 10
+    assert answer.usage.prompt_tokens == len(tokenizer_of()(PROMPT)["input_ids"])
+
+
+def test_lora_adapter_named_as_model_equals_generate_with_lora_name(server, client):
+    texts = {}
+    for name in ("doll", "sheep", MODEL):
+        texts[name] = client.completions.create(model=name, prompt=PROMPT, temperature=0,
+                                                max_tokens=8,
+                                                extra_body={"ignore_eos": True}).choices[0].text
+        lora = {} if name == MODEL else {"lora_name": name}
+        assert texts[name] == generate(server, MODEL, PROMPT, temperature=0, max_tokens=8,
+                                       ignore_eos=True, **lora)
+    assert len(set(texts.values())) == 3  # the adapters really change the answer
+
+
+# ------------------------------------------------------------------------ streaming
+def test_async_chat_stream_with_usage_equals_the_whole_answer(client, frontend):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_completion_tokens=16, extra_body={"ignore_eos": True}).choices[0].message.content
+
+    async def stream():
+        aclient = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none",
+                                     max_retries=0)
+        chunks = []
+        async for chunk in await aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                max_completion_tokens=16, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+        await aclient.close()
+        return chunks
+
+    chunks = asyncio.run(stream())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sync_completions_stream_n2_seeded_is_reproducible(client):
+    def run() -> dict:
+        texts: dict = {}
+        finish: dict = {}
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=7,
+                                               temperature=1.0, max_tokens=8, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+        assert finish == {0: "length", 1: "length"}
+        return texts
+
+    first = run()
+    assert set(first) == {0, 1}
+    assert run() == first
+
+
+# ------------------------------------------------------------------------ sampling fields
+def test_chat_logprobs_give_the_greedy_token_first_among_top_logprobs(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=5, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 5
+    assert "".join(t.token for t in content) == answer.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+        values = [x.logprob for x in t.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert t.bytes == list(t.token.encode())
+
+
+def test_completions_logprobs_and_echo(client):
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4,
+                                       logprobs=2, extra_body={"ignore_eos": True})
+    lp = answer.choices[0].logprobs
+    assert "".join(lp.tokens) == answer.choices[0].text and len(lp.token_logprobs) == 4
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4,
+                                       echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPT + answer.choices[0].text
+
+
+def test_stop_string_ends_with_finish_reason_stop(server, client):
+    full = generate(server, MODEL, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
+    stop = full.strip().split()[1] if len(full.split()) > 1 else full.strip()[:2]
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12,
+                                       stop=[stop], extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text == full[:full.index(stop)]
+
+
+def test_response_format_json_schema_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string",
+                                                          "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0,
+        max_tokens=40, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "a", "schema": schema}})
+    # the random test model may spend its budget on the whitespace JSON allows
+    compact = re.sub(r"\s", "", answer.choices[0].message.content)
+    assert any(full.startswith(compact) for full in ('{"answer":"yes"}', '{"answer":"no"}'))
+    assert compact.startswith('{"answer"')
+    tight = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0,
+        max_tokens=40, extra_body={"structured_outputs": {"json": schema,
+                                                          "disable_any_whitespace": True}})
+    assert json.loads(tight.choices[0].message.content)["answer"] in ("yes", "no")
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], temperature=0,
+        max_tokens=20, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8,
+                                       extra_body={"structured_outputs":
+                                                   {"choice": ["Paris", "Rome"]}})
+    assert choice.choices[0].text in ("Paris", "Rome")
+
+
+def test_min_tokens_top_k_and_penalties_reach_the_engine(server, client):
+    answer = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, presence_penalty=0.5,
+        frequency_penalty=0.5, extra_body={"min_tokens": 6, "top_k": 5,
+                                           "repetition_penalty": 1.2})
+    expected = generate(server, MODEL, PROMPT, temperature=0, max_tokens=6, min_tokens=6,
+                        top_k=5, repetition_penalty=1.2, presence_penalty=0.5,
+                        frequency_penalty=0.5)
+    assert answer.choices[0].text == expected and answer.usage.completion_tokens == 6
+
+
+# ------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": "nope", "prompt": "x"}, 404, "The model `nope` does not exist."),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400,
+     "unknown field 'frobnicate' (not supported)"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ({"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompts as token ids are not supported"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "Stream options can only be defined when `stream=True`."),
+])
+def test_completion_errors_are_openai_error_bodies(frontend, body, status, message):
+    got, answer = post(frontend, "/v1/completions", body)
+    assert got == status, answer
+    assert message in answer["error"]["message"] and answer["error"]["code"] == status
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools (function calling) are not supported"),
+    ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "content part of type 'image_url' is not supported"),
+])
+def test_chat_errors_name_the_refused_field(frontend, extra, message):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    got, answer = post(frontend, "/v1/chat/completions", body)
+    assert got == 400 and message in answer["error"]["message"], answer
+
+
+def test_bad_value_streaming_is_an_http_400_before_any_event(client):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt=PROMPT, top_p=7.0, stream=True)
+
+
+def test_full_queue_answers_429(frontend, server):
+    """max_num_seqs 1 and max_queue_size 1: of four long requests at once, the engine takes
+    one and queues one; the others get 429 (RateLimitError), which routers retry elsewhere."""
+    client = openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
+
+    def one(_):
+        try:
+            client.completions.create(model=QUEUED, prompt=PROMPT, max_tokens=40,
+                                      extra_body={"ignore_eos": True})
+            return 200
+        except openai.APIStatusError as e:
+            assert "overloaded" in e.message or "queue" in e.message
+            return e.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(one, range(4)))
+    assert codes.count(429) >= 1 and codes.count(200) >= 1, codes
+
+
+# ------------------------------------------------------------------------ cancellation
+def test_client_disconnect_cancels_the_request_in_the_engine(frontend, server):
+    before = metric(server, "vllm:generation_tokens_total", QUEUED)
+    conn = http.client.HTTPConnection(frontend.host, frontend.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": QUEUED, "prompt": PROMPT, "max_tokens": 900, "stream": True,
+         "ignore_eos": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(3):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    deadline = time.monotonic() + 10
+    while metric(server, "vllm:num_requests_running", QUEUED) < 1 and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "vllm:num_requests_running", QUEUED) == 1
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.monotonic() + 15
+    while metric(server, "vllm:num_requests_running", QUEUED) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "vllm:num_requests_running", QUEUED) == 0
+    assert re.search(r"slipstream: request \S+ cancelled", server.log_tail(10**6))
+    generated = metric(server, "vllm:generation_tokens_total", QUEUED) - before
+    assert generated < 900  # it stopped long before max_tokens
+    time.sleep(1)
+    assert metric(server, "vllm:generation_tokens_total", QUEUED) - before == generated
+
+
+# ------------------------------------------------------------------------ health
+def test_health_fails_once_the_engine_is_dead(repo, server):
+    sick = [m for m in OpenAIFrontend.for_repository(repo, server.grpc_url).table.models
+            if m.name == SICK]
+    with OpenAIFrontend(sick, server.grpc_url) as only_sick:
+        health = f"{only_sick.url}/health"
+        assert urllib.request.urlopen(health, timeout=10).status == 200
+        body = {"model": SICK, "prompt": PROMPT, "max_tokens": 2}
+        assert post(only_sick, "/v1/completions", body)[0] == 200  # first check passes
+        status, answer = post(only_sick, "/v1/completions", body)
+        assert status == 503 and "unhealthy" in answer["error"]["message"]
+        deadline = time.monotonic() + 30
+        code = 200
+        while code == 200 and time.monotonic() < deadline:
+            try:
+                code = urllib.request.urlopen(health, timeout=10).status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            time.sleep(0.2)
+        assert code == 503
