@@ -11,6 +11,7 @@ import shutil
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -108,6 +109,14 @@ def scrape(server) -> list:
 def metric(server, name: str, model: str) -> float:
     return sum(s.value for s in scrape(server)
                if s.name == name and s.labels.get("model_name") == model)
+
+
+def wait_idle(server, model: str, timeout: float = 30) -> None:
+    """Until nothing runs on ``model`` and its counters have been flushed (an interval)."""
+    deadline = time.monotonic() + timeout
+    while metric(server, "vllm:num_requests_running", model) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)
 
 
 # ------------------------------------------------------------------------ models, health
@@ -389,3 +398,141 @@ def test_health_fails_once_the_engine_is_dead(repo, server):
                 code = e.code
             time.sleep(0.2)
         assert code == 503
+
+
+# ------------------------------------------------------------------------ metrics contract
+# The Gateway API Inference Extension's model-server protocol (docs/proposals/
+# 003-model-server-protocol) and vLLM's dashboard read these series of every served model.
+GRAFANA = json.loads((Path(__file__).parent / "data" / "vllm_grafana_queries.json").read_text())
+SELECTOR = re.compile(r"(vllm:[A-Za-z0-9_:]+)(?:\{([^}]*)\})?")
+MATCHER = re.compile(r'(\w+)\s*=\s*"([^"]*)"')
+
+
+def dashboard_selectors() -> list[tuple[str, dict]]:
+    """(series name, labels it must carry) for every series vLLM's dashboard queries, with
+    $model_name set to the served model; a ``sum by(label)`` needs that label too."""
+    out = []
+    for expr in GRAFANA["expressions"]:
+        by = re.findall(r"by\s*\(([^)]*)\)", expr)
+        grouped = {g.strip() for group in by for g in group.split(",")} - {"le"}
+        for name, matchers in SELECTOR.findall(expr):
+            labels = {k: v.replace("$model_name", MODEL) for k, v in MATCHER.findall(matchers)}
+            out.append((name, {**labels, **{g: None for g in grouped}}))
+    return out
+
+
+def has_series(samples, name: str, labels: dict) -> bool:
+    return any(s.name == name and all(k in s.labels and (v is None or s.labels[k] == v)
+                                      for k, v in labels.items()) for s in samples)
+
+
+def test_metrics_contract_every_vllm_dashboard_series_exists_with_its_labels(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    selectors = dashboard_selectors()
+    assert len(selectors) >= 30
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(server)
+        missing = [(n, l) for n, l in selectors if not has_series(samples, n, l)]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not missing
+    # the dashboard's model picker: label_values({__name__=~"vllm:.*"}, model_name)
+    assert GRAFANA["templating"] == ['label_values({__name__=~"vllm:.*"},model_name)']
+    assert MODEL in {s.labels.get("model_name") for s in samples if s.name.startswith("vllm:")}
+
+
+def test_metrics_contract_gateway_gauges_and_info_series(server, client):
+    """The endpoint picker's inputs: queue, running, KV usage gauges; block size from
+    vllm:cache_config_info; LoRA state from vllm:lora_requests_info (value: when it was last
+    current, so a reader takes the newest series)."""
+    samples = scrape(server)
+    mine = [s for s in samples if s.labels.get("model_name") == MODEL]
+    names = {s.name for s in mine}
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running",
+            "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
+            "vllm:lora_requests_info"} <= names
+    for s in mine:
+        if s.name == "vllm:kv_cache_usage_perc":
+            assert 0.0 <= s.value <= 1.0
+    [cache] = [s for s in mine if s.name == "vllm:cache_config_info"]
+    assert cache.labels["block_size"] == "16" and int(cache.labels["num_gpu_blocks"]) > 0
+    infos = [s for s in mine if s.name == "vllm:lora_requests_info"]
+    newest = max(infos, key=lambda s: s.value)
+    assert newest.labels["max_lora"] == "2"
+    assert {"running_lora_adapters", "waiting_lora_adapters"} <= set(newest.labels)
+    assert abs(newest.value - time.time()) < 24 * 3600  # a unix timestamp
+
+
+def test_metrics_contract_running_lora_and_gauges_refresh_within_the_interval(server,
+                                                                              frontend):
+    """While a request on adapter doll decodes, the newest lora_requests_info names it and
+    num_requests_running counts it, within the metrics interval (1 s) plus a scrape."""
+    conn = http.client.HTTPConnection(frontend.host, frontend.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "doll", "prompt": PROMPT, "max_tokens": 600, "stream": True,
+         "ignore_eos": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")
+    started = time.monotonic()
+
+    def newest_lora() -> dict:
+        infos = [s for s in scrape(server) if s.name == "vllm:lora_requests_info"
+                 and s.labels.get("model_name") == MODEL]
+        return max(infos, key=lambda s: s.value).labels
+    try:
+        while time.monotonic() - started < 10 and (
+                newest_lora()["running_lora_adapters"] != "doll"
+                or metric(server, "vllm:num_requests_running", MODEL) < 1):
+            time.sleep(0.1)
+        seen = time.monotonic() - started
+        assert newest_lora()["running_lora_adapters"] == "doll"
+        assert metric(server, "vllm:num_requests_running", MODEL) >= 1
+        assert seen < 3.0, seen  # metrics_interval_ms 1000, plus the scrape
+    finally:
+        conn.close()
+
+
+def test_metrics_contract_counts_of_openai_requests(server, client):
+    """vLLM's own metric assertions (tests/entrypoints/openai/test_metrics.py): per request
+    its prompt and generation tokens, one success with its finish reason, one TPOT per
+    request, inter-token latencies between the first token and the last."""
+    names = ("vllm:generation_tokens_total", "vllm:request_generation_tokens_sum",
+             'vllm:request_success_total', "vllm:request_time_per_output_token_seconds_count",
+             "vllm:request_max_num_generation_tokens_sum", "vllm:inter_token_latency_seconds_count",
+             "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_count")
+
+    def values() -> dict:
+        out = dict.fromkeys(names, 0.0)
+        for s in scrape(server):
+            if s.labels.get("model_name") != MODEL or s.name not in out:
+                continue
+            if s.name == "vllm:request_success_total" and s.labels["finished_reason"] != "length":
+                continue
+            out[s.name] += s.value
+        return out
+
+    wait_idle(server, MODEL)  # an earlier test's cancelled request may still be ending
+    before = values()
+    requests, tokens = 3, 5
+    for _ in range(requests):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=tokens, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    prompt_tokens = len(tokenizer_of()(PROMPT)["input_ids"])
+    expected = {"vllm:generation_tokens_total": requests * tokens,
+                "vllm:request_generation_tokens_sum": requests * tokens,
+                "vllm:request_success_total": requests,
+                "vllm:request_time_per_output_token_seconds_count": requests,
+                "vllm:request_max_num_generation_tokens_sum": requests * tokens,
+                "vllm:prompt_tokens_total": requests * prompt_tokens,
+                "vllm:e2e_request_latency_seconds_count": requests}
+    deadline = time.monotonic() + 10
+    while True:
+        delta = {k: v - before[k] for k, v in values().items()}
+        if all(delta[k] == v for k, v in expected.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {k: delta[k] for k in expected} == expected
+    assert requests <= delta["vllm:inter_token_latency_seconds_count"] <= requests * (tokens - 1)

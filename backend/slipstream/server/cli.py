@@ -105,6 +105,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
     p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
+    openai_port = os.environ.get("SLIPSTREAM_OPENAI_PORT")
+    p.add_argument("--openai-port", type=int, default=int(openai_port) if openai_port else None,
+                   help="also serve the OpenAI-compatible API (/v1/chat/completions, "
+                        "/v1/completions, /v1/models, /health) on this port, through Triton; "
+                        "0 = any free port (printed); off by default "
+                        "(env SLIPSTREAM_OPENAI_PORT)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                    help="override a config.pbtxt parameter (engine setting), repeatable")
     p.add_argument("--prompt", help="once ready, stream the answer to this prompt over gRPC")
@@ -222,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           models=names, backend_aliases=aliases)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
+    openai_api = None
     try:
         print(f"starting tritonserver (model {engine.get('model', 'default')}; log "
               f"{server.log_path or 'on stdout'}) ...", flush=True)
@@ -234,6 +241,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"/generate_stream)\n"
               f"  gRPC     {server.grpc_url}\n"
               f"  metrics  {server.metrics_url}", flush=True)
+        if args.openai_port is not None:
+            openai_api = _start_openai(args, repo, aliases, server)
         if args.prompt:
             print(f"\n>>> {args.prompt}", flush=True)
             result = stream_prompt(server.grpc_url, args.prompt, model=prompt_model,
@@ -259,6 +268,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     finally:
+        if openai_api is not None:
+            openai_api.stop()
         try:
             server.stop()
         except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
@@ -270,6 +281,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
         shutil.rmtree(work, ignore_errors=True)
     return code
+
+
+def _start_openai(args: argparse.Namespace, repo: Path, aliases: list, server: TritonServer):
+    """The OpenAI-compatible API on a thread of this process, talking to ``server`` over
+    gRPC (it keeps its ports across restarts, so the API outlives them)."""
+    from slipstream.server.openai.frontend import OpenAIFrontend
+
+    api = OpenAIFrontend.for_repository(repo, server.grpc_url, aliases,
+                                        metrics_url=server.metrics_url, host=args.host,
+                                        port=args.openai_port).start()
+    print(f"  OpenAI   {api.url}/v1  (chat/completions, completions, models; {api.url}/health)",
+          flush=True)
+    return api
 
 
 # --------------------------------------------------------------------------- install-backend
