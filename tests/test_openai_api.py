@@ -536,3 +536,61 @@ def test_metrics_contract_counts_of_openai_requests(server, client):
         time.sleep(0.2)
     assert {k: delta[k] for k in expected} == expected
     assert requests <= delta["vllm:inter_token_latency_seconds_count"] <= requests * (tokens - 1)
+
+
+# ------------------------------------------------------------------------ Triton's own frontend
+def triton_frontend_inputs(stream: bool, sampling: dict) -> list:
+    """The tensors Triton's OpenAI frontend (server repo python/openai, engine/utils/triton.py,
+    _create_vllm_generate_request) builds for a model whose backend is "vllm": its request
+    model dumped without None values as sampling_parameters (n, temperature, top_p and the
+    penalties always there), max_tokens, logprobs, lora_name and a tool's schema as a
+    structured_outputs JSON string; echo as exclude_input_in_output; usage flags."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+    text = np.array([QUESTION.encode()], dtype=np.object_)
+    return [tensor("text_input", text, "BYTES"),
+            tensor("stream", np.bool_([stream]), "BOOL"),
+            tensor("exclude_input_in_output", np.bool_([True]), "BOOL"),
+            tensor("sampling_parameters",
+                   np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+            tensor("return_num_input_tokens", np.bool_([True]), "BOOL"),
+            tensor("return_num_output_tokens", np.bool_([True]), "BOOL"),
+            tensor("return_logprobs", np.bool_([True]), "BOOL")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_triton_openai_frontend_request_shape_is_served(server, stream):
+    """What Triton's OpenAI frontend reads back works: one text_output string per response
+    (volume 1), UINT32 token counts, vLLM's logprobs JSON whose lowest rank is the chosen
+    token; non-streaming is one response (it checks for 1 or 2, the last final)."""
+    from vllm_backend_support import stream_requests
+
+    tool_schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    sampling = {"frequency_penalty": 0, "presence_penalty": 0, "n": 1, "temperature": 0,
+                "top_p": 1, "max_tokens": 6, "logprobs": 2, "ignore_eos": True,
+                "logit_bias": {"11": 0}, "lora_name": "doll",
+                "structured_outputs": json.dumps({"json": json.dumps(tool_schema)})}
+    responses = stream_requests(server.grpc_url, MODEL, [
+        {"inputs": triton_frontend_inputs(stream, sampling)}])
+    assert all(error is None for _, error in responses), [str(e) for _, e in responses]
+    results = [r for r, _ in responses]
+    assert len(results) == (len(results) if stream else 1)
+    text, count, chosen = "", 0, ""
+    for r in results:
+        assert r.as_numpy("text_output").size == 1
+        assert r.as_numpy("num_input_tokens").dtype.name == "uint32"
+        assert r.as_numpy("num_output_tokens").dtype.name == "uint32"
+        count += int(r.as_numpy("num_output_tokens").reshape(-1)[0])
+        text += r.as_numpy("text_output").reshape(-1)[0].decode()
+        for position in json.loads(r.as_numpy("logprobs").reshape(-1)[0]) or []:
+            entries = list(position.values())
+            assert all(isinstance(e["rank"], int) for e in entries)
+            # the sampled token first; the frontend takes the lowest rank, which is the same
+            # token unless a grammar or sampling picked a less likely one (as with vLLM)
+            chosen += entries[0]["decoded_token"]
+    assert count == 6 and text.lstrip().startswith("{") and chosen == text
