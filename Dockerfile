@@ -1,6 +1,8 @@
 # Slipstream on NVIDIA Triton Inference Server (a GPU, or CPU-only on a node without one).
 #   docker build -t slipstream:0.1.0 .
-#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 slipstream:0.1.0
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 \
+#       slipstream:0.1.0
+# (9000: the OpenAI-compatible API, /v1/chat/completions, /v1/completions, /v1/models, /health)
 # Settings: `docker run ... slipstream:0.1.0 --set max_num_seqs=128` (any `slipstream serve`
 # option), or ports and timeouts through the SLIPSTREAM_* variables that deploy/serve.sh reads.
 # Pinned: Triton 25.10 (CUDA 13.0, Ubuntu 24.04, Python 3.12), torch 2.13.0 (its Linux wheel
@@ -34,7 +36,7 @@ COPY deploy/serve.sh deploy/serve.sh
 RUN mkdir -p /home/triton-server && chown 1000:1000 /home/triton-server
 
 USER 1000:1000
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["sh", "-c", "curl -fsS -o /dev/null http://127.0.0.1:${SLIPSTREAM_HTTP_PORT:-8000}/v2/health/ready"]
 # NVIDIA's entrypoint (CUDA compatibility checks), then the one command the Kubernetes

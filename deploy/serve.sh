@@ -3,7 +3,9 @@
 # (its `args` are appended) and tests/test_deploy_server.py starts. Ports and timeouts come
 # from the environment, so the image, the manifests and the test pass the same arguments and
 # only the values differ (the test picks free ports). Extra arguments are `slipstream serve`
-# options, e.g. `--set max_num_seqs=128`.
+# options, e.g. `--set max_num_seqs=128`. The OpenAI-compatible API listens on
+# SLIPSTREAM_OPENAI_PORT (9000, Triton's OpenAI frontend's port), and the vLLM-named metric
+# series are on: what inference gateways and routers read of each replica.
 set -eu
 home=$(cd "$(dirname "$0")/.." && pwd)
 exec slipstream serve \
@@ -12,7 +14,9 @@ exec slipstream serve \
     --http-port "${SLIPSTREAM_HTTP_PORT:-8000}" \
     --grpc-port "${SLIPSTREAM_GRPC_PORT:-8001}" \
     --metrics-port "${SLIPSTREAM_METRICS_PORT:-8002}" \
+    --openai-port "${SLIPSTREAM_OPENAI_PORT:-9000}" \
     --startup-timeout "${SLIPSTREAM_STARTUP_TIMEOUT:-600}" \
     --exit-timeout "${SLIPSTREAM_EXIT_TIMEOUT:-60}" \
     --log-file - \
+    --set metric_families=slipstream,vllm \
     "$@"

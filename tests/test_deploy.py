@@ -90,7 +90,7 @@ def test_container_runs_the_image_entrypoint_as_the_image_user(overlay):
 def test_entrypoint_ports_are_the_declared_container_ports(overlay):
     spec = container(overlay)
     env, ports = plain_env(spec), port_numbers(spec)
-    assert set(ports) == {"http", "grpc", "metrics"}
+    assert set(ports) == {"http", "grpc", "metrics", "openai"}
     for name, number in ports.items():
         assert int(env[f"SLIPSTREAM_{name.upper()}_PORT"]) == number
 
@@ -157,12 +157,13 @@ def test_gpu_overlay_requests_a_gpu_and_reads_the_model_from_its_volume():
 
 
 # ------------------------------------------------------------------------------- Service, monitoring
-def test_service_exposes_http_grpc_and_metrics_ports_of_the_pods():
+def test_service_exposes_http_grpc_metrics_and_openai_ports_of_the_pods():
     objects = render("overlays/cpu")
     service = find(objects, "Service")
     spec = container("cpu")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert {n: p["port"] for n, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert {n: p["port"] for n, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002,
+                                                         "openai": 9000}
     assert all(p["targetPort"] in port_numbers(spec) for p in ports.values())
     pod_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()

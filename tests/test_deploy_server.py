@@ -44,7 +44,7 @@ class ContainerProcess:
     def __init__(self, env: dict, args: list) -> None:
         self.env = env
         self.ports = {name: int(env[f"SLIPSTREAM_{name.upper()}_PORT"])
-                      for name in ("http", "grpc", "metrics")}
+                      for name in ("http", "grpc", "metrics", "openai")}
         entrypoint = image_path_to_repo(dockerfile_exec_form("ENTRYPOINT")[-1])
         self.process = subprocess.Popen([str(entrypoint), *args], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -92,7 +92,7 @@ def container_env(spec: dict) -> dict:
     would fill in resolved for this machine, and this environment's `slipstream` on PATH."""
     env = dict(os.environ)
     env.update(plain_env(spec))
-    for name in ("HTTP", "GRPC", "METRICS"):
+    for name in ("HTTP", "GRPC", "METRICS", "OPENAI"):
         env[f"SLIPSTREAM_{name}_PORT"] = str(free_port())
     for item in spec.get("env", []):
         field = item.get("valueFrom", {}).get("resourceFieldRef", {})
@@ -200,6 +200,25 @@ def test_service_http_port_generates_with_the_default_model(pod):
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as r:
         assert "Paris" in json.loads(r.read())["text_output"]
+
+
+def test_openai_port_answers_health_models_and_chat(pod):
+    """The container serves the OpenAI-compatible API on SLIPSTREAM_OPENAI_PORT (opened
+    once Triton is ready)."""
+    deadline = time.monotonic() + 60
+    while pod.get("openai", "/health") != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pod.get("openai", "/health") == 200, "".join(pod.log[-20:])
+    with urllib.request.urlopen(pod.url("openai", "/v1/models"), timeout=10) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["slipstream"]
+    body = {"model": "slipstream", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    req = urllib.request.Request(pod.url("openai", "/v1/chat/completions"),
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    assert "Paris" in answer["choices"][0]["message"]["content"]
 
 
 def test_triton_log_goes_to_the_container_log(pod):
