@@ -594,3 +594,35 @@ def test_triton_openai_frontend_request_shape_is_served(server, stream):
             # token unless a grammar or sampling picked a less likely one (as with vLLM)
             chosen += entries[0]["decoded_token"]
     assert count == 6 and text.lstrip().startswith("{") and chosen == text
+
+
+# ------------------------------------------------------------------------ vLLM's benchmark client
+PEER_PYTHON = Path.home() / ".cache" / "slipstream" / "peers" / "venv" / "bin" / "python"
+VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks.serve import add_cli_args, main; "
+              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def test_vllm_bench_serve_openai_chat_completes_every_request(frontend, tmp_path):
+    """vLLM's own benchmark client (vllm.benchmarks.serve, backend openai-chat, from the vLLM
+    peer's virtualenv, scripts/setup_peers.py) against the OpenAI port: every request
+    succeeds and it reports goodput. The peer (GBs) is not installed in CI: skipped there."""
+    import subprocess
+
+    if not PEER_PYTHON.exists():
+        pytest.skip(f"no vLLM peer virtualenv ({PEER_PYTHON}; scripts/setup_peers.py)")
+    from support import tiny_model_dir
+
+    cmd = [str(PEER_PYTHON), "-c", VLLM_BENCH, "--backend", "openai-chat",
+           "--endpoint", "/v1/chat/completions", "--base-url", frontend.url, "--model", MODEL,
+           "--tokenizer", str(tiny_model_dir("llama")), "--dataset-name", "random",
+           "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
+           "--request-rate", "inf", "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json",
+           "--seed", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 8 and result.get("failed", 0) == 0, result
+    assert result["total_output_tokens"] == 8 * 8
+    assert "Request goodput (req/s):" in out.stdout and result["request_goodput"] > 0
