@@ -1,7 +1,8 @@
 """Extract the Prometheus queries of a Grafana dashboard JSON (every panel target's ``expr``
 and every templating query), for tests/data/vllm_grafana_queries.json:
 
-    python scripts/grafana_queries.py grafana.json --source URL > tests/data/vllm_grafana_queries.json
+    python scripts/grafana_queries.py grafana.json --source URL \
+        > tests/data/vllm_grafana_queries.json
 
 The test (tests/test_openai_api.py, metrics contract) checks that each series these queries
 select exists in Slipstream's metrics with the labels they filter on.
