@@ -444,11 +444,13 @@ def test_metrics_contract_every_vllm_dashboard_series_exists_with_its_labels(ser
     assert MODEL in {s.labels.get("model_name") for s in samples if s.name.startswith("vllm:")}
 
 
-def test_metrics_contract_gateway_gauges_and_info_series(server, client):
+def test_metrics_contract_gateway_gauges_and_info_series(server, frontend):
     """The endpoint picker's inputs: queue, running, KV usage gauges; block size from
     vllm:cache_config_info; LoRA state from vllm:lora_requests_info (value: when it was last
-    current, so a reader takes the newest series)."""
-    samples = scrape(server)
+    current, so a reader takes the newest series). Read at /metrics on the OpenAI port, as
+    on a vLLM server."""
+    text = urllib.request.urlopen(f"{frontend.url}/metrics", timeout=10).read().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     mine = [s for s in samples if s.labels.get("model_name") == MODEL]
     names = {s.name for s in mine}
     assert {"vllm:num_requests_waiting", "vllm:num_requests_running",

@@ -95,3 +95,20 @@ def test_model_errors_through_triton_get_vllms_statuses(text, status):
 def test_error_body_is_openais_shape():
     assert error_body(429, "slow down") == {"error": {
         "message": "slow down", "type": "RateLimitError", "param": None, "code": 429}}
+
+
+def test_add_special_tokens_is_a_request_option_of_the_backend():
+    """The chat frontend sends add_special_tokens=false (vLLM's request field): the adapter
+    passes it to the engine's tokenizer, it is no sampling parameter."""
+    import json
+
+    import numpy as np
+
+    from slipstream.server.protocol import parse_request
+
+    def parsed(sampling: dict):
+        return parse_request({"text_input": np.array([b"hi"], dtype=np.object_),
+                              "sampling_parameters": np.array([json.dumps(sampling).encode()],
+                                                              dtype=np.object_)})
+    assert parsed({}).options.add_special_tokens is True
+    assert parsed({"add_special_tokens": False}).options.add_special_tokens is False
