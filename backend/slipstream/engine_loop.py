@@ -280,8 +280,7 @@ class EngineLoop:
                 raise ValueError(f"request id {request_id!r} is already in use")
             limit = self.engine.config.max_queue_size
             if limit and self._num_waiting + self._pending >= limit:
-                raise OverloadedError(
-                    f"server overloaded: {limit} requests already waiting; retry later")
+                raise OverloadedError.queue_full(limit)
             stream = OutputStream(request_id)
             self._streams[request_id] = stream
             self._pending += 1

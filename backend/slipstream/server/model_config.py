@@ -95,6 +95,9 @@ TRTLLM_OUTPUTS = [
 ]
 
 
+DEFAULT_MAX_QUEUE_SIZE = 256  # waiting requests beyond which a server refuses new ones
+
+
 @dataclass
 class ModelSettings:
     engine: dict  # for EngineConfig.from_dict
@@ -184,6 +187,9 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
+    # A server refuses work it cannot start soon instead of queueing without bound
+    # (model.json or the config may still say 0: unbounded).
+    engine.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
     own_layout = backend == "python"
     report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=own_layout)
     return ModelSettings(
