@@ -110,6 +110,8 @@ class ModelSettings:
     max_logprobs: int
     engine_failure_threshold: int  # failed engine steps in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
+    step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
+    max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
 
 
@@ -204,6 +206,8 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
         max_engine_restarts=int(server["max_engine_restarts"]),
+        step_timeout_s=float(server["step_timeout_s"]),
+        max_request_seconds=float(server["max_request_seconds"]),
         compatibility=_compatibility(server["compatibility"]))
 
 

@@ -106,7 +106,8 @@ class TritonPythonModel:
         self.loop = EngineSupervisor(
             engine_config, on_output=self.wake.set, on_give_up=self._give_up,
             failure_threshold=settings.engine_failure_threshold,
-            max_restarts=settings.max_engine_restarts).start()
+            max_restarts=settings.max_engine_restarts,
+            step_timeout_s=settings.step_timeout_s).start()
         self.watchdog = Watchdog.start()
         self.drain_grace = max(triton_exit_timeout() - DRAIN_MARGIN_S, 0.0)
         self.stop_probe = HttpStopProbe()
@@ -407,6 +408,9 @@ class TritonPythonModel:
         (with Triton 2.51 the only way to stop reporting READY). Requests in flight have
         their errors; let the sender deliver them first."""
         self.logger.log_error(f"slipstream: {health.error}")
+        if self.settings.health_check:  # vllm_backend's way: unloaded, the server stays up
+            self._check_health([])
+            return
         if self.watchdog is None or not self.watchdog.alive:
             self.logger.log_error("slipstream: no watchdog; requests are refused until restart")
             return
