@@ -34,6 +34,7 @@ from slipstream.engine_loop import EngineDeadError, OverloadedError
 from slipstream.engine_supervisor import EngineSupervisor
 from slipstream.server import model_config
 from slipstream.server.cancel_polls import CancelPolls
+from slipstream.server.deadlines import request_deadline
 from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.metrics import ModelMetrics, NoMetrics
@@ -59,6 +60,13 @@ def _error(message, code=None):
                                       error=pb_utils.TritonError(message, code))
 
 
+def _request_timeout_us(request):
+    try:
+        return int(request.timeout())
+    except Exception:  # an older stub without InferenceRequest.timeout
+        return 0
+
+
 def _code(name):
     return getattr(getattr(pb_utils, "TritonError", None), name, None)
 
@@ -66,8 +74,10 @@ def _code(name):
 class _Pending:
     """One in-flight request as the sender thread sees it."""
 
-    def __init__(self, stream, sender, parsed, builder, track):
+    def __init__(self, stream, sender, parsed, builder, track, arrival, deadline=None):
         self.stream, self.sender, self.parsed = stream, sender, parsed
+        self.arrival, self.deadline = arrival, deadline  # a Deadline, or None
+        self.timed_out = False  # aborted at its deadline
         self.options = parsed.options
         self.builder, self.track = builder, track  # responses; metrics
         self.cancelled = self.progressed = False
@@ -162,11 +172,13 @@ class TritonPythonModel:
             senders = [sender]
             if self.batched or not self.decoupled:
                 senders = RowGroup(sender, len(rows), self.decoupled, pb_utils).senders()
+            deadline = request_deadline(arrival, _request_timeout_us(request),
+                                        request.parameters(), self.settings.max_request_seconds)
             for index, (row, row_sender) in enumerate(zip(rows, senders)):
-                self._submit(row, request.parameters(), row_sender, arrival, index)
+                self._submit(row, request.parameters(), row_sender, arrival, index, deadline)
         return None
 
-    def _submit(self, inputs, parameters, sender, arrival, batch_index):
+    def _submit(self, inputs, parameters, sender, arrival, batch_index, deadline=None):
         """Parse one request (or row of a batched one) and hand it to the engine; a bad one
         gets its error response here."""
         try:
@@ -205,7 +217,7 @@ class TritonPythonModel:
         builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
                                   self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
-                                   self.metrics.track(arrival, parsed.params)))
+                                   self.metrics.track(arrival, parsed.params), arrival, deadline))
         self.wake.set()
 
     def _refuse(self, sender, e: Exception) -> None:
@@ -341,6 +353,7 @@ class TritonPythonModel:
             except queue.Empty:
                 break
         self._poll_cancellation(p, now, has_output=bool(outs))
+        self._enforce_deadline(p, now)
         if not outs:
             return False
         p.progressed = True
@@ -367,6 +380,14 @@ class TritonPythonModel:
             self.logger.log_info(f"slipstream: cancelling request {p.stream.request_id}")
             self.loop.abort(p.stream.request_id)
 
+    def _enforce_deadline(self, p, now) -> None:
+        if p.deadline is None or p.timed_out or p.cancelled or now < p.deadline.at:
+            return
+        p.timed_out = True
+        self.logger.log_warn(f"slipstream: request {p.stream.request_id} "
+                             f"{p.deadline.message(now - p.arrival)}")
+        self.loop.abort(p.stream.request_id)
+
     @staticmethod
     def _response(outputs):
         return pb_utils.InferenceResponse(
@@ -383,6 +404,9 @@ class TritonPythonModel:
             p.sender.send(_error(str(refused), _code("INVALID_ARG")), flags=FINAL)
         elif isinstance(refused, EngineDeadError):
             p.sender.send(_error(str(refused), _code("UNAVAILABLE")), flags=FINAL)
+        elif p.timed_out and out.finish_reason is FinishReason.ABORT:
+            p.sender.send(_error(ERROR_PREFIX + p.deadline.message(end - p.arrival),
+                                 _code("UNAVAILABLE")), flags=FINAL)
         elif p.shutdown_abort and out.finish_reason is FinishReason.ABORT:
             p.sender.send(_error(f"request aborted: the server is shutting down and it did not "
                                  f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE")),
