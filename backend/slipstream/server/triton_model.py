@@ -49,7 +49,7 @@ from slipstream.server.trtllm_outputs import TrtllmResponses
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
 CANCEL_POLLS = CancelPolls()
-READY_POLL_S = 0.5  # how often, with requests in flight, Triton is asked if we still serve
+READY_POLL_S = 0.25  # how often, with requests in flight, Triton is asked if we still serve
 DRAIN_MARGIN_S = 3.0  # ends a drain this long before Triton's exit timeout runs out
 
 
@@ -323,7 +323,9 @@ class TritonPythonModel:
             if now < self.next_ready_check:
                 return
             self.next_ready_check = now + READY_POLL_S
-            if not self.stop_probe.stopping():
+            # The HTTP frontend refusing connections is certain: it never serves again.
+            certain = self.stop_probe.stopping()
+            if not certain:
                 try:
                     if pb_utils.is_model_ready(self.model_name, str(self.model_version)):
                         self.not_ready_checks = 0
@@ -331,8 +333,9 @@ class TritonPythonModel:
                 except Exception:  # "Server not ready": tritonserver is stopping
                     pass
             self.not_ready_checks += 1
-            if self.not_ready_checks == 1:  # a drain cannot be undone: look again first
+            if self.not_ready_checks == 1:
                 self.first_not_ready = now
+            if self.not_ready_checks == 1 and not certain:  # a drain cannot be undone: look again
                 return
             self.draining_since = self.first_not_ready
             self.logger.log_warn(f"slipstream: Triton is unloading this model or stopping; "
@@ -446,6 +449,7 @@ class TritonPythonModel:
 
     # ----------------------------------------------------------------- finalize
     def finalize(self):
+        started = time.monotonic()
         self.logger.log_info("slipstream: finalize, stopping the engine")
         self.loop.shutdown()  # aborts what is left: every stream ends, the sender sends FINAL
         self.stopping = True
@@ -454,3 +458,4 @@ class TritonPythonModel:
         self.metrics.stop()
         if self.watchdog is not None:
             self.watchdog.goodbye()
+        self.logger.log_info(f"slipstream: finalized in {time.monotonic() - started:.2f} s")
