@@ -47,7 +47,10 @@ def _snapshots(trigger, out):
             if os.environ.get("SLIPSTREAM_TRACE_TRIM"):  # what free memory glibc holds back
                 import ctypes
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
-                open(f"{out}.{n}.tmp", "w").close()
+                import collections, json
+                counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+                with open(f"{out}.{n}.tmp", "w") as f:
+                    json.dump(counts, f)
             else:
                 if not tracemalloc.is_tracing():  # from the first snapshot on: imports untraced
                     tracemalloc.start(6)
@@ -155,12 +158,15 @@ def main(argv=None) -> int:
     p.add_argument("--trim", action="store_true",
                    help="after each wave also measure once glibc's malloc_trim(0) has run in "
                         "the stub (no tracing): what is free memory held back, not a leak")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a model config parameter (e.g. cpu_linear=stock)")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="memory-waves-"))
     tiny = make_tiny_model_dir(cache_root() / "test-models" / "tiny-llama", "llama")
     repo = render_model_repository(DEFAULT_MODEL_REPOSITORY, work / "repo",
-                                   {"model": str(tiny), **SETTINGS})
+                                   {"model": str(tiny), **SETTINGS,
+                                    **dict(item.split("=", 1) for item in args.set)})
     env = {}
     if args.trace or args.trim:
         (repo / "slipstream" / "1" / "model.py").write_text(TRACING_MODEL_PY)
@@ -184,6 +190,14 @@ def main(argv=None) -> int:
                    f"stub {memory} MB"
             if args.trim:
                 snapshot(work / "trigger", work / "snapshot", n)
+                counts = json.loads(Path(f"{work / 'snapshot'}.{n}").read_text())
+                if n:
+                    before = json.loads(Path(f"{work / 'snapshot'}.{n - 1}").read_text())
+                    grown = sorted(((counts[k] - before.get(k, 0), k) for k in counts),
+                                   reverse=True)[:6]
+                    line += f"\n    Python objects that grew: {grown}"
+                    figures.setdefault("objects_grown", []).append(
+                        sum(max(counts[k] - before.get(k, 0), 0) for k in counts))
                 trimmed = stub_memory_mb(server)
                 figures.setdefault("memory_mb_trimmed", []).append(trimmed)
                 line += f"\n    after malloc_trim: {trimmed} MB"
