@@ -29,6 +29,11 @@ the repository API, while the server is fully up: the model lets in-flight reque
 (up to the exit timeout) and ends the rest with an error, then finalizes. Only then is
 ``tritonserver`` signalled, and killed if it lingers; its process group (backend stubs and
 their watchdogs) and its Python-backend shared-memory regions are always removed.
+
+The model-repository API is restricted (``--http-restricted-api`` /
+``--grpc-restricted-protocol``) to a random key this object alone holds and sends with its own
+repository calls, unless ``open_model_control``: with the Python backend a loadable model
+directory is code execution, and an unload takes the model away from every client.
 """
 from __future__ import annotations
 
