@@ -50,7 +50,8 @@ def wait_exit(server, timeout):
 
 
 @pytest.mark.slow
-def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp_path):  # noqa: F811
+def test_a_hung_step_fails_its_requests_and_the_server_goes_away(
+        tiny_model, tmp_path):  # noqa: F811
     """Before: every client waited for ever and the model stayed READY."""
     server, fault = faulty_server(REPO, tiny_model, tmp_path, {**OVERRIDES, "step_timeout_s": 2},
                                   exit_timeout=5)
@@ -82,7 +83,8 @@ def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp
 
 
 @pytest.mark.slow
-def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_model, tmp_path):  # noqa: F811
+def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(
+        tiny_model, tmp_path):  # noqa: F811
     """Default restarts. Before: the engine was restarted inside the stub and the model
     stayed READY, accepting work it could not do."""
     server, fault = faulty_server(REPO, tiny_model, tmp_path,
@@ -102,7 +104,8 @@ def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_mo
 
 
 @pytest.mark.slow
-def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(tiny_model, tmp_path):  # noqa: F811
+def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(
+        tiny_model, tmp_path):  # noqa: F811
     server, fault = faulty_server(REPO, tiny_model, tmp_path, {
         **OVERRIDES, "engine_failure_threshold": 2, "ENABLE_VLLM_HEALTH_CHECK": "true"})
     try:

@@ -6,8 +6,6 @@ import os
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -31,7 +29,8 @@ def test_a_server_bounds_its_queue_by_default(tmp_path):
     """Before: max_queue_size 0 (unbounded) unless configured."""
     (tmp_path / "1").mkdir()
     assert load_settings({}, "python", tmp_path).engine["max_queue_size"] == DEFAULT_MAX_QUEUE_SIZE
-    assert load_settings({"max_queue_size": "0"}, "python", tmp_path).engine["max_queue_size"] == "0"
+    unbounded = load_settings({"max_queue_size": "0"}, "python", tmp_path)
+    assert unbounded.engine["max_queue_size"] == "0"
     shipped = (REPO / "slipstream" / "config.pbtxt").read_text()
     assert 'key: "max_queue_size"\n  value: { string_value: "256" }' in shipped
     message = str(OverloadedError.queue_full(7))
@@ -54,7 +53,8 @@ def grpc_inputs(sampling):
 
 
 @pytest.mark.slow
-def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, tmp_path):  # noqa: F811
+def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(
+        tiny_model, tmp_path):  # noqa: F811
     """One request runs, one waits (max_num_seqs 1, max_queue_size 1): the next is refused at
     once. Before: "retry later" with no hint of when; HTTP 400 on every endpoint."""
     src = tmp_path / "src"
@@ -63,7 +63,8 @@ def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, t
     config = src / UNARY / "config.pbtxt"
     config.write_text(config.read_text().replace('name: "slipstream"', f'name: "{UNARY}"')
                       .replace("model_transaction_policy {\n  decoupled: true\n}\n", "")
-                      + 'parameters: {\n  key: "decoupled"\n  value: { string_value: "false" }\n}\n')
+                      + 'parameters: {\n  key: "decoupled"\n'
+                      '  value: { string_value: "false" }\n}\n')
     repo = render_model_repository(src, tmp_path / "repo", {
         "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1})
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
