@@ -88,7 +88,8 @@ def write(tmp_path, model_json=None):
 def test_parameters_override_model_json(tmp_path):
     model_dir = write(tmp_path, {"model": "default", "max_num_seqs": 8, "block_size": 32})
     settings = load_settings({"max_num_seqs": "4"}, "slipstream", model_dir)
-    assert settings.engine == {"model": "default", "max_num_seqs": "4", "block_size": 32}
+    assert settings.engine == {"model": "default", "max_num_seqs": "4", "block_size": 32,
+                               "max_queue_size": 256}  # the server default
 
 
 @pytest.mark.parametrize("backend, params, model_json, report, families", [

@@ -123,8 +123,9 @@ def repo(tmp_path_factory):
 def server(repo):
     need_tritonserver()
     loads = [f"--load-model={name}" for name in STARTUP_MODELS]
+    # vllm_backend's own tests load and unload models over the API: opened on purpose
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, models=STARTUP_MODELS,
-                      startup_timeout=600,
+                      startup_timeout=600, open_model_control=True,
                       extra_args=["--model-control-mode=explicit", *loads]) as srv:
         yield srv
 

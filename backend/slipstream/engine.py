@@ -41,8 +41,17 @@ log = logging.getLogger("slipstream")
 Prompt = Union[str, list]
 
 
+OVERLOADED = "server overloaded"  # every queue-full message starts so (frontends match it)
+RETRY_AFTER_S = 1  # what a refused client is told to wait before it tries again
+
+
 class OverloadedError(RuntimeError):
     """The waiting queue is full: the request is refused instead of queued."""
+
+    @classmethod
+    def queue_full(cls, limit: int) -> "OverloadedError":
+        return cls(f"{OVERLOADED}: {limit} requests already waiting (max_queue_size); "
+                   f"retry after {RETRY_AFTER_S} s")
 
 
 class LLMEngine:
@@ -255,7 +264,7 @@ class LLMEngine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         limit = self.config.max_queue_size
         if check_queue and limit and len(self.scheduler.waiting) >= limit:
-            raise OverloadedError(f"server overloaded: {limit} requests already waiting; retry later")
+            raise OverloadedError.queue_full(limit)
         group = SequenceGroup.create(req)
         sequences = group.sequences if group is not None else [req]
         taken = [s.request_id for s in sequences if s.request_id in self.requests]

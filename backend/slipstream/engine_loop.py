@@ -11,6 +11,12 @@ failed, is a failed step; ``failure_threshold`` of them in a row, or the loop th
 make the engine DEAD: every request still in it ends with the error, new ones are refused
 with ``EngineDeadError`` and ``health()`` says why (the server reports itself not ready and
 restarts the engine, see ``slipstream.engine_supervisor``).
+
+A step that never returns (a forward or kernel that hangs) is seen by the step watchdog, a
+thread that looks at the running step's age: past ``step_timeout_s`` (the first steps, which
+may compile kernels or capture graphs, get ``FIRST_STEPS_TIMEOUT_FACTOR`` times that) the
+engine dies as above, from that thread: every client gets its error and the server is told,
+though the stuck loop thread cannot be stopped.
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ __all__ = ["EngineDeadError", "EngineLoop", "Health", "HealthState", "OutputStre
            "OverloadedError"]
 
 DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itself is broken
+DEFAULT_STEP_TIMEOUT_S = 120.0  # a step running this long is hung (vLLM's iteration timeout: 60)
+FIRST_STEPS = 3  # steps that may compile kernels or capture graphs first
+FIRST_STEPS_TIMEOUT_FACTOR = 10
 
 
 class HealthState(str, enum.Enum):
@@ -113,13 +122,15 @@ def _error_output(request_id: str, message: str,
 class EngineLoop:
     def __init__(self, config_or_engine, *, on_output: Optional[Callable[[], None]] = None,
                  on_dead: Optional[Callable[[Health], None]] = None,
-                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD, **engine_kwargs) -> None:
+                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, **engine_kwargs) -> None:
         """A config is turned into an engine by ``start()``, on the loop thread.
 
         ``on_output`` is called on the loop thread after each batch of outputs reaches the
         streams, so a reader can sleep until then instead of polling (a poller steals CPU
-        from the model's threads). ``on_dead`` is called once, on the loop thread, when the
-        engine dies (after every request in it has been ended)."""
+        from the model's threads). ``on_dead`` is called once, on the loop thread (the
+        step watchdog's for a hung step), when the engine dies (after every request in it
+        has been ended). ``step_timeout_s`` <= 0: no step watchdog."""
         if isinstance(config_or_engine, EngineConfig):
             self._build = lambda: LLMEngine(config_or_engine, **engine_kwargs)
             self.engine: Optional[LLMEngine] = None
@@ -143,6 +154,10 @@ class EngineLoop:
         self._on_output = on_output
         self._on_dead = on_dead
         self._failure_threshold = failure_threshold
+        self._step_timeout_s = step_timeout_s
+        self._step_started: Optional[float] = None  # monotonic start of the running step
+        self._steps_started = 0
+        self._watchdog_thread: Optional[threading.Thread] = None
         self._health = Health(HealthState.STARTING)
         self._ids = itertools.count()
 
@@ -169,6 +184,11 @@ class EngineLoop:
             self._tokenizer_thread = threading.Thread(target=self._tokenizer_main,
                                                       name="slipstream-tokenizer", daemon=True)
             self._tokenizer_thread.start()
+            if self._step_timeout_s > 0:
+                self._watchdog_thread = threading.Thread(target=self._watch_steps,
+                                                         name="slipstream-step-watchdog",
+                                                         daemon=True)
+                self._watchdog_thread.start()
         return self
 
     def _main(self, built: threading.Event, failure: list) -> None:
@@ -284,8 +304,7 @@ class EngineLoop:
                 raise ValueError(f"request id {request_id!r} is already in use")
             limit = self.engine.config.max_queue_size
             if limit and self._num_waiting + self._pending >= limit:
-                raise OverloadedError(
-                    f"server overloaded: {limit} requests already waiting; retry later")
+                raise OverloadedError.queue_full(limit)
             stream = OutputStream(request_id)
             self._streams[request_id] = stream
             self._pending += 1
@@ -365,6 +384,8 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             steps_before = engine.stats.steps
+            self._steps_started += 1
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
                 error = None
@@ -372,6 +393,10 @@ class EngineLoop:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 error = f"internal error: {exc}"
                 outputs = self._fail_scheduled(error)
+            finally:
+                self._step_started = None
+            if self._health.state is HealthState.DEAD:  # declared hung while it ran
+                return
             self._deliver(outputs)
             if self._record_step(outputs, error):
                 return
@@ -380,6 +405,20 @@ class EngineLoop:
             if not ran and engine.has_unfinished():
                 self._idle_wait()
         self._abort_all()
+
+    def _watch_steps(self) -> None:
+        """The step watchdog: a step past its timeout kills the engine (see the module)."""
+        while not self._stop.wait(min(self._step_timeout_s / 4, 0.5)):
+            started = self._step_started
+            if started is None or self._health.state is HealthState.DEAD:
+                continue
+            limit = self._step_timeout_s * (FIRST_STEPS_TIMEOUT_FACTOR
+                                            if self._steps_started <= FIRST_STEPS else 1)
+            age = time.monotonic() - started
+            if age > limit and self._step_started == started:
+                self._die(f"an engine step has run for {age:.0f} s, past step_timeout_s "
+                          f"({limit:.0f} s): the engine is hung")
+                return
 
     def _record_step(self, outputs: list[RequestOutput], error: Optional[str]) -> bool:
         """Count a step towards the engine's health; True when the engine is now dead.
@@ -404,6 +443,8 @@ class EngineLoop:
         """End every request with ``reason`` and refuse new ones; the loop thread exits."""
         log.critical("slipstream engine is dead: %s", reason)
         with self._lock:
+            if self._health.state is HealthState.DEAD:  # the watchdog and the loop raced
+                return
             self._health = Health(HealthState.DEAD, self._health.consecutive_failures, reason)
             streams = list(self._streams.values())
             self._streams.clear()

@@ -16,8 +16,9 @@ from typing import Callable, Optional, Union
 
 from slipstream.core.config import EngineConfig
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine_loop import (DEFAULT_FAILURE_THRESHOLD, EngineDeadError, EngineLoop, Health,
-                                    HealthState, OutputStream)
+from slipstream.engine_loop import (DEFAULT_FAILURE_THRESHOLD, DEFAULT_STEP_TIMEOUT_S,
+                                    EngineDeadError, EngineLoop, Health, HealthState,
+                                    OutputStream)
 
 log = logging.getLogger("slipstream")
 
@@ -28,7 +29,8 @@ class EngineSupervisor:
     def __init__(self, config: ConfigSource, *, on_output: Optional[Callable[[], None]] = None,
                  on_give_up: Optional[Callable[[Health], None]] = None,
                  failure_threshold: int = DEFAULT_FAILURE_THRESHOLD, max_restarts: int = 3,
-                 restart_window_s: float = 600.0, restart_backoff_s: float = 1.0) -> None:
+                 restart_window_s: float = 600.0, restart_backoff_s: float = 1.0,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         """``max_restarts`` restarts are allowed within ``restart_window_s``; the next death
         calls ``on_give_up`` (on a supervisor thread) and leaves the engine dead. The n-th
         restart in the window waits ``restart_backoff_s * 2**(n-1)`` first."""
@@ -36,6 +38,7 @@ class EngineSupervisor:
         self._on_output = on_output
         self._on_give_up = on_give_up
         self._failure_threshold = failure_threshold
+        self._step_timeout_s = step_timeout_s
         self._max_restarts = max_restarts
         self._window = restart_window_s
         self._backoff = restart_backoff_s
@@ -57,7 +60,8 @@ class EngineSupervisor:
     def _new_loop(self) -> EngineLoop:
         config = self._config() if callable(self._config) else self._config
         return EngineLoop(config, on_output=self._on_output, on_dead=self._on_dead,
-                          failure_threshold=self._failure_threshold).start()
+                          failure_threshold=self._failure_threshold,
+                          step_timeout_s=self._step_timeout_s).start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:

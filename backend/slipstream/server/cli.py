@@ -133,6 +133,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "written for Triton's vLLM backend (backend: \"vllm\", 1/model.json) "
                         "loads unchanged, and tools that look for backend 'vllm' (Triton's "
                         "OpenAI frontend) treat its models as vLLM ones")
+    p.add_argument("--allow-model-control", action="store_true",
+                   help="open Triton's model-repository API (/v2/repository: load, unload, "
+                        "index) to every client that reaches the HTTP or gRPC port. Off by "
+                        "default: only the launcher, with a random key, may use it (loading a "
+                        "Python-backend model runs its code; an unload takes the model away)")
 
 
 class _Stop(Exception):
@@ -225,7 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                           startup_timeout=args.startup_timeout, log_path=args.log_file,
                           log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
-                          models=names, backend_aliases=aliases)
+                          models=names, backend_aliases=aliases,
+                          open_model_control=args.allow_model_control)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     openai_api = None

@@ -29,6 +29,11 @@ the repository API, while the server is fully up: the model lets in-flight reque
 (up to the exit timeout) and ends the rest with an error, then finalizes. Only then is
 ``tritonserver`` signalled, and killed if it lingers; its process group (backend stubs and
 their watchdogs) and its Python-backend shared-memory regions are always removed.
+
+The model-repository API is restricted (``--http-restricted-api`` /
+``--grpc-restricted-protocol``) to a random key this object alone holds and sends with its own
+repository calls, unless ``open_model_control``: with the Python backend a loadable model
+directory is code execution, and an unload takes the model away from every client.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import glob
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -56,6 +62,9 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 STUCK_UNLOAD_S = 3.0
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_NAME = "slipstream"
+# The header (HTTP) / metadata key (gRPC) that unlocks Triton's model-repository API (load,
+# unload, index) when it is restricted: its value is a random key only the launcher knows.
+MODEL_CONTROL_HEADER = "slipstream-model-control-key"
 BACKEND_NAME = "slipstream"
 BACKEND_SOURCE = REPO_ROOT / "backends" / BACKEND_NAME / "model.py"
 # What backends/slipstream/model.py says, for installs without the repository's files.
@@ -343,9 +352,15 @@ class TritonServer:
                  log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
                  env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
                  exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None,
-                 backend_aliases: Sequence[str] = (), model_control: str = "explicit") -> None:
+                 backend_aliases: Sequence[str] = (), model_control: str = "explicit",
+                 open_model_control: bool = False) -> None:
         """``model_control="explicit"`` (the default) loads every model of the repository at
-        start and lets ``stop`` unload them before signalling; "none" is Triton's default."""
+        start and lets ``stop`` unload them before signalling; "none" is Triton's default.
+
+        Triton's model-repository API (``/v2/repository/...``: load, unload, index) is
+        restricted to the launcher's own random key unless ``open_model_control``: with the
+        Python backend, loading a model directory runs its code, and an unload takes the
+        model away from every client."""
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         self.http_port = http_port or free_port(host)
@@ -361,6 +376,9 @@ class TritonServer:
         self.gpu_metrics = gpu_present() if gpu_metrics is None else gpu_metrics
         self.backend_aliases = list(backend_aliases)
         self.model_control = model_control
+        # None: the API is open to anyone who reaches the ports (an operator's explicit choice)
+        self.model_control_key: Optional[str] = (None if open_model_control
+                                                 else secrets.token_hex(24))
         self.last_stop: Optional[StopReport] = None
         self._own_log = log_path is None
         self.log_path = _log_file(log_path)
@@ -401,6 +419,10 @@ class TritonServer:
         if self.model_control == "explicit" and not any(
                 a.startswith("--model-control-mode") for a in self.extra_args):
             cmd += ["--model-control-mode=explicit", "--load-model=*"]
+        if self.model_control_key is not None:
+            restriction = f"model-repository:{MODEL_CONTROL_HEADER}={self.model_control_key}"
+            cmd += [f"--http-restricted-api={restriction}",
+                    f"--grpc-restricted-protocol={restriction}"]
         if self.install.backend_dir is not None:
             cmd += ["--backend-directory", str(self.install.backend_dir)]
         return cmd + self.extra_args
@@ -522,7 +544,10 @@ class TritonServer:
         return code
 
     def _post(self, path: str, timeout: float = 10.0) -> tuple:
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"", method="POST")
+        headers = ({MODEL_CONTROL_HEADER: self.model_control_key}
+                   if self.model_control_key is not None else {})
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"", method="POST",
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read().decode()

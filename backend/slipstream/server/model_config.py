@@ -96,6 +96,9 @@ TRTLLM_OUTPUTS = [
 ]
 
 
+DEFAULT_MAX_QUEUE_SIZE = 256  # waiting requests beyond which a server refuses new ones
+
+
 @dataclass
 class ModelSettings:
     engine: dict  # for EngineConfig.from_dict
@@ -108,6 +111,8 @@ class ModelSettings:
     max_logprobs: int
     engine_failure_threshold: int  # failed engine steps in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
+    step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
+    max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
 
 
@@ -185,6 +190,9 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
+    # A server refuses work it cannot start soon instead of queueing without bound
+    # (model.json or the config may still say 0: unbounded).
+    engine.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
     own_layout = backend == "python"
     # On by default except under the vllm alias, which keeps Triton vLLM backend's default
     # (off) for repositories written for it: routers and dashboards read these series.
@@ -202,6 +210,8 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
         max_engine_restarts=int(server["max_engine_restarts"]),
+        step_timeout_s=float(server["step_timeout_s"]),
+        max_request_seconds=float(server["max_request_seconds"]),
         compatibility=_compatibility(server["compatibility"]))
 
 

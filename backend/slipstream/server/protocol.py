@@ -490,7 +490,12 @@ SERVER_PARAMETERS = {
     "ENABLE_VLLM_HEALTH_CHECK": "false",
     "metric_families": "",
     "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
-    "max_engine_restarts": "3",  # restarts within 10 minutes before the server is taken down
+    # Engine restarts inside the stub within 10 minutes before the server is taken down. 0:
+    # a dead engine takes the server down at once, as a crash does (Triton 2.51 cannot make a
+    # model not ready otherwise; its supervisor then restarts it).
+    "max_engine_restarts": "0",
+    "step_timeout_s": "120",  # a step running longer is hung: the engine dies (0 = no watchdog)
+    "max_request_seconds": "0",  # a request running longer ends with an error (0 = no limit)
     "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
     "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
 }

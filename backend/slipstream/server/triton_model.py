@@ -34,6 +34,7 @@ from slipstream.engine_loop import EngineDeadError, OverloadedError
 from slipstream.engine_supervisor import EngineSupervisor
 from slipstream.server import model_config
 from slipstream.server.cancel_polls import CancelPolls
+from slipstream.server.deadlines import request_deadline
 from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.metrics import ModelMetrics, NoMetrics
@@ -48,7 +49,7 @@ from slipstream.server.trtllm_outputs import TrtllmResponses
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
 CANCEL_POLLS = CancelPolls()
-READY_POLL_S = 0.5  # how often, with requests in flight, Triton is asked if we still serve
+READY_POLL_S = 0.25  # how often, with requests in flight, Triton is asked if we still serve
 DRAIN_MARGIN_S = 3.0  # ends a drain this long before Triton's exit timeout runs out
 
 
@@ -59,6 +60,13 @@ def _error(message, code=None):
                                       error=pb_utils.TritonError(message, code))
 
 
+def _request_timeout_us(request):
+    try:
+        return int(request.timeout())
+    except Exception:  # an older stub without InferenceRequest.timeout
+        return 0
+
+
 def _code(name):
     return getattr(getattr(pb_utils, "TritonError", None), name, None)
 
@@ -66,8 +74,10 @@ def _code(name):
 class _Pending:
     """One in-flight request as the sender thread sees it."""
 
-    def __init__(self, stream, sender, parsed, builder, track):
+    def __init__(self, stream, sender, parsed, builder, track, arrival, deadline=None):
         self.stream, self.sender, self.parsed = stream, sender, parsed
+        self.arrival, self.deadline = arrival, deadline  # a Deadline, or None
+        self.timed_out = False  # aborted at its deadline
         self.options = parsed.options
         self.builder, self.track = builder, track  # responses; metrics
         self.cancelled = self.progressed = False
@@ -106,7 +116,8 @@ class TritonPythonModel:
         self.loop = EngineSupervisor(
             engine_config, on_output=self.wake.set, on_give_up=self._give_up,
             failure_threshold=settings.engine_failure_threshold,
-            max_restarts=settings.max_engine_restarts).start()
+            max_restarts=settings.max_engine_restarts,
+            step_timeout_s=settings.step_timeout_s).start()
         self.watchdog = Watchdog.start()
         self.drain_grace = max(triton_exit_timeout() - DRAIN_MARGIN_S, 0.0)
         self.stop_probe = HttpStopProbe()
@@ -161,11 +172,13 @@ class TritonPythonModel:
             senders = [sender]
             if self.batched or not self.decoupled:
                 senders = RowGroup(sender, len(rows), self.decoupled, pb_utils).senders()
+            deadline = request_deadline(arrival, _request_timeout_us(request),
+                                        request.parameters(), self.settings.max_request_seconds)
             for index, (row, row_sender) in enumerate(zip(rows, senders)):
-                self._submit(row, request.parameters(), row_sender, arrival, index)
+                self._submit(row, request.parameters(), row_sender, arrival, index, deadline)
         return None
 
-    def _submit(self, inputs, parameters, sender, arrival, batch_index):
+    def _submit(self, inputs, parameters, sender, arrival, batch_index, deadline=None):
         """Parse one request (or row of a batched one) and hand it to the engine; a bad one
         gets its error response here."""
         try:
@@ -206,7 +219,7 @@ class TritonPythonModel:
         builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
                                   self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
-                                   self.metrics.track(arrival, parsed.params)))
+                                   self.metrics.track(arrival, parsed.params), arrival, deadline))
         self.wake.set()
 
     def _refuse(self, sender, e: Exception) -> None:
@@ -312,7 +325,9 @@ class TritonPythonModel:
             if now < self.next_ready_check:
                 return
             self.next_ready_check = now + READY_POLL_S
-            if not self.stop_probe.stopping():
+            # The HTTP frontend refusing connections is certain: it never serves again.
+            certain = self.stop_probe.stopping()
+            if not certain:
                 try:
                     if pb_utils.is_model_ready(self.model_name, str(self.model_version)):
                         self.not_ready_checks = 0
@@ -320,8 +335,9 @@ class TritonPythonModel:
                 except Exception:  # "Server not ready": tritonserver is stopping
                     pass
             self.not_ready_checks += 1
-            if self.not_ready_checks == 1:  # a drain cannot be undone: look again first
+            if self.not_ready_checks == 1:
                 self.first_not_ready = now
+            if self.not_ready_checks == 1 and not certain:  # a drain cannot be undone: look again
                 return
             self.draining_since = self.first_not_ready
             self.logger.log_warn(f"slipstream: Triton is unloading this model or stopping; "
@@ -342,6 +358,7 @@ class TritonPythonModel:
             except queue.Empty:
                 break
         self._poll_cancellation(p, now, has_output=bool(outs))
+        self._enforce_deadline(p, now)
         if not outs:
             return False
         p.progressed = True
@@ -368,6 +385,14 @@ class TritonPythonModel:
             self.logger.log_info(f"slipstream: cancelling request {p.stream.request_id}")
             self.loop.abort(p.stream.request_id)
 
+    def _enforce_deadline(self, p, now) -> None:
+        if p.deadline is None or p.timed_out or p.cancelled or now < p.deadline.at:
+            return
+        p.timed_out = True
+        self.logger.log_warn(f"slipstream: request {p.stream.request_id} "
+                             f"{p.deadline.message(now - p.arrival)}")
+        self.loop.abort(p.stream.request_id)
+
     @staticmethod
     def _response(outputs):
         return pb_utils.InferenceResponse(
@@ -384,6 +409,9 @@ class TritonPythonModel:
             p.sender.send(_error(str(refused), _code("INVALID_ARG")), flags=FINAL)
         elif isinstance(refused, EngineDeadError):
             p.sender.send(_error(str(refused), _code("UNAVAILABLE")), flags=FINAL)
+        elif p.timed_out and out.finish_reason is FinishReason.ABORT:
+            p.sender.send(_error(ERROR_PREFIX + p.deadline.message(end - p.arrival),
+                                 _code("UNAVAILABLE")), flags=FINAL)
         elif p.shutdown_abort and out.finish_reason is FinishReason.ABORT:
             p.sender.send(_error(f"request aborted: the server is shutting down and it did not "
                                  f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE")),
@@ -409,6 +437,9 @@ class TritonPythonModel:
         (with Triton 2.51 the only way to stop reporting READY). Requests in flight have
         their errors; let the sender deliver them first."""
         self.logger.log_error(f"slipstream: {health.error}")
+        if self.settings.health_check:  # vllm_backend's way: unloaded, the server stays up
+            self._check_health([])
+            return
         if self.watchdog is None or not self.watchdog.alive:
             self.logger.log_error("slipstream: no watchdog; requests are refused until restart")
             return
@@ -420,6 +451,7 @@ class TritonPythonModel:
 
     # ----------------------------------------------------------------- finalize
     def finalize(self):
+        started = time.monotonic()
         self.logger.log_info("slipstream: finalize, stopping the engine")
         self.loop.shutdown()  # aborts what is left: every stream ends, the sender sends FINAL
         self.stopping = True
@@ -428,3 +460,4 @@ class TritonPythonModel:
         self.metrics.stop()
         if self.watchdog is not None:
             self.watchdog.goodbye()
+        self.logger.log_info(f"slipstream: finalized in {time.monotonic() - started:.2f} s")

@@ -1,0 +1,29 @@
+"""Memory under repeated load: waves of concurrent gRPC and HTTP requests against a real
+tritonserver leave no per-request Python objects behind in the stub, and its heap levels off
+(``benchmarks/memory_waves.py`` is the full measurement, docs/robustness.md its figures)."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+
+import memory_waves  # noqa: E402 - benchmarks/ is on PYTHONPATH
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+CONCURRENCY = 40
+
+
+@pytest.mark.slow
+def test_waves_of_requests_leave_no_objects_behind_and_the_heap_levels_off(tmp_path):
+    out = tmp_path / "figures.json"
+    assert memory_waves.main(["--waves", "4", "--concurrency", str(CONCURRENCY), "--trim",
+                              "--out", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["errors"] == [0, 0, 0, 0]
+    # After the first wave (imports, caches warming) fewer new Python objects than requests
+    # survive a wave: nothing is kept per request.
+    assert all(grown < CONCURRENCY for grown in figures["objects_grown"][1:]), figures
+    heap = [m["RssAnon"] for m in figures["memory_mb_trimmed"]]
+    assert heap[-1] - heap[1] < 10, heap  # MB over two waves of 40 requests
