@@ -20,7 +20,7 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_limit import admissible
 from slipstream.core.policies import make_policy, pick_first, pick_victim
-from slipstream.core.request import Request, RequestStatus
+from slipstream.core.request import FinishReason, Request, RequestStatus
 from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
                                               SchedulerOutput)
 from slipstream.core.swap_space import SwapSpace
@@ -108,7 +108,70 @@ class SchedulerBase(ABC):
                 update = RequestUpdate(req)
             if update is not None:
                 updates.append(update)
+        return updates + self._beam_rounds(sched)
+
+    # -- beam search -------------------------------------------------------------------
+    def _beam_rounds(self, sched: SchedulerOutput) -> list[RequestUpdate]:
+        """Beam groups whose every slot has now offered its candidates take their next
+        round: slots advance, die and re-seat (core/beam_search.py). A slot that has offered
+        waits (it has no token to compute) until its group's round is made."""
+        updates = []
+        seen: set[int] = set()
+        for item in sched.scheduled:
+            group = item.request.group
+            if group is None or group.beam is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            if group.beam.ready and not any(s.is_finished for s in group.sequences):
+                updates += self._beam_round(sched, group)
         return updates
+
+    def _beam_round(self, sched: SchedulerOutput, group) -> list[RequestUpdate]:
+        slots = group.sequences
+        first = slots[0]
+        limit = min(first.params.max_tokens, self.max_seq_len - first.num_prompt_tokens)
+        moves = group.beam.step([s.output_token_ids for s in slots], limit)
+        if group.beam.finished:
+            best = group.beam.hypotheses[0].finish_reason if group.beam.hypotheses else None
+            status = (RequestStatus.FINISHED_STOPPED if best is FinishReason.STOP
+                      else RequestStatus.FINISHED_LENGTH)
+            for slot in slots:
+                self.finish(slot, status)
+            return [RequestUpdate(first)]
+        for m in moves:  # re-seat first: a parent's beam is copied before it grows
+            if m.slot != m.parent:
+                self._reseat(sched, slots[m.slot], slots[m.parent])
+        updates = []
+        for m in moves:
+            req = slots[m.slot]
+            req.append_token(m.token_id)
+            req.cumulative_logprob = group.beam.scores[m.slot]
+            self.bm.register_full_blocks(req)
+            updates.append(RequestUpdate(req, [m.token_id], [m.logprob]))
+        return updates
+
+    def _reseat(self, sched: SchedulerOutput, slot: Request, parent: Request) -> None:
+        """``slot``'s beam died: it takes over a copy of ``parent``'s beam, sharing its KV
+        (full blocks by reference, the partial block copied after this step), or recomputing
+        it if the parent's KV is not on the device."""
+        if slot.status is RequestStatus.SWAPPED and self.swap is not None:
+            self.swap.discard(slot)
+        self.bm.free_request(slot)
+        for queue in (self.running, self.waiting):
+            if slot in queue:
+                queue.remove(slot)
+        slot.all_token_ids = list(parent.all_token_ids)
+        slot.spec_token_ids = []
+        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens:
+            copy = self.bm.fork(parent, slot, parent.num_computed_tokens)
+            if copy is not None:
+                sched.block_copies.append(copy)
+            slot.status = RequestStatus.RUNNING
+            self.running.append(slot)
+        else:
+            slot.num_computed_tokens = 0
+            slot.status = RequestStatus.WAITING
+            self.waiting.append(slot)
 
     def _advance(self, item: ScheduledRequest, tokens: list[int], logprobs: list[float],
                  stop_string: StopStringCheck) -> Optional[RequestUpdate]:
