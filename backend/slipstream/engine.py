@@ -475,9 +475,13 @@ class LLMEngine:
         self.stats.generation_tokens += len(update.new_token_ids)
         if update.num_drafted:
             self.stats.record_speculation(update.num_drafted, update.num_accepted)
+            req.num_draft_tokens += update.num_drafted
+            req.num_accepted_draft_tokens += update.num_accepted
         detok = self.detokenizers[req.request_id]
-        if update.new_token_ids and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if update.new_token_ids:
+            req.last_token_time = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = req.last_token_time
         if not req.is_finished:
             detok.update(req.all_token_ids)
             if detok.error is None:
@@ -500,13 +504,17 @@ class LLMEngine:
             final = self._end_group(group, RequestStatus.FINISHED_ERROR, req.error)
             return [final] if final is not None else []
         self.stats.generation_tokens += len(update.new_token_ids)
-        if update.new_token_ids and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if update.new_token_ids:
+            req.last_token_time = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = req.last_token_time
         if not group.beam.finished:
             return []
         parent = group.parent
-        parent.first_token_time = min((s.first_token_time for s in group.sequences
-                                       if s.first_token_time is not None), default=None)
+        for name in ("first_token_time", "last_token_time"):  # the request's, over its beams
+            moments = [getattr(s, name) for s in group.sequences if getattr(s, name)]
+            setattr(parent, name, (min if name.startswith("first") else max)(moments)
+                    if moments else None)
         for seq in group.sequences:
             if seq.request_id in self.requests:
                 self._retire(seq)
@@ -530,7 +538,8 @@ class LLMEngine:
             logprobs=[TokenLogprob(x) for x in hyp.logprobs], finished=False,
             finish_reason=hyp.finish_reason, num_prompt_tokens=parent.num_prompt_tokens,
             num_output_tokens=len(hyp.token_ids), num_cached_tokens=parent.num_cached_tokens,
-            cumulative_logprob=hyp.cumulative_logprob, timing=parent.timing(), index=rank)
+            cumulative_logprob=hyp.cumulative_logprob, timing=parent.timing(), index=rank,
+            metrics=parent.metrics(self.config.block_size))
 
     def _retire(self, req: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
@@ -556,8 +565,7 @@ class LLMEngine:
                 self._retire(seq)
         return group.close(status.finish_reason, error)
 
-    @staticmethod
-    def _output(req: Request, text: str, update: RequestUpdate) -> RequestOutput:
+    def _output(self, req: Request, text: str, update: RequestUpdate) -> RequestOutput:
         prompt_lps = None
         if req.params.prompt_logprobs is not None and update.new_token_ids \
                 and req.num_output_tokens == len(update.new_token_ids):  # its first output
@@ -569,7 +577,8 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
             cumulative_logprob=req.cumulative_logprob, error=req.error,
             timing=req.timing() if req.is_finished else None, index=req.index,
-            prompt_logprobs=prompt_lps)
+            prompt_logprobs=prompt_lps,
+            metrics=req.metrics(self.config.block_size) if req.is_finished else None)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt],

@@ -61,7 +61,7 @@ INPUTS = [
     _io("bad_words", "TYPE_STRING", [-1]),
     *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
                                           "num_return_sequences")],
-    _io("length_penalty", "TYPE_FP32", [1]),  # 1.0 only: it applies to beam search
+    _io("length_penalty", "TYPE_FP32", [1]),  # beam search's (no effect at beam_width 1)
     _io("random_seed", "TYPE_UINT64", [1]),
     *[_io(n, "TYPE_BOOL", [1]) for n in ("return_log_probs", "return_context_logits",
                                          "return_generation_logits", "return_perf_metrics")],
@@ -69,6 +69,18 @@ INPUTS = [
     _io("embedding_bias_weights", "TYPE_FP32", [-1]),
     _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
     _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
+    # Declared so that they are refused by name (trtllm_inputs.check_unsupported) rather
+    # than as unexpected inputs: p-tuning, LoRA weights in the request, the core model's
+    # token ids, in-band stop.
+    _io("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
+    _io("prompt_table_extra_id", "TYPE_UINT64", [1]),
+    _io("prompt_vocab_size", "TYPE_INT32", [1]),
+    _io("lora_weights", "TYPE_FP16", [-1, -1]),
+    _io("lora_config", "TYPE_INT32", [-1, 3]),
+    _io("input_ids", "TYPE_INT32", [-1]),
+    _io("input_lengths", "TYPE_INT32", [1]),
+    _io("request_output_len", "TYPE_INT32", [1]),
+    _io("stop", "TYPE_BOOL", [1]),
     # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
     _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
     _io("guided_decoding_guide", "TYPE_STRING", [1]),
@@ -92,6 +104,16 @@ TRTLLM_OUTPUTS = [
     {"name": "generation_logits", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]},
     {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
     {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
+    # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
+    *[{"name": n, "data_type": "TYPE_INT32", "dims": [1]}
+      for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
+                "total_draft_tokens")],
+    *[{"name": n, "data_type": "TYPE_INT64", "dims": [1]}
+      for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+                "last_token_time_ns")],
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
 ]
 
 
@@ -115,10 +137,15 @@ def auto_complete(config):
     declared = config.as_dict()
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
+    trtllm = _trtllm_outputs(declared)
     for entry in INPUTS:
         if entry["name"] not in have_inputs:
+            if trtllm and entry["name"] == "text_input":
+                # optional, so that a token-id request reaches the adapter and is refused
+                # by name (the adapter requires text_input itself)
+                entry = {**entry, "optional": True}
             config.add_input(entry)
-    for entry in OUTPUTS + (TRTLLM_OUTPUTS if _trtllm_outputs(declared) else []):
+    for entry in OUTPUTS + (TRTLLM_OUTPUTS if trtllm else []):
         if entry["name"] not in have_outputs:
             config.add_output(entry)
     # Decoupled unless the decoupled parameter is "false": that model answers unary infer.

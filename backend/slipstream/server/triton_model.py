@@ -40,9 +40,9 @@ from slipstream.server.metrics import ModelMetrics, NoMetrics
 from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
                                         lora_error, parse_request)
 from slipstream.server.row_sender import RowGroup
-from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_STREAMING,
-                                             STREAMING_NOT_DECOUPLED, split_rows, translate,
-                                             trtllm_queue_full)
+from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
+                                             STREAMING_NOT_DECOUPLED, check_unsupported,
+                                             split_rows, translate, trtllm_queue_full)
 from slipstream.server.trtllm_outputs import TrtllmResponses
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -154,6 +154,7 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
+                check_unsupported(inputs, request.requested_output_names(), self.output_names)
                 rows = split_rows(inputs, self.batched)
             except Exception as e:  # never let one request take the batch down
                 self._refuse(sender, e)
@@ -183,6 +184,10 @@ class TritonPythonModel:
                 raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
                                       "and output_log_probs, which this model does not declare "
                                       "(set its compatibility parameter to \"trtllm\")")
+            if row.options.return_perf_metrics and "arrival_time_ns" not in self.output_names:
+                raise BadRequestError("input 'return_perf_metrics' needs the perf metrics "
+                                      "outputs, which this model does not declare (set its "
+                                      "compatibility parameter to \"trtllm\")")
             row.options.with_indices &= "batch_index" in self.output_names
             if row.parameters:  # TRT-LLM inputs win over the same request parameters
                 parameters = {**_parameters_dict(parameters), **row.parameters}
@@ -192,8 +197,8 @@ class TritonPythonModel:
                                    max_logprobs=self.settings.max_logprobs)
             if parsed.options.stream and not self.decoupled:
                 raise BadRequestError(STREAMING_NOT_DECOUPLED)
-            if row.options.num_return_sequences > 1 and not parsed.options.stream:
-                raise BadRequestError(PER_SEQUENCE_NEEDS_STREAMING)
+            if row.options.num_return_sequences > 1 and not self.decoupled:
+                raise BadRequestError(PER_SEQUENCE_NEEDS_DECOUPLED)
             kwargs = {"priority": parsed.options.priority}
             if parsed.options.apply_chat_template:
                 kwargs["apply_chat_template"] = True
@@ -350,7 +355,7 @@ class TritonPythonModel:
                 return True
             if p.cancelled:
                 continue
-            if p.options.stream:
+            if p.options.stream and p.builder.streams:
                 p.sender.send(self._response(p.builder.streamed(out)))
             else:
                 p.builder.absorb(out)
@@ -392,10 +397,13 @@ class TritonPythonModel:
         elif out.finish_reason is FinishReason.ABORT:
             p.sender.send(_error("request aborted (server shutting down)", _code("UNAVAILABLE")),
                           flags=FINAL)
-        elif p.options.stream:
+        elif p.options.stream and p.builder.streams:
             p.sender.send(self._response(p.builder.streamed(out)), flags=FINAL)
         else:
-            p.sender.send(self._response(p.builder.final(out)), flags=FINAL)
+            *responses, last = p.builder.finals(out)
+            for outputs in responses:  # num_return_sequences: one response per sequence
+                p.sender.send(self._response(outputs))
+            p.sender.send(self._response(last), flags=FINAL)
 
     # ----------------------------------------------------------------- health
     def is_ready(self):

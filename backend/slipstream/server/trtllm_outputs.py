@@ -5,6 +5,13 @@ builds. Pure Python (no Triton).
   this response) when the request set ``return_log_probs``;
 * ``batch_index`` / ``sequence_index`` INT32 [1, 1] for batched requests and for
   ``num_return_sequences``;
+* beam search (``beam_width`` > 1): one response with every returned beam, best first:
+  ``text_output`` [beams], ``cum_log_probs`` [1, beams], ``output_log_probs`` [1, beams, T]
+  (zero-padded), ``sequence_index`` 0;
+* ``num_return_sequences`` > 1 without streaming: one response per sequence, each with its
+  ``sequence_index`` (``finals``);
+* ``return_perf_metrics``: ``kv_cache_*_blocks``, ``*_time_ns``, ``acceptance_rate``,
+  ``total_*draft_tokens`` [1, 1] on the request's last response(s);
 * ``end_id``'s text is not emitted (TRT-LLM stops on it without detokenizing it).
 
 ``merge_rows`` stacks the final outputs of a batched request's rows into one response, for
@@ -28,6 +35,12 @@ class TrtllmResponses:
         self.inner, self.options, self.tokenizer = inner, options, tokenizer
         self.logprobs: List[float] = []
 
+    @property
+    def streams(self) -> bool:
+        """Whether a streaming request gets a response per output: beams change their past
+        until the search ends, so beam search answers once, with the finished beams."""
+        return self.options.beam_width == 1
+
     def streamed(self, out) -> Dict[str, np.ndarray]:
         out = self._strip_end_id(out)
         outputs = self.inner.streamed(out)
@@ -44,7 +57,36 @@ class TrtllmResponses:
         out = self._strip_end_id(out)
         outputs = self.inner.final(out)  # absorbs ``out`` into the inner builder
         self.logprobs.extend(out.logprobs or [])
+        if self.options.beam_width > 1:
+            return self._beams(outputs, out)
         return self._extend(outputs, out, self.logprobs)
+
+    def finals(self, out) -> List[Dict[str, np.ndarray]]:
+        """The last responses of a request that is not streamed: one, or with
+        ``num_return_sequences`` > 1 one per sequence (its ``sequence_index``), as TRT-LLM
+        answers them."""
+        outputs = self.final(out)
+        n = self.options.num_return_sequences
+        if n == 1 or self.options.beam_width > 1:
+            return [outputs]
+        responses = []
+        for i, seq in enumerate(self.inner.sequences):
+            one = _one_sequence(outputs, i, n)
+            seq_out = dataclasses.replace(out, index=i, cumulative_logprob=seq.cumulative_logprob)
+            responses.append(self._extend(one, seq_out, seq.logprobs))
+        return responses
+
+    def _beams(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
+        beams = self.inner.sequences
+        if self.options.return_log_probs:
+            longest = max(len(b.logprobs) for b in beams)
+            table = np.zeros((1, len(beams), longest), dtype=np.float32)
+            for i, b in enumerate(beams):
+                table[0, i, :len(b.logprobs)] = [float(x) for x in b.logprobs]
+            outputs["cum_log_probs"] = np.array([[b.cumulative_logprob for b in beams]],
+                                                dtype=np.float32)
+            outputs["output_log_probs"] = table
+        return self._indices(self._perf(outputs, out), out)
 
     def _extend(self, outputs: Dict[str, np.ndarray], out,
                 logprobs: Sequence[float]) -> Dict[str, np.ndarray]:
@@ -52,9 +94,19 @@ class TrtllmResponses:
             outputs["cum_log_probs"] = np.array([[out.cumulative_logprob]], dtype=np.float32)
             outputs["output_log_probs"] = np.array([[[float(x) for x in logprobs]]],
                                                    dtype=np.float32).reshape(1, 1, -1)
+        return self._indices(self._perf(outputs, out), out)
+
+    def _indices(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
         if self.options.with_indices:
             outputs["batch_index"] = np.array([[self.options.batch_index]], dtype=np.int32)
-            outputs["sequence_index"] = np.array([[getattr(out, "index", 0)]], dtype=np.int32)
+            index = getattr(out, "index", 0) if self.options.beam_width == 1 else 0
+            outputs["sequence_index"] = np.array([[index]], dtype=np.int32)
+        return outputs
+
+    def _perf(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
+        metrics = getattr(out, "metrics", None)
+        if self.options.return_perf_metrics and metrics is not None:
+            outputs.update(perf_metrics_outputs(metrics))
         return outputs
 
     def _strip_end_id(self, out):
@@ -67,6 +119,29 @@ class TrtllmResponses:
         if piece and out.text.endswith(piece):
             return dataclasses.replace(out, text=out.text[:-len(piece)])
         return out
+
+
+def _ns(seconds) -> int:
+    return 0 if seconds is None else int(round(seconds * 1e9))
+
+
+def perf_metrics_outputs(m) -> Dict[str, np.ndarray]:
+    """TensorRT-LLM's per-request perf metrics outputs (``RequestMetrics``), each [1, 1]."""
+    def one(value, dtype) -> np.ndarray:
+        return np.array([[value]], dtype=dtype)
+
+    return {
+        "kv_cache_alloc_new_blocks": one(m.kv_new_blocks, np.int32),
+        "kv_cache_reused_blocks": one(m.kv_reused_blocks, np.int32),
+        "kv_cache_alloc_total_blocks": one(m.kv_total_blocks, np.int32),
+        "arrival_time_ns": one(_ns(m.arrival_time), np.int64),
+        "first_scheduled_time_ns": one(_ns(m.first_scheduled_time), np.int64),
+        "first_token_time_ns": one(_ns(m.first_token_time), np.int64),
+        "last_token_time_ns": one(_ns(m.last_token_time), np.int64),
+        "acceptance_rate": one(m.acceptance_rate, np.float32),
+        "total_accepted_draft_tokens": one(m.accepted_draft_tokens, np.int32),
+        "total_draft_tokens": one(m.draft_tokens, np.int32),
+    }
 
 
 def _one_sequence(outputs: Dict[str, np.ndarray], index: int,
