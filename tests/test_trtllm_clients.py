@@ -37,6 +37,7 @@ from test_server import http_post  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = {"ensemble": ROOT / "samples" / "trtllm_model_repository",
+           "tensorrt_llm": ROOT / "samples" / "trtllm_llmapi_model_repository",
            "ensemble_stream": ROOT / "samples" / "trtllm_streaming_model_repository",
            "ensemble_queue": ROOT / "samples" / "trtllm_streaming_model_repository",
            "unbatched": ROOT / "model_repository"}
@@ -521,6 +522,52 @@ def test_genai_perf_streaming_over_generate_stream(server, reference):
             if line.startswith("data:"):
                 pieces.append(json.loads(line[5:])["text_output"])
     assert "".join(pieces) == greedy_text(reference, PROMPTS[0])
+
+
+# ------------------------------------------------------------------------------- LLM-API model
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_end_to_end_test_llmapi_unary_infer(server, reference, protocol):
+    """`end_to_end_test.py --test-llmapi`: `text_input` [1] and `sampling_param_max_tokens` to
+    the `tensorrt_llm` model (samples/trtllm_llmapi_model_repository): the prompt and its
+    greedy continuation (the LLM API's default sampling)."""
+    client_mod = httpclient if protocol == "http" else grpcclient
+    client = client_mod.InferenceServerClient(server.http_url if protocol == "http"
+                                              else server.grpc_url)
+    inputs = {"text_input": np.array([PROMPTS[1]], dtype=object),
+              "sampling_param_max_tokens": np.array([OUTPUT_LEN], np.int32)}
+    result = client.infer("tensorrt_llm", [prepare_tensor(k, v, client_mod)
+                                           for k, v in inputs.items()])
+    assert result.as_numpy("text_output")[0].decode() == \
+        PROMPTS[1] + greedy_text(reference, PROMPTS[1])
+
+
+def test_llmapi_generate_with_reasons_and_perf_metrics(server, reference):
+    """The LLM-API docs' curl with `sampling_param_return_perf_metrics` (every metric a string,
+    under its names), plus the finish/stop reasons and cumulative logprob as strings, and
+    `sampling_param_exclude_input_from_output`."""
+    status, body = http_post(server, "/v2/models/tensorrt_llm/generate", {
+        "text_input": PROMPTS[0], "sampling_param_max_tokens": OUTPUT_LEN,
+        "sampling_param_return_perf_metrics": True, "sampling_param_exclude_input_from_output":
+        True, "return_finish_reason": True, "return_stop_reason": True,
+        "return_cumulative_logprob": True})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["text_output"] == greedy_text(reference, PROMPTS[0])
+    assert answer["finish_reason"] == "length" and answer["stop_reason"] == "None"
+    assert float(answer["cumulative_logprob"]) < 0
+    names = ("acceptance_rate", "arrival_time_ns", "first_scheduled_time_ns",
+             "first_token_time_ns", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks",
+             "kv_cache_hit_rate", "kv_cache_missed_block", "kv_cache_reused_block",
+             "last_token_time_ns", "total_accepted_draft_tokens", "total_draft_tokens")
+    assert all(isinstance(answer[n], str) for n in names), answer
+    assert int(answer["arrival_time_ns"]) <= int(answer["last_token_time_ns"])
+    assert int(answer["kv_cache_alloc_total_blocks"]) >= 1
+
+
+def test_llmapi_streaming_on_the_unary_model_is_refused(server):
+    status, body = http_post(server, "/v2/models/tensorrt_llm/generate", {
+        "text_input": PROMPTS[0], "streaming": True})
+    assert status == 400 and "decoupled mode" in body
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -228,3 +228,23 @@ def test_shipped_trtllm_samples_check_out(sample):
     settings = check_models(models)["ensemble"]
     assert settings.compatibility == "trtllm" and "trtllm" in settings.metric_families
     assert settings.report_metrics and settings.engine["model"] == "default"
+
+
+def test_shipped_llmapi_sample_checks_out():
+    """samples/trtllm_llmapi_model_repository: one model named `tensorrt_llm` (the LLM-API
+    model's name) with the llmapi interface: its inputs, and its STRING outputs only."""
+    from pathlib import Path
+
+    from slipstream.server.repository import check_models, find_models
+
+    sample = Path(__file__).resolve().parents[1] / "samples" / "trtllm_llmapi_model_repository"
+    models = find_models(sample)
+    assert [(m.name, m.backend) for m in models] == [("tensorrt_llm", "slipstream")]
+    assert check_models(models)["tensorrt_llm"].interface == "llmapi"
+    config = model_config.auto_complete(FakeConfig({
+        "backend": "slipstream", "parameters": {"interface": {"string_value": "llmapi"}}}))
+    names = {e["name"]: e["data_type"] for e in config.outputs}
+    assert names["cumulative_logprob"] == names["kv_cache_hit_rate"] == "TYPE_STRING"
+    assert "cum_log_probs" not in names
+    assert {"streaming", "sampling_param_max_tokens", "sampling_param_stop"} <= \
+        {e["name"] for e in config.inputs}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from slipstream.server import llmapi_interface
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
 from slipstream.server.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
@@ -130,6 +131,7 @@ class ModelSettings:
     engine_failure_threshold: int  # failed engine steps in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
+    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (llmapi_interface.py)
 
 
 def auto_complete(config):
@@ -138,14 +140,19 @@ def auto_complete(config):
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
     trtllm = _trtllm_outputs(declared)
-    for entry in INPUTS:
+    llmapi = _parameter(declared, "interface") == "llmapi"
+    if llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
+        inputs, outputs = INPUTS + llmapi_interface.INPUTS, llmapi_interface.OUTPUTS
+    else:
+        inputs, outputs = INPUTS, OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
+    for entry in inputs:
         if entry["name"] not in have_inputs:
             if trtllm and entry["name"] == "text_input":
                 # optional, so that a token-id request reaches the adapter and is refused
                 # by name (the adapter requires text_input itself)
                 entry = {**entry, "optional": True}
             config.add_input(entry)
-    for entry in OUTPUTS + (TRTLLM_OUTPUTS if trtllm else []):
+    for entry in outputs:
         if entry["name"] not in have_outputs:
             config.add_output(entry)
     # Decoupled unless the decoupled parameter is "false": that model answers unary infer.
@@ -225,7 +232,15 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
         max_engine_restarts=int(server["max_engine_restarts"]),
-        compatibility=_compatibility(server["compatibility"]))
+        compatibility=_compatibility(server["compatibility"]),
+        interface=_interface(server["interface"]))
+
+
+def _interface(value: str) -> str:
+    value = value.strip()
+    if value not in ("", "llmapi"):
+        raise ValueError(f"interface must be \"llmapi\" or left out, got {value!r}")
+    return value
 
 
 def _compatibility(value: str) -> str:

@@ -44,6 +44,7 @@ from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
                                              STREAMING_NOT_DECOUPLED, check_unsupported,
                                              split_rows, translate, trtllm_queue_full)
 from slipstream.server.trtllm_outputs import TrtllmResponses
+from slipstream.server import llmapi_interface
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -150,7 +151,7 @@ class TritonPythonModel:
                 continue
             try:
                 inputs = {}
-                for name in model_config.INPUT_NAMES:
+                for name in model_config.INPUT_NAMES + llmapi_interface.INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -177,9 +178,12 @@ class TritonPythonModel:
             if "embedding_request" in inputs:
                 raise BadRequestError(
                     f"Model {self.model_name} does not support 'embed' request")
-            row = translate(inputs, self._encode, batch_index=batch_index,
-                            with_indices=self.batched,
-                            trtllm_defaults=self.settings.compatibility == "trtllm")
+            if self.settings.interface == "llmapi":
+                row = llmapi_interface.translate(inputs)
+            else:
+                row = translate(inputs, self._encode, batch_index=batch_index,
+                                with_indices=self.batched,
+                                trtllm_defaults=self.settings.compatibility == "trtllm")
             if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
                 raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
                                       "and output_log_probs, which this model does not declare "
@@ -206,8 +210,11 @@ class TritonPythonModel:
         except Exception as e:  # never let one request take the batch down
             self._refuse(sender, e)
             return
-        builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
-                                  self.loop.tokenizer)
+        inner = ResponseBuilder(parsed, self.loop.tokenizer)
+        if self.settings.interface == "llmapi":
+            builder = llmapi_interface.LlmapiResponses(inner, row.options)
+        else:
+            builder = TrtllmResponses(inner, row.options, self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
                                    self.metrics.track(arrival, parsed.params)))
         self.wake.set()

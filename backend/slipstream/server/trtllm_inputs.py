@@ -25,7 +25,7 @@ TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_
                  "return_log_probs", "return_context_logits", "return_generation_logits",
                  "return_perf_metrics", "beam_width", "num_return_sequences",
                  "embedding_bias_words", "embedding_bias_weights", "decoder_text_input",
-                 "lora_task_id")
+                 "lora_task_id", "stop")
 # Inputs whose any non-empty value is refused: input name -> why.
 REFUSED = {
     "decoder_text_input": "encoder-decoder models are not supported",
