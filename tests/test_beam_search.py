@@ -65,6 +65,26 @@ def test_beams_run_in_one_forward_per_round():
     assert engine.stats.prompt_tokens == len(PROMPT)
 
 
+def test_each_round_reports_every_live_beam_then_the_finished_beams():
+    engine = make_engine()
+    engine.add_request(PROMPT, SamplingParams(beam_width=3, n=3, max_tokens=6))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    snapshots = [o for o in outputs if o.beams is not None]
+    finals = [o for o in outputs if o.beams is None]
+    # rounds 1..5 report the beams they leave (1..5 tokens each); round 6 ends the search
+    assert [len(s.beams) for s in snapshots] == [3] * 5
+    assert [len(s.beams[0].token_ids) for s in snapshots] == [1, 2, 3, 4, 5]
+    for s in snapshots:  # best first; each beam's logprobs add up to its score
+        scores = [b.cumulative_logprob for b in s.beams]
+        assert scores == sorted(scores, reverse=True)
+        assert all(sum(b.logprobs) == pytest.approx(b.cumulative_logprob, abs=1e-3)
+                   for b in s.beams)
+    assert [o.index for o in finals] == [0, 1, 2] and finals[-1].finished
+    assert [o.token_ids for o in finals] == hf_beams(3, 3, 6, [])
+
+
 def test_use_beam_search_takes_width_from_best_of_and_returns_n():
     engine = make_engine()
     params = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=8)
@@ -94,8 +114,8 @@ def test_beams_beside_other_requests_under_preemption_equal_beams_alone():
 def test_aborted_beam_search_frees_every_slot():
     engine = make_engine()
     req = engine.add_request(PROMPT, SamplingParams(beam_width=4, n=2, max_tokens=50))
-    for _ in range(3):
-        assert engine.step() == []  # nothing is final before the search ends
+    for _ in range(3):  # nothing is final before the search ends: snapshots of the beams
+        assert all(o.beams is not None and not o.finished for o in engine.step())
     final = engine.abort(req.request_id)
     assert final.finished and final.finish_reason == "abort"
     assert not engine.has_unfinished()

@@ -333,17 +333,23 @@ def test_beam_width_2_returns_every_beam_with_trtllm_shapes(server, protocol):
     assert cum[0] == pytest.approx(per_token[0].sum(axis=-1), abs=1e-3)
 
 
-def test_streamed_beam_search_answers_once_with_the_finished_beams(server):
-    """`-b 2 --streaming` on the decoupled ensemble: beams change their past until the search
-    ends, so the stream carries one response with both beams' texts (no prompt, as TRT-LLM
-    streams), which the client's beam path reads whole."""
+def test_streamed_beam_search_sends_every_beam_after_each_round(server):
+    """`-b 2 --streaming --return-log-probs` on the decoupled ensemble, as TRT-LLM streams
+    beams: after each round a response with both beams' whole texts so far (no prompt) and
+    their log probs, which the client's beam path overwrites; the last one holds the beams
+    Hugging Face's beam search finds."""
     results = stream_request(server, "ensemble_stream", prepare_inputs(
-        PROMPTS[1], OUTPUT_LEN, streaming=True, beam_width=2),
-        outputs=["text_output", "sequence_index"])
-    assert len(results) == 1 and not isinstance(results[0], Exception), results
-    texts = [t.decode() for t in results[0].as_numpy("text_output").reshape(-1)]
+        PROMPTS[1], OUTPUT_LEN, streaming=True, beam_width=2, return_log_probs=True),
+        outputs=["text_output", "sequence_index", "cum_log_probs", "output_log_probs"])
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert len(results) == OUTPUT_LEN  # 9 rounds that leave beams running, then the end
+    for step, r in enumerate(results, start=1):
+        assert r.as_numpy("text_output").shape == (2,)
+        assert r.as_numpy("cum_log_probs").shape == (1, 2)
+        assert r.as_numpy("output_log_probs").shape == (1, 2, step)
+        assert r.as_numpy("sequence_index")[0][0] == 0
+    texts = [t.decode() for t in results[-1].as_numpy("text_output")]
     assert texts == hf_beam_texts(PROMPTS[1], 2, OUTPUT_LEN)
-    assert results[0].as_numpy("sequence_index")[0][0] == 0
 
 
 # ------------------------------------------------------------------------------- perf metrics

@@ -17,8 +17,8 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.lora_limit import adapters_of
-from slipstream.core.request import (FinishReason, Request, RequestOutput, RequestStatus,
-                                     TokenLogprob, merge_output)
+from slipstream.core.request import (BeamSnapshot, FinishReason, Request, RequestOutput,
+                                     RequestStatus, TokenLogprob, merge_output)
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
 from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
@@ -509,7 +509,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = req.last_token_time
         if not group.beam.finished:
-            return []
+            # one snapshot per round: every slot moved in it, slot 0's update is one of them
+            return [self._beam_snapshot(group)] if req.index == 0 and update.new_token_ids \
+                else []
         parent = group.parent
         for name in ("first_token_time", "last_token_time"):  # the request's, over its beams
             moments = [getattr(s, name) for s in group.sequences if getattr(s, name)]
@@ -523,6 +525,15 @@ class LLMEngine:
                    for rank, h in enumerate(group.beam.hypotheses[:group.n])]
         outputs[-1].finished = True
         return outputs
+
+    @staticmethod
+    def _beam_snapshot(group: SequenceGroup) -> RequestOutput:
+        beam = group.beam
+        order = sorted(range(beam.width), key=lambda s: -beam.scores[s])
+        return RequestOutput(
+            request_id=group.request_id, num_prompt_tokens=group.parent.num_prompt_tokens,
+            beams=[BeamSnapshot(group.sequences[s].output_token_ids, list(beam.logprobs[s]),
+                                beam.scores[s]) for s in order])
 
     def _hypothesis_output(self, group: SequenceGroup, rank: int, hyp) -> RequestOutput:
         parent, params = group.parent, group.parent.params

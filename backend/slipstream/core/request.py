@@ -181,6 +181,16 @@ class Request:
 
 
 @dataclass
+class BeamSnapshot:
+    """One live beam while a beam search runs: its tokens so far (beams change their past, so
+    these are whole, not deltas)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    cumulative_logprob: float
+
+
+@dataclass
 class RequestOutput:
     """Incremental output of one request: deltas since the previous output.
 
@@ -204,6 +214,9 @@ class RequestOutput:
     # TokenLogprob per token (rank and top-N attached); on the request's first output only.
     prompt_logprobs: Optional[list] = None
     metrics: Optional[RequestMetrics] = None  # on the request's finished output only
+    # Beam search, after each round but the last: every live beam, best first (no text; the
+    # finished beams come as ordinary outputs, one per returned beam, at the end).
+    beams: Optional[list[BeamSnapshot]] = None
 
 
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:

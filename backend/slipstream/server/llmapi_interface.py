@@ -14,7 +14,7 @@ response carries the whole text so far (its ``CompletionOutput.text``), not a de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -125,7 +125,9 @@ class LlmapiResponses:
         self.inner, self.options = inner, options
         self.text = ""  # streamed: the whole text so far
 
-    def streamed(self, out) -> Dict[str, np.ndarray]:
+    def streamed(self, out) -> Optional[Dict[str, np.ndarray]]:
+        if out.beams is not None:  # beam search is not an input of this interface
+            return None
         outputs = self.inner.streamed(out)
         self.text += "".join(x.decode() for x in outputs["text_output"])
         outputs["text_output"] = _strings([self.text])

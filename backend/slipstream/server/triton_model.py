@@ -363,7 +363,9 @@ class TritonPythonModel:
             if p.cancelled:
                 continue
             if p.options.stream and p.builder.streams:
-                p.sender.send(self._response(p.builder.streamed(out)))
+                outputs = p.builder.streamed(out)
+                if outputs is not None:  # None: nothing to send for this output
+                    p.sender.send(self._response(outputs))
             else:
                 p.builder.absorb(out)
         return False

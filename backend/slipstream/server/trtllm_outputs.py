@@ -7,7 +7,8 @@ builds. Pure Python (no Triton).
   ``num_return_sequences``;
 * beam search (``beam_width`` > 1): one response with every returned beam, best first:
   ``text_output`` [beams], ``cum_log_probs`` [1, beams], ``output_log_probs`` [1, beams, T]
-  (zero-padded), ``sequence_index`` 0;
+  (zero-padded), ``sequence_index`` 0; streamed, such a response after every round (every
+  live beam's whole text), as TRT-LLM streams beams;
 * ``num_return_sequences`` > 1 without streaming: one response per sequence, each with its
   ``sequence_index`` (``finals``);
 * ``return_perf_metrics``: ``kv_cache_*_blocks``, ``*_time_ns``, ``acceptance_rate``,
@@ -20,7 +21,7 @@ non-decoupled models (one response per request).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -35,13 +36,18 @@ class TrtllmResponses:
         self.inner, self.options, self.tokenizer = inner, options, tokenizer
         self.logprobs: List[float] = []
 
-    @property
-    def streams(self) -> bool:
-        """Whether a streaming request gets a response per output: beams change their past
-        until the search ends, so beam search answers once, with the finished beams."""
-        return self.options.beam_width == 1
+    streams = True  # a streaming request gets a response per output (or None: nothing)
 
-    def streamed(self, out) -> Dict[str, np.ndarray]:
+    def streamed(self, out) -> Optional[Dict[str, np.ndarray]]:
+        """A streamed response. Beam search streams as TRT-LLM does: every beam's whole text
+        after each round (beams change their past), then the finished beams."""
+        if out.beams is not None:
+            return self._snapshot(out) if self.options.beam_width > 1 else None
+        if self.options.beam_width > 1:
+            if not out.finished:  # the finished beams come one by one: answered together
+                self.absorb(out)
+                return None
+            return self.final(out)
         out = self._strip_end_id(out)
         outputs = self.inner.streamed(out)
         if self.options.num_return_sequences > 1:  # only the sequence that moved
@@ -76,16 +82,20 @@ class TrtllmResponses:
             responses.append(self._extend(one, seq_out, seq.logprobs))
         return responses
 
+    def _snapshot(self, out) -> Dict[str, np.ndarray]:
+        texts = [self.tokenizer.decode(b.token_ids, skip_special_tokens=True)
+                 for b in out.beams]
+        outputs = {"text_output": np.array([t.encode("utf-8") for t in texts], np.object_)}
+        if self.options.return_log_probs:
+            outputs.update(_log_prob_table([b.logprobs for b in out.beams],
+                                           [b.cumulative_logprob for b in out.beams]))
+        return self._indices(outputs, out)
+
     def _beams(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
         beams = self.inner.sequences
         if self.options.return_log_probs:
-            longest = max(len(b.logprobs) for b in beams)
-            table = np.zeros((1, len(beams), longest), dtype=np.float32)
-            for i, b in enumerate(beams):
-                table[0, i, :len(b.logprobs)] = [float(x) for x in b.logprobs]
-            outputs["cum_log_probs"] = np.array([[b.cumulative_logprob for b in beams]],
-                                                dtype=np.float32)
-            outputs["output_log_probs"] = table
+            outputs.update(_log_prob_table([b.logprobs for b in beams],
+                                           [b.cumulative_logprob for b in beams]))
         return self._indices(self._perf(outputs, out), out)
 
     def _extend(self, outputs: Dict[str, np.ndarray], out,
@@ -119,6 +129,17 @@ class TrtllmResponses:
         if piece and out.text.endswith(piece):
             return dataclasses.replace(out, text=out.text[:-len(piece)])
         return out
+
+
+def _log_prob_table(logprobs: Sequence[Sequence[float]],
+                    cumulative: Sequence[float]) -> Dict[str, np.ndarray]:
+    """``cum_log_probs`` [1, beams] and ``output_log_probs`` [1, beams, T] (zero-padded)."""
+    longest = max(len(lps) for lps in logprobs)
+    table = np.zeros((1, len(logprobs), longest), dtype=np.float32)
+    for i, lps in enumerate(logprobs):
+        table[0, i, :len(lps)] = [float(x) for x in lps]
+    return {"cum_log_probs": np.array([list(cumulative)], dtype=np.float32),
+            "output_log_probs": table}
 
 
 def _ns(seconds) -> int:
