@@ -111,6 +111,26 @@ def test_beams_beside_other_requests_under_preemption_equal_beams_alone():
     engine.block_manager.check_invariants()
 
 
+def test_beams_that_outgrow_the_cache_take_turns_instead_of_waiting_forever():
+    """14 blocks of 4 tokens hold the 40-token prompt and the 4 beams' partial blocks, not
+    their next ones: a slot preempted while its siblings wait for its offer takes their blocks
+    (they hold KV they do not need before the round), so the search ends, with the beams an
+    unconstrained engine finds."""
+    prompt = [random.Random(5).randrange(100, 40000) for _ in range(40)]
+    params = SamplingParams(beam_width=4, n=4, max_tokens=12)
+    want = make_engine().generate_sequences([prompt], params)[0]
+    engine = make_engine(num_gpu_blocks_override=14, max_num_batched_tokens=32)
+    engine.add_request(prompt, SamplingParams(beam_width=4, n=4, max_tokens=12))
+    finals = []
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        finals += [o for o in engine.step() if o.beams is None]
+    assert not engine.has_unfinished() and engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in finals] == [o.token_ids for o in want]
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_aborted_beam_search_frees_every_slot():
     engine = make_engine()
     req = engine.add_request(PROMPT, SamplingParams(beam_width=4, n=2, max_tokens=50))

@@ -321,7 +321,11 @@ class Scheduler(SchedulerBase):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = pick_first(admissible(self.waiting, self.running, self.max_loras), self.key, now)
+            # A beam slot that has offered its candidates waits for its group's round: it
+            # has nothing to compute until then (its offer outlives its KV).
+            ready = [r for r in admissible(self.waiting, self.running, self.max_loras)
+                     if not _offered(r)]
+            req = pick_first(ready, self.key, now)
             if req is None:
                 break  # every waiting request's adapter would exceed max_loras
             if req in out.preempted:
@@ -341,11 +345,27 @@ class Scheduler(SchedulerBase):
                 break
             num_new = min(num_new, budget)
             if not self.bm.can_allocate(req, num_new, cached, start=num_cached_tokens):
+                self._release_offered_siblings(req, out)
+            if not self.bm.can_allocate(req, num_new, cached, start=num_cached_tokens):
                 if not self._preempt_for(req, num_new, cached, num_cached_tokens, out, now):
                     break
             self._admit(req, num_new, cached, num_cached_tokens, out)
             # Recounted rather than decremented: an eviction above gives its tokens back.
             budget = self.config.max_num_batched_tokens - out.num_tokens
+
+    def _release_offered_siblings(self, req: Request, out: SchedulerOutput) -> None:
+        """A beam slot that needs blocks to catch up may take them from its siblings that
+        have offered and wait for it: they hold KV they do not need before the round (which
+        recomputes what it keeps). Without this, a slot preempted while its siblings wait
+        could never come back when only they hold the cache."""
+        group = req.group
+        if group is None or group.beam is None:
+            return
+        scheduled = {id(s.request) for s in out.scheduled}
+        for sibling in group.sequences:
+            if sibling is not req and _offered(sibling) and id(sibling) not in scheduled \
+                    and sibling.status is RequestStatus.RUNNING:
+                self.preempt(sibling, out)
 
     def _tokens_wanted_from(self, req: Request, num_computed: int) -> int:
         wanted = req.num_tokens - num_computed
@@ -424,3 +444,9 @@ class Scheduler(SchedulerBase):
         self.bm.allocate(req, num_new)
         out.scheduled.append(ScheduledRequest(req, num_new))
         return budget - num_new
+
+
+def _offered(req: Request) -> bool:
+    """A beam slot whose candidates for its group's current round are in."""
+    group = req.group
+    return group is not None and group.beam is not None and req.index in group.beam.candidates
