@@ -523,6 +523,8 @@ class LLMEngine:
         group.closed = True
         outputs = [self._hypothesis_output(group, rank, h)
                    for rank, h in enumerate(group.beam.hypotheses[:group.n])]
+        if not outputs:  # no beam could finish (a vocabulary of stop tokens only)
+            return [group.close(FinishReason.LENGTH, None)]
         outputs[-1].finished = True
         return outputs
 
