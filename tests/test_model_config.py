@@ -156,6 +156,13 @@ def test_enable_lora_reads_multi_lora_json_as_vllm_backend_does(tmp_path, monkey
         load_settings({}, "slipstream", model_dir)
 
 
+def test_lora_extra_vocab_size_is_accepted_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="slipstream"):
+        args = translate({"enable_lora": True, "lora_extra_vocab_size": 256})
+    assert "lora_extra_vocab_size" not in args.engine
+    assert "lora_extra_vocab_size=256 is accepted and has no effect" in caplog.text
+
+
 def test_max_logprobs_from_model_json(tmp_path):
     settings = load_settings({}, "slipstream", write(tmp_path, {"max_logprobs": 5}))
     assert settings.max_logprobs == 5

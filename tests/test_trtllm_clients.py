@@ -15,12 +15,14 @@ import json
 import queue
 import re
 import shutil
+import time
 import urllib.request
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -30,11 +32,12 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine_loop import EngineLoop  # noqa: E402
 from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
-from support import need_tritonserver, tiny_model_dir  # noqa: E402
+from support import need_tritonserver, reference_model, tiny_model_dir  # noqa: E402
 from test_server import http_post  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = {"ensemble": ROOT / "samples" / "trtllm_model_repository",
+           "tensorrt_llm": ROOT / "samples" / "trtllm_llmapi_model_repository",
            "ensemble_stream": ROOT / "samples" / "trtllm_streaming_model_repository",
            "ensemble_queue": ROOT / "samples" / "trtllm_streaming_model_repository",
            "unbatched": ROOT / "model_repository"}
@@ -270,9 +273,130 @@ def test_num_return_sequences_streams_each_sequence_with_its_sequence_index(serv
         texts[index] = texts.get(index, "") + out[0].decode()
     assert sorted(texts) == [0, 1, 2]
     assert set(texts.values()) == {greedy_text(reference, PROMPTS[2])}
-    [error] = stream_request(server, "ensemble_stream", prepare_inputs(
+
+
+def test_num_return_sequences_without_streaming_answers_one_response_per_sequence(
+        server, reference):
+    """`-n 3` without `--streaming` on the decoupled ensemble: TRT-LLM answers each sequence
+    with its own complete response (prompt + text) and ``sequence_index``. The non-decoupled
+    model, which has one response per request, refuses it by name."""
+    results = stream_request(server, "ensemble_stream", prepare_inputs(
+        PROMPTS[2], OUTPUT_LEN, num_return_sequences=3, return_log_probs=True),
+        outputs=["text_output", "sequence_index", "batch_index", "cum_log_probs"])
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert sorted(int(r.as_numpy("sequence_index")[0][0]) for r in results) == [0, 1, 2]
+    for r in results:
+        assert r.as_numpy("text_output").shape == (1,)
+        assert r.as_numpy("text_output")[0].decode() == \
+            PROMPTS[2] + greedy_text(reference, PROMPTS[2])
+        assert r.as_numpy("cum_log_probs").shape == (1, 1)
+    [error] = stream_request(server, "ensemble", prepare_inputs(
         PROMPTS[2], OUTPUT_LEN, num_return_sequences=3))
     assert isinstance(error, InferenceServerException) and "num_return_sequences" in str(error)
+
+
+# ------------------------------------------------------------------------------- beam search
+def hf_beam_texts(prompt, width, max_tokens):
+    """Hugging Face's generate(num_beams=width, do_sample=False) on the same tiny model: the
+    beams' texts, best first."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    model = reference_model(tiny_model_dir("llama"))
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_tokens, num_beams=width,
+                             num_return_sequences=width, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+    return [tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_beam_width_2_returns_every_beam_with_trtllm_shapes(server, protocol):
+    """`end_to_end_grpc_client.py -b 2 --return-log-probs` as unary `infer`: one response with
+    both beams (best first, each the prompt + the beam Hugging Face's beam search finds),
+    ``cum_log_probs`` [1, 2] and ``output_log_probs`` [1, 2, T] per beam, sequence 0."""
+    client_mod = httpclient if protocol == "http" else grpcclient
+    client = client_mod.InferenceServerClient(server.http_url if protocol == "http"
+                                              else server.grpc_url)
+    inputs = prepare_inputs(PROMPTS[1], OUTPUT_LEN, beam_width=2,
+                            return_log_probs=True, exclude_input_in_output=None)
+    del inputs["stream"]
+    names = ["text_output", "cum_log_probs", "output_log_probs"]
+    result = client.infer("ensemble", [prepare_tensor(k, v, client_mod) for k, v in inputs.items()],
+                          outputs=[client_mod.InferRequestedOutput(n) for n in names])
+    texts = [t.decode() for t in result.as_numpy("text_output").reshape(-1)]
+    assert texts == [PROMPTS[1] + t for t in hf_beam_texts(PROMPTS[1], 2, OUTPUT_LEN)]
+    cum, per_token = result.as_numpy("cum_log_probs"), result.as_numpy("output_log_probs")
+    assert cum.shape == (1, 2) and per_token.shape == (1, 2, OUTPUT_LEN)
+    assert cum[0, 0] >= cum[0, 1]
+    assert cum[0] == pytest.approx(per_token[0].sum(axis=-1), abs=1e-3)
+
+
+def test_streamed_beam_search_sends_every_beam_after_each_round(server):
+    """`-b 2 --streaming --return-log-probs` on the decoupled ensemble, as TRT-LLM streams
+    beams: after each round a response with both beams' whole texts so far (no prompt) and
+    their log probs, which the client's beam path overwrites; the last one holds the beams
+    Hugging Face's beam search finds."""
+    results = stream_request(server, "ensemble_stream", prepare_inputs(
+        PROMPTS[1], OUTPUT_LEN, streaming=True, beam_width=2, return_log_probs=True),
+        outputs=["text_output", "sequence_index", "cum_log_probs", "output_log_probs"])
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert len(results) == OUTPUT_LEN  # 9 rounds that leave beams running, then the end
+    for step, r in enumerate(results, start=1):
+        assert r.as_numpy("text_output").shape == (2,)
+        assert r.as_numpy("cum_log_probs").shape == (1, 2)
+        assert r.as_numpy("output_log_probs").shape == (1, 2, step)
+        assert r.as_numpy("sequence_index")[0][0] == 0
+    texts = [t.decode() for t in results[-1].as_numpy("text_output")]
+    assert texts == hf_beam_texts(PROMPTS[1], 2, OUTPUT_LEN)
+
+
+# ------------------------------------------------------------------------------- perf metrics
+PERF_METRICS = {"kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
+                "kv_cache_alloc_total_blocks": np.int32, "arrival_time_ns": np.int64,
+                "first_scheduled_time_ns": np.int64, "first_token_time_ns": np.int64,
+                "last_token_time_ns": np.int64, "acceptance_rate": np.float32,
+                "total_accepted_draft_tokens": np.int32, "total_draft_tokens": np.int32}
+
+
+def test_return_perf_metrics_over_grpc(server):
+    """`end_to_end_grpc_client.py --return-perf-metrics`: every metric [1, 1] with TRT-LLM's
+    type; times in ns since the epoch, in order; the second request for the same prompt
+    reuses its prompt's blocks from the prefix cache."""
+    prompt = "Perf metrics: " + " ".join(["tokens"] * 40)
+    got = []
+    for _ in range(2):
+        before = time.time_ns()
+        [result] = stream_request(server, "ensemble", prepare_inputs(
+            prompt, OUTPUT_LEN, return_perf_metrics=np.array([[True]])),
+            outputs=["text_output", *PERF_METRICS])
+        assert not isinstance(result, Exception), result
+        values = {}
+        for name, dtype in PERF_METRICS.items():
+            value = result.as_numpy(name)
+            assert value.shape == (1, 1) and value.dtype == dtype, (name, value)
+            values[name] = value[0][0]
+        times = [values[n] for n in ("arrival_time_ns", "first_scheduled_time_ns",
+                                     "first_token_time_ns", "last_token_time_ns")]
+        assert before - 10**9 < times[0] <= times[1] <= times[2] <= times[3] <= time.time_ns()
+        assert values["kv_cache_alloc_total_blocks"] == \
+            values["kv_cache_alloc_new_blocks"] + values["kv_cache_reused_blocks"]
+        assert values["total_draft_tokens"] == 0 and values["acceptance_rate"] == 0
+        got.append(values)
+    assert got[0]["kv_cache_reused_blocks"] == 0 < got[1]["kv_cache_reused_blocks"]
+
+
+def test_return_perf_metrics_over_generate(server):
+    """The same through HTTP /generate (the LLM-API docs' curl): the metrics are JSON fields."""
+    status, body = http_post(server, "/v2/models/ensemble/generate", {
+        "text_input": "What is machine learning?", "max_tokens": 5,
+        "return_perf_metrics": True})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert set(PERF_METRICS) <= set(answer)
+    assert answer["first_token_time_ns"] <= answer["last_token_time_ns"]
+    assert answer["kv_cache_alloc_total_blocks"] >= 1
 
 
 # ------------------------------------------------------------------------------- end_to_end_test.py
@@ -406,9 +530,65 @@ def test_genai_perf_streaming_over_generate_stream(server, reference):
     assert "".join(pieces) == greedy_text(reference, PROMPTS[0])
 
 
+# ------------------------------------------------------------------------------- LLM-API model
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_end_to_end_test_llmapi_unary_infer(server, reference, protocol):
+    """`end_to_end_test.py --test-llmapi`: `text_input` [1] and `sampling_param_max_tokens` to
+    the `tensorrt_llm` model (samples/trtllm_llmapi_model_repository): the prompt and its
+    greedy continuation (the LLM API's default sampling)."""
+    client_mod = httpclient if protocol == "http" else grpcclient
+    client = client_mod.InferenceServerClient(server.http_url if protocol == "http"
+                                              else server.grpc_url)
+    inputs = {"text_input": np.array([PROMPTS[1]], dtype=object),
+              "sampling_param_max_tokens": np.array([OUTPUT_LEN], np.int32)}
+    result = client.infer("tensorrt_llm", [prepare_tensor(k, v, client_mod)
+                                           for k, v in inputs.items()])
+    assert result.as_numpy("text_output")[0].decode() == \
+        PROMPTS[1] + greedy_text(reference, PROMPTS[1])
+
+
+def test_llmapi_generate_with_reasons_and_perf_metrics(server, reference):
+    """The LLM-API docs' curl with `sampling_param_return_perf_metrics` (every metric a string,
+    under its names), plus the finish/stop reasons and cumulative logprob as strings, and
+    `sampling_param_exclude_input_from_output`."""
+    status, body = http_post(server, "/v2/models/tensorrt_llm/generate", {
+        "text_input": PROMPTS[0], "sampling_param_max_tokens": OUTPUT_LEN,
+        "sampling_param_return_perf_metrics": True, "sampling_param_exclude_input_from_output":
+        True, "return_finish_reason": True, "return_stop_reason": True,
+        "return_cumulative_logprob": True})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["text_output"] == greedy_text(reference, PROMPTS[0])
+    assert answer["finish_reason"] == "length" and answer["stop_reason"] == "None"
+    assert float(answer["cumulative_logprob"]) < 0
+    names = ("acceptance_rate", "arrival_time_ns", "first_scheduled_time_ns",
+             "first_token_time_ns", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks",
+             "kv_cache_hit_rate", "kv_cache_missed_block", "kv_cache_reused_block",
+             "last_token_time_ns", "total_accepted_draft_tokens", "total_draft_tokens")
+    assert all(isinstance(answer[n], str) for n in names), answer
+    assert int(answer["arrival_time_ns"]) <= int(answer["last_token_time_ns"])
+    assert int(answer["kv_cache_alloc_total_blocks"]) >= 1
+
+
+def test_llmapi_streaming_on_the_unary_model_is_refused(server):
+    status, body = http_post(server, "/v2/models/tensorrt_llm/generate", {
+        "text_input": PROMPTS[0], "streaming": True})
+    assert status == 400 and "decoupled mode" in body
+
+
 # ------------------------------------------------------------------------------- refusals
 REFUSALS = {
-    "beam_width 2": ({"beam_width": np.array([[2]], np.int32)}, "beam_width"),
+    "beam_width 0": ({"beam_width": np.array([[0]], np.int32)}, "beam_width"),
+    "prompt_embedding_table": ({"prompt_embedding_table": np.zeros((1, 2, 4), np.float16)},
+                               "input 'prompt_embedding_table' is not supported: prompt tuning"),
+    "prompt_vocab_size": ({"prompt_vocab_size": np.array([[4]], np.int32)},
+                          "input 'prompt_vocab_size'"),
+    "prompt_table_extra_id": ({"prompt_table_extra_id": np.array([[1]], np.uint64)},
+                              "input 'prompt_table_extra_id'"),
+    "lora_weights": ({"lora_weights": np.zeros((1, 2, 4), np.float16),
+                      "lora_config": np.zeros((1, 2, 3), np.int32)}, "input 'lora_weights'"),
+    "lora_config": ({"lora_config": np.zeros((1, 2, 3), np.int32)}, "input 'lora_config'"),
+    "in-band stop": ({"stop": np.array([[True]])}, "input 'stop' is not supported"),
     "length_penalty NaN": ({"length_penalty": np.array([[np.nan]], np.float32)},
                            "length_penalty"),
     "return_context_logits": ({"return_context_logits": np.array([[True]])},
@@ -450,11 +630,29 @@ def test_unsupported_trtllm_input_is_refused_alone(server, reference, kind):
         [PROMPTS[0] + greedy_text(reference, PROMPTS[0])]
 
 
+def test_core_model_token_id_request_is_refused_naming_the_interface(server):
+    """inflight_batcher_llm_client.py's request to the core model (input_ids, input_lengths,
+    request_output_len, output ids back) sent to the ensemble: an error naming input_ids and
+    why, not Triton's "unexpected input"; asking for output_ids alone is refused the same."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    token_ids = {"input_ids": np.array([[1, 2, 3]], np.int32),
+                 "input_lengths": np.array([[3]], np.int32),
+                 "request_output_len": np.array([[4]], np.int32)}
+    with pytest.raises(InferenceServerException, match="input 'input_ids' is not supported: "
+                       "this model takes text"):
+        client.infer("ensemble", [prepare_tensor(k, v) for k, v in token_ids.items()],
+                     outputs=[grpcclient.InferRequestedOutput("output_ids")])
+    text = prepare_inputs(PROMPTS[0], OUTPUT_LEN)
+    with pytest.raises(InferenceServerException, match="output 'output_ids' is not supported"):
+        client.infer("ensemble", [prepare_tensor(k, v) for k, v in text.items()],
+                     outputs=[grpcclient.InferRequestedOutput("output_ids")])
+
+
 def test_bad_row_of_a_batched_request_fails_alone(server, reference):
-    """Decoupled, batched [2, 1] with beam_width [[1], [2]]: row 1 gets its error, row 0 its
+    """Decoupled, batched [2, 1] with beam_width [[1], [0]]: row 1 gets its error, row 0 its
     text, and the request ends once."""
     inputs = batch([prepare_inputs(p, OUTPUT_LEN) for p in PROMPTS[:2]])
-    inputs["beam_width"] = np.array([[1], [2]], np.int32)
+    inputs["beam_width"] = np.array([[1], [0]], np.int32)
     results = stream_request(server, "ensemble_stream", inputs,
                              outputs=["text_output", "batch_index"])
     errors = [r for r in results if isinstance(r, InferenceServerException)]

@@ -7,7 +7,8 @@ import pytest
 from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.server import model_config
 from slipstream.server.protocol import BadRequestError, parse_request
-from slipstream.server.trtllm_inputs import split_rows, translate, trtllm_queue_full
+from slipstream.server.trtllm_inputs import (check_unsupported, split_rows, translate,
+                                             trtllm_queue_full)
 from slipstream.server.trtllm_outputs import TrtllmResponses, merge_rows
 
 
@@ -74,11 +75,11 @@ def test_return_log_probs_asks_the_engine_for_the_sampled_logprobs():
 
 
 @pytest.mark.parametrize("row, named", [
-    ({"beam_width": i32(4)}, "beam_width"),
+    ({"beam_width": i32(0)}, "beam_width"),
     ({"length_penalty": np.array([np.inf], np.float32)}, "length_penalty"),
     ({"return_context_logits": np.array([True])}, "return_context_logits"),
     ({"return_generation_logits": np.array([True])}, "return_generation_logits"),
-    ({"return_perf_metrics": np.array([True])}, "return_perf_metrics"),
+    ({"return_perf_metrics": np.array([1], np.int32)}, "return_perf_metrics"),
     ({"decoder_text_input": s("x")}, "decoder_text_input"),
     ({"lora_task_id": np.array([1], np.uint64)}, "lora_task_id"),
     ({"embedding_bias_words": s("a")}, "embedding_bias"),
@@ -87,6 +88,39 @@ def test_return_log_probs_asks_the_engine_for_the_sampled_logprobs():
 def test_what_cannot_be_honoured_is_refused_by_name(row, named):
     with pytest.raises(BadRequestError, match=named):
         translate({"text_input": s("hi"), **row}, encode=lambda w: [1])
+
+
+def test_beam_width_asks_for_beam_search_returning_every_beam_unless_fewer_are_asked():
+    t, p = parsed({"text_input": s("hi"), "beam_width": i32(3),
+                   "length_penalty": np.array([0.5], np.float32)})
+    assert (p.params.beam_width, p.params.n, p.params.length_penalty) == (3, 3, 0.5)
+    assert t.options.beam_width == 3 and t.options.num_return_sequences == 1
+    t, p = parsed({"text_input": s("hi"), "beam_width": i32(3),
+                   "num_return_sequences": i32(2)})
+    assert (p.params.beam_width, p.params.n) == (3, 2)
+    assert t.options.num_return_sequences == 1  # the beams come in one response
+
+
+@pytest.mark.parametrize("inputs, outputs, named", [
+    ({"input_ids": np.array([1, 2], np.int32)}, (), "input 'input_ids'"),
+    ({"request_output_len": i32(4)}, (), "input 'request_output_len'"),
+    ({"prompt_embedding_table": np.zeros((1, 4), np.float16)}, (), "p-tuning"),
+    ({"prompt_table_extra_id": np.array([1], np.uint64)}, (), "prompt_table_extra_id"),
+    ({"prompt_vocab_size": i32(4)}, (), "prompt_vocab_size"),
+    ({"lora_weights": np.zeros((1, 4), np.float16)}, (), "lora_weights"),
+    ({"lora_config": np.zeros((1, 3), np.int32)}, (), "lora_config"),
+    ({"stop": np.array([True])}, (), "in-band stop"),
+    ({}, ("text_output", "output_ids"), "output 'output_ids'"),
+])
+def test_inputs_never_served_are_refused_naming_them(inputs, outputs, named):
+    with pytest.raises(BadRequestError, match=named):
+        check_unsupported(inputs, outputs)
+
+
+def test_stop_false_and_every_output_unnamed_are_accepted():
+    check_unsupported({"text_input": s("hi"), "stop": np.array([False])}, ("text_output",))
+    every = ("text_output", "output_ids")  # what Triton lists when the client names none
+    check_unsupported({"text_input": s("hi")}, every, every)
 
 
 def test_false_flags_and_neutral_values_are_accepted():
@@ -194,3 +228,23 @@ def test_shipped_trtllm_samples_check_out(sample):
     settings = check_models(models)["ensemble"]
     assert settings.compatibility == "trtllm" and "trtllm" in settings.metric_families
     assert settings.report_metrics and settings.engine["model"] == "default"
+
+
+def test_shipped_llmapi_sample_checks_out():
+    """samples/trtllm_llmapi_model_repository: one model named `tensorrt_llm` (the LLM-API
+    model's name) with the llmapi interface: its inputs, and its STRING outputs only."""
+    from pathlib import Path
+
+    from slipstream.server.repository import check_models, find_models
+
+    sample = Path(__file__).resolve().parents[1] / "samples" / "trtllm_llmapi_model_repository"
+    models = find_models(sample)
+    assert [(m.name, m.backend) for m in models] == [("tensorrt_llm", "slipstream")]
+    assert check_models(models)["tensorrt_llm"].interface == "llmapi"
+    config = model_config.auto_complete(FakeConfig({
+        "backend": "slipstream", "parameters": {"interface": {"string_value": "llmapi"}}}))
+    names = {e["name"]: e["data_type"] for e in config.outputs}
+    assert names["cumulative_logprob"] == names["kv_cache_hit_rate"] == "TYPE_STRING"
+    assert "cum_log_probs" not in names
+    assert {"streaming", "sampling_param_max_tokens", "sampling_param_stop"} <= \
+        {e["name"] for e in config.inputs}

@@ -96,7 +96,9 @@ ensemble_scheduling { step [{ model_name: "vllm_opt" model_version: -1
 def build_repository(repo):
     on = {"REPORT_CUSTOM_METRICS": "true"}
     write_model(repo, MODEL)  # the sample as shipped: no REPORT_CUSTOM_METRICS
-    write_model(repo, "vllm_load_test")
+    # vllm_backend's multi-LoRA CI model.json carries lora_extra_vocab_size (removed from
+    # vLLM): it loads, with a warning, instead of failing as an unknown key.
+    write_model(repo, "vllm_load_test", model_json={"lora_extra_vocab_size": 256})
     write_model(repo, "vllm_invalid_1", model_json={"invalid_attribute": True})
     write_model(repo, "vllm_invalid_2", model_json={"model": "invalid_model"})
     write_model(repo, "vllm_metrics", parameters={**on, "ENABLE_VLLM_HEALTH_CHECK": "true"})

@@ -17,8 +17,8 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.lora_limit import adapters_of
-from slipstream.core.request import (FinishReason, Request, RequestOutput, RequestStatus,
-                                     TokenLogprob, merge_output)
+from slipstream.core.request import (BeamSnapshot, FinishReason, Request, RequestOutput,
+                                     RequestStatus, TokenLogprob, merge_output)
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
 from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
@@ -363,6 +363,10 @@ class LLMEngine:
             logits, sample_rows = self.runner.execute(sched)
             prompt_logits = []
         logits, sample_rows, row_reqs = _fan_out(sched, logits, sample_rows)
+        beams = [_in_beam_search(item.request) for item in sched.scheduled]
+        if any(beams):  # beam slots are ranked by their group, not sampled
+            logits, row_reqs = self._offer_beams(logits, row_reqs)
+            sample_rows = [[] if beam else rows for rows, beam in zip(sample_rows, beams)]
         failed: dict[str, str] = {}
         try:
             result = self.sampler(logits, row_reqs) if row_reqs else None
@@ -382,6 +386,33 @@ class LLMEngine:
                     rows, req.prompt_token_ids, len(req.prompt_logprobs) + 1,
                     req.params.prompt_logprobs)
         return sampled
+
+    @staticmethod
+    def _offer_beams(logits: torch.Tensor, row_reqs: list[Request]) -> tuple:
+        """Each beam slot's row offers its group the best continuations (log-probabilities
+        of the raw distribution; stop tokens masked before ``min_tokens``), all beam rows of
+        the step in one log-softmax and top-k. Returns the other rows, to be sampled."""
+        picks = [i for i, r in enumerate(row_reqs) if _in_beam_search(r)]
+        rest = [i for i, r in enumerate(row_reqs) if not _in_beam_search(r)]
+        if not picks:  # the beam slots of this step are prefill chunks short of their end
+            return logits, row_reqs
+        index = torch.tensor(picks, dtype=torch.long, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        for row, i in enumerate(picks):
+            req = row_reqs[i]
+            if req.num_output_tokens < req.params.min_tokens and req.group.beam.stop_ids:
+                logprobs[row, sorted(req.group.beam.stop_ids)] = float("-inf")
+        width = max(row_reqs[i].group.beam.num_candidates for i in picks)
+        values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for row, i in enumerate(picks):
+            req = row_reqs[i]
+            k = req.group.beam.num_candidates
+            req.group.beam.offer(req.index, values[row][:k], ids[row][:k])
+        if not rest:
+            return logits[:0], []
+        keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
+        return logits.index_select(0, keep), [row_reqs[i] for i in rest]
 
     @staticmethod
     def _failed_alone(sched: SchedulerOutput, exc: Exception) -> SampledTokens:
@@ -444,6 +475,8 @@ class LLMEngine:
         group = req.group
         if group.closed:  # ended as a whole earlier in this step (abort, failure)
             return []
+        if group.beam is not None:
+            return self._beam_report(update)
         out = self._sequence_output(update)
         if out.finish_reason is FinishReason.ERROR:  # one sequence failed: the request fails
             final = self._end_group(group, RequestStatus.FINISHED_ERROR, out.error)
@@ -456,9 +489,13 @@ class LLMEngine:
         self.stats.generation_tokens += len(update.new_token_ids)
         if update.num_drafted:
             self.stats.record_speculation(update.num_drafted, update.num_accepted)
+            req.num_draft_tokens += update.num_drafted
+            req.num_accepted_draft_tokens += update.num_accepted
         detok = self.detokenizers[req.request_id]
-        if update.new_token_ids and req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+        if update.new_token_ids:
+            req.last_token_time = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = req.last_token_time
         if not req.is_finished:
             detok.update(req.all_token_ids)
             if detok.error is None:
@@ -472,6 +509,64 @@ class LLMEngine:
                           and not req.params.include_stop_str_in_output)
             detok.update(req.all_token_ids[:-1] if stop_token else req.all_token_ids)
         return self._output(req, "" if aborted else detok.take(final=True), update)
+
+    def _beam_report(self, update: RequestUpdate) -> list[RequestOutput]:
+        """Beam search answers once, when the search ends: the ``n`` best finished beams,
+        best first (index = rank). Until then beams change their past, so nothing is final."""
+        req, group = update.request, update.request.group
+        if req.status is RequestStatus.FINISHED_ERROR:
+            final = self._end_group(group, RequestStatus.FINISHED_ERROR, req.error)
+            return [final] if final is not None else []
+        self.stats.generation_tokens += len(update.new_token_ids)
+        if update.new_token_ids:
+            req.last_token_time = time.monotonic()
+            if req.first_token_time is None:
+                req.first_token_time = req.last_token_time
+        if not group.beam.finished:
+            # one snapshot per round: every slot moved in it, slot 0's update is one of them
+            return [self._beam_snapshot(group)] if req.index == 0 and update.new_token_ids \
+                else []
+        parent = group.parent
+        for name in ("first_token_time", "last_token_time"):  # the request's, over its beams
+            moments = [getattr(s, name) for s in group.sequences if getattr(s, name)]
+            setattr(parent, name, (min if name.startswith("first") else max)(moments)
+                    if moments else None)
+        for seq in group.sequences:
+            if seq.request_id in self.requests:
+                self._retire(seq)
+        group.closed = True
+        outputs = [self._hypothesis_output(group, rank, h)
+                   for rank, h in enumerate(group.beam.hypotheses[:group.n])]
+        if not outputs:  # no beam could finish (a vocabulary of stop tokens only)
+            return [group.close(FinishReason.LENGTH, None)]
+        outputs[-1].finished = True
+        return outputs
+
+    @staticmethod
+    def _beam_snapshot(group: SequenceGroup) -> RequestOutput:
+        beam = group.beam
+        order = sorted(range(beam.width), key=lambda s: -beam.scores[s])
+        return RequestOutput(
+            request_id=group.request_id, num_prompt_tokens=group.parent.num_prompt_tokens,
+            beams=[BeamSnapshot(group.sequences[s].output_token_ids, list(beam.logprobs[s]),
+                                beam.scores[s]) for s in order])
+
+    def _hypothesis_output(self, group: SequenceGroup, rank: int, hyp) -> RequestOutput:
+        parent, params = group.parent, group.parent.params
+        shown = hyp.token_ids
+        if hyp.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
+            shown = shown[:-1]  # as for any request, the stop token's text is not output
+        text = ""
+        if params.detokenize:
+            with self._tokenizer_lock:
+                text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+        return RequestOutput(
+            request_id=group.request_id, text=text, token_ids=list(hyp.token_ids),
+            logprobs=[TokenLogprob(x) for x in hyp.logprobs], finished=False,
+            finish_reason=hyp.finish_reason, num_prompt_tokens=parent.num_prompt_tokens,
+            num_output_tokens=len(hyp.token_ids), num_cached_tokens=parent.num_cached_tokens,
+            cumulative_logprob=hyp.cumulative_logprob, timing=parent.timing(), index=rank,
+            metrics=parent.metrics(self.config.block_size))
 
     def _retire(self, req: Request) -> None:
         """Forget a finished request everywhere outside the scheduler."""
@@ -497,8 +592,7 @@ class LLMEngine:
                 self._retire(seq)
         return group.close(status.finish_reason, error)
 
-    @staticmethod
-    def _output(req: Request, text: str, update: RequestUpdate) -> RequestOutput:
+    def _output(self, req: Request, text: str, update: RequestUpdate) -> RequestOutput:
         prompt_lps = None
         if req.params.prompt_logprobs is not None and update.new_token_ids \
                 and req.num_output_tokens == len(update.new_token_ids):  # its first output
@@ -510,7 +604,8 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
             cumulative_logprob=req.cumulative_logprob, error=req.error,
             timing=req.timing() if req.is_finished else None, index=req.index,
-            prompt_logprobs=prompt_lps)
+            prompt_logprobs=prompt_lps,
+            metrics=req.metrics(self.config.block_size) if req.is_finished else None)
 
     # -- offline use --------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt],
@@ -580,6 +675,10 @@ def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[lis
         rows_out.append(list(rows) + [rows[-1]] * len(forks) if rows else [])
         cursor += len(rows)
     return logits[torch.tensor(picks, dtype=torch.long, device=logits.device)], rows_out, row_reqs
+
+
+def _in_beam_search(req: Request) -> bool:
+    return req.group is not None and req.group.beam is not None
 
 
 def truncate_prompt(ids: list, keep: Optional[int], max_model_len: int) -> list:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from time import time as wall_clock  # its own name: tests fake the module's monotonic()
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -71,6 +72,34 @@ class RequestTiming:
     finished: float
 
 
+@dataclass
+class RequestMetrics:
+    """A finished request's own facts (TensorRT-LLM's per-request perf metrics). Times are
+    wall-clock seconds since the epoch (``time.time()``)."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float]
+    first_token_time: Optional[float]
+    last_token_time: Optional[float]
+    kv_total_blocks: int  # KV blocks its sequence held at its end
+    kv_reused_blocks: int  # of those, prompt blocks found in the prefix cache
+    draft_tokens: int  # speculative decoding: draft tokens proposed for it
+    accepted_draft_tokens: int  # and accepted by the target model
+
+    @property
+    def kv_new_blocks(self) -> int:
+        return self.kv_total_blocks - self.kv_reused_blocks
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def _wall(moment: Optional[float], now_monotonic: float, now_wall: float) -> Optional[float]:
+    """A ``time.monotonic()`` moment as wall-clock time."""
+    return None if moment is None else now_wall - (now_monotonic - moment)
+
+
 class Request:
     """One sequence. Progress is a single counter, ``num_computed_tokens``: prefill and
     decode are the same thing (compute the tokens the KV cache does not hold yet)."""
@@ -93,6 +122,9 @@ class Request:
         self.cumulative_logprob = 0.0
         self.first_token_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None  # set by EngineStats.record_step
+        self.last_token_time: Optional[float] = None
+        self.num_draft_tokens = 0  # speculative decoding, over the request's life
+        self.num_accepted_draft_tokens = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.error: Optional[str] = None
         # Structured outputs: the grammar matcher (worker.structured_output.GrammarState),
@@ -132,9 +164,31 @@ class Request:
         return RequestTiming(self.arrival_time, self.first_scheduled_time, self.first_token_time,
                              time.monotonic())
 
+    def metrics(self, block_size: int) -> RequestMetrics:
+        mono, wall = time.monotonic(), wall_clock()
+        return RequestMetrics(
+            arrival_time=_wall(self.arrival_time, mono, wall),
+            first_scheduled_time=_wall(self.first_scheduled_time, mono, wall),
+            first_token_time=_wall(self.first_token_time, mono, wall),
+            last_token_time=_wall(self.last_token_time, mono, wall),
+            kv_total_blocks=-(-self.num_computed_tokens // block_size),
+            kv_reused_blocks=self.num_cached_tokens // block_size,
+            draft_tokens=self.num_draft_tokens,
+            accepted_draft_tokens=self.num_accepted_draft_tokens)
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed="
                 f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class BeamSnapshot:
+    """One live beam while a beam search runs: its tokens so far (beams change their past, so
+    these are whole, not deltas)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    cumulative_logprob: float
 
 
 @dataclass
@@ -160,6 +214,10 @@ class RequestOutput:
     # prompt_logprobs as vLLM returns them: None for the first prompt token, then a
     # TokenLogprob per token (rank and top-N attached); on the request's first output only.
     prompt_logprobs: Optional[list] = None
+    metrics: Optional[RequestMetrics] = None  # on the request's finished output only
+    # Beam search, after each round but the last: every live beam, best first (no text; the
+    # finished beams come as ordinary outputs, one per returned beam, at the end).
+    beams: Optional[list[BeamSnapshot]] = None
 
 
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
@@ -168,7 +226,8 @@ def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
     total.token_ids.extend(delta.token_ids)
     total.logprobs.extend(delta.logprobs)
     for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
-                 "num_cached_tokens", "cumulative_logprob", "error", "timing", "index"):
+                 "num_cached_tokens", "cumulative_logprob", "error", "timing", "index",
+                 "metrics"):
         setattr(total, name, getattr(delta, name))
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs

@@ -77,6 +77,16 @@ class SamplingParams:
     # The output must match a JSON schema / regex / choice / grammar (a dict with vLLM's
     # field names is accepted and converted).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Beam search (vLLM's former use_beam_search, TRT-LLM's beam_width): beam_width > 1 keeps
+    # that many beams; use_beam_search=True takes the width from best_of, else n (vLLM's rule).
+    # The n best finished beams are returned. length_penalty divides a finished beam's
+    # cumulative logprob by (its length ** length_penalty); early_stopping: True ends the
+    # search once beam_width beams have finished, False when no running beam can still beat
+    # the worst finished one, "never" checks that against the longest possible length.
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Any = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +154,7 @@ class SamplingParams:
                 raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got "
                                  f"{self.prompt_logprobs}")
         self._validate_parallel_sampling()
+        self._validate_beam_search()
         number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         self._validate_token_constraints()
         for name in ("include_stop_str_in_output", "skip_special_tokens",
@@ -184,8 +195,46 @@ class SamplingParams:
 
     @property
     def num_sequences(self) -> int:
-        """How many sequences the engine generates for the prompt (best_of, else n)."""
+        """How many sequences the engine generates for the prompt (the beams; else best_of,
+        else n)."""
+        if self.beam_width > 1:
+            return self.beam_width
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    def _validate_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a boolean, got {show(self.use_beam_search)}")
+        if self.use_beam_search and self.beam_width == 1:
+            self.beam_width = self.best_of if self.best_of is not None else self.n
+            self.best_of = None
+        w = self.beam_width
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_PARALLEL_SEQUENCES:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_PARALLEL_SEQUENCES}], "
+                             f"got {show(w)}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got {show(lp)}")
+        self.length_penalty = float(lp)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError("early_stopping must be true, false or \"never\", got "
+                             f"{show(self.early_stopping)}")
+        if w == 1:
+            return
+        if self.n > w:
+            raise ValueError(f"n must be <= beam_width with beam search, got n={self.n} and "
+                             f"beam_width={w}")
+        if self.best_of is not None and self.best_of != w:
+            raise ValueError("best_of cannot be combined with beam search (beam_width is the "
+                             "number of sequences kept)")
+        # The beams are ranked on the model's own log-probabilities: what reshapes or
+        # constrains the distribution per sequence has no meaning across beams here.
+        if self.stop or self.structured_outputs is not None or self.prompt_logprobs is not None:
+            raise ValueError("beam search does not support stop strings, structured outputs or "
+                             "prompt_logprobs")
 
     def _validate_seed(self) -> None:
         if self.seed is None:
@@ -259,11 +308,12 @@ class SamplingParams:
 
 
 _INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
-               "truncate_prompt_tokens", "n", "best_of"}
+               "truncate_prompt_tokens", "n", "best_of", "beam_width"}
 _FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "min_p"}
+                 "frequency_penalty", "min_p", "length_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "use_speculation", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens", "detokenize"}
+                "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                "use_beam_search"}
 
 
 def _is_token_id(value: Any) -> bool:
@@ -292,6 +342,8 @@ def _coerce(key: str, raw: Any) -> Any:
             raise ValueError
         if key in ("stop_token_ids", "allowed_token_ids") and isinstance(raw, str):
             return [int(x) for x in raw.replace(",", " ").split()]
+        if key == "early_stopping" and isinstance(raw, str) and raw.strip().lower() != "never":
+            return _coerce("ignore_eos", raw)  # a boolean's spelling
         if key == "logit_bias" and isinstance(raw, str):
             return json.loads(raw)
     except ValueError:  # json.JSONDecodeError is one too

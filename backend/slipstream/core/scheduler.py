@@ -20,7 +20,7 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_limit import admissible
 from slipstream.core.policies import make_policy, pick_first, pick_victim
-from slipstream.core.request import Request, RequestStatus
+from slipstream.core.request import FinishReason, Request, RequestStatus
 from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
                                               SchedulerOutput)
 from slipstream.core.swap_space import SwapSpace
@@ -108,7 +108,70 @@ class SchedulerBase(ABC):
                 update = RequestUpdate(req)
             if update is not None:
                 updates.append(update)
+        return updates + self._beam_rounds(sched)
+
+    # -- beam search -------------------------------------------------------------------
+    def _beam_rounds(self, sched: SchedulerOutput) -> list[RequestUpdate]:
+        """Beam groups whose every slot has now offered its candidates take their next
+        round: slots advance, die and re-seat (core/beam_search.py). A slot that has offered
+        waits (it has no token to compute) until its group's round is made."""
+        updates = []
+        seen: set[int] = set()
+        for item in sched.scheduled:
+            group = item.request.group
+            if group is None or group.beam is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            if group.beam.ready and not any(s.is_finished for s in group.sequences):
+                updates += self._beam_round(sched, group)
         return updates
+
+    def _beam_round(self, sched: SchedulerOutput, group) -> list[RequestUpdate]:
+        slots = group.sequences
+        first = slots[0]
+        limit = min(first.params.max_tokens, self.max_seq_len - first.num_prompt_tokens)
+        moves = group.beam.step([s.output_token_ids for s in slots], limit)
+        if group.beam.finished:
+            best = group.beam.hypotheses[0].finish_reason if group.beam.hypotheses else None
+            status = (RequestStatus.FINISHED_STOPPED if best is FinishReason.STOP
+                      else RequestStatus.FINISHED_LENGTH)
+            for slot in slots:
+                self.finish(slot, status)
+            return [RequestUpdate(first)]
+        for m in moves:  # re-seat first: a parent's beam is copied before it grows
+            if m.slot != m.parent:
+                self._reseat(sched, slots[m.slot], slots[m.parent])
+        updates = []
+        for m in moves:
+            req = slots[m.slot]
+            req.append_token(m.token_id)
+            req.cumulative_logprob = group.beam.scores[m.slot]
+            self.bm.register_full_blocks(req)
+            updates.append(RequestUpdate(req, [m.token_id], [m.logprob]))
+        return updates
+
+    def _reseat(self, sched: SchedulerOutput, slot: Request, parent: Request) -> None:
+        """``slot``'s beam died: it takes over a copy of ``parent``'s beam, sharing its KV
+        (full blocks by reference, the partial block copied after this step), or recomputing
+        it if the parent's KV is not on the device."""
+        if slot.status is RequestStatus.SWAPPED and self.swap is not None:
+            self.swap.discard(slot)
+        self.bm.free_request(slot)
+        for queue in (self.running, self.waiting):
+            if slot in queue:
+                queue.remove(slot)
+        slot.all_token_ids = list(parent.all_token_ids)
+        slot.spec_token_ids = []
+        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens:
+            copy = self.bm.fork(parent, slot, parent.num_computed_tokens)
+            if copy is not None:
+                sched.block_copies.append(copy)
+            slot.status = RequestStatus.RUNNING
+            self.running.append(slot)
+        else:
+            slot.num_computed_tokens = 0
+            slot.status = RequestStatus.WAITING
+            self.waiting.append(slot)
 
     def _advance(self, item: ScheduledRequest, tokens: list[int], logprobs: list[float],
                  stop_string: StopStringCheck) -> Optional[RequestUpdate]:
@@ -258,7 +321,11 @@ class Scheduler(SchedulerBase):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = pick_first(admissible(self.waiting, self.running, self.max_loras), self.key, now)
+            # A beam slot that has offered its candidates waits for its group's round: it
+            # has nothing to compute until then (its offer outlives its KV).
+            ready = [r for r in admissible(self.waiting, self.running, self.max_loras)
+                     if not _offered(r)]
+            req = pick_first(ready, self.key, now)
             if req is None:
                 break  # every waiting request's adapter would exceed max_loras
             if req in out.preempted:
@@ -278,11 +345,27 @@ class Scheduler(SchedulerBase):
                 break
             num_new = min(num_new, budget)
             if not self.bm.can_allocate(req, num_new, cached, start=num_cached_tokens):
+                self._release_offered_siblings(req, out)
+            if not self.bm.can_allocate(req, num_new, cached, start=num_cached_tokens):
                 if not self._preempt_for(req, num_new, cached, num_cached_tokens, out, now):
                     break
             self._admit(req, num_new, cached, num_cached_tokens, out)
             # Recounted rather than decremented: an eviction above gives its tokens back.
             budget = self.config.max_num_batched_tokens - out.num_tokens
+
+    def _release_offered_siblings(self, req: Request, out: SchedulerOutput) -> None:
+        """A beam slot that needs blocks to catch up may take them from its siblings that
+        have offered and wait for it: they hold KV they do not need before the round (which
+        recomputes what it keeps). Without this, a slot preempted while its siblings wait
+        could never come back when only they hold the cache."""
+        group = req.group
+        if group is None or group.beam is None:
+            return
+        scheduled = {id(s.request) for s in out.scheduled}
+        for sibling in group.sequences:
+            if sibling is not req and _offered(sibling) and id(sibling) not in scheduled \
+                    and sibling.status is RequestStatus.RUNNING:
+                self.preempt(sibling, out)
 
     def _tokens_wanted_from(self, req: Request, num_computed: int) -> int:
         wanted = req.num_tokens - num_computed
@@ -361,3 +444,9 @@ class Scheduler(SchedulerBase):
         self.bm.allocate(req, num_new)
         out.scheduled.append(ScheduledRequest(req, num_new))
         return budget - num_new
+
+
+def _offered(req: Request) -> bool:
+    """A beam slot whose candidates for its group's current round are in."""
+    group = req.group
+    return group is not None and group.beam is not None and req.index in group.beam.candidates

@@ -17,6 +17,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
+from slipstream.core.beam_search import BeamSearch
 from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
 from slipstream.core.sampling_params import SEED_RANGE, SamplingParams
 
@@ -47,6 +48,8 @@ class SequenceGroup:
     ended: set = field(default_factory=set)  # indices of the sequences that have ended
     # best_of > n: each sequence's whole output, kept until the group is ranked at the end.
     held: dict[int, RequestOutput] = field(default_factory=dict)
+    # Beam search (beam_width > 1): the sequences are its beam slots (core/beam_search.py).
+    beam: Optional[BeamSearch] = None
 
     @classmethod
     def create(cls, parent: Request) -> Optional["SequenceGroup"]:
@@ -62,6 +65,12 @@ class SequenceGroup:
                     parent.arrival_time)
             for i in range(1, k)]
         group = cls(parent.request_id, params.n, seqs)
+        if params.beam_search:
+            stops = set(params.stop_token_ids)
+            if parent.eos_token_id is not None and not params.ignore_eos:
+                stops.add(parent.eos_token_id)
+            group.beam = BeamSearch(k, frozenset(stops), params.length_penalty,
+                                    params.early_stopping)
         for i, seq in enumerate(seqs):
             seq.index, seq.group = i, group
         return group

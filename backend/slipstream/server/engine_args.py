@@ -16,11 +16,19 @@ Pure Python: the tests and ``slipstream serve`` check a repository without start
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 MODEL_JSON = "model.json"
+log = logging.getLogger("slipstream")
+# Keys vLLM once accepted and has since removed; old model.json files (vllm_backend's own
+# multi-LoRA CI model among them) still carry them. Accepted with a warning: no effect here.
+REMOVED_IN_VLLM = {
+    "lora_extra_vocab_size": "LoRA adapters here never add vocabulary (vLLM dropped the "
+                             "argument as well)",
+}
 
 
 @dataclass
@@ -184,6 +192,9 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
         result.disable_log_stats = _flag(value, key)
     elif key == "max_logprobs":
         result.max_logprobs = int(value)
+    elif key in REMOVED_IN_VLLM:
+        log.warning("model.json: %s=%r is accepted and has no effect: %s", key, value,
+                    REMOVED_IN_VLLM[key])
     elif key not in NO_EFFECT:
         raise ValueError(f"unknown or unsupported engine argument {key!r} (supported: "
                          f"{', '.join(sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS))})")

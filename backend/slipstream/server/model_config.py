@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from slipstream.server import llmapi_interface
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
 from slipstream.server.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
@@ -62,7 +63,7 @@ INPUTS = [
     _io("bad_words", "TYPE_STRING", [-1]),
     *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
                                           "num_return_sequences")],
-    _io("length_penalty", "TYPE_FP32", [1]),  # 1.0 only: it applies to beam search
+    _io("length_penalty", "TYPE_FP32", [1]),  # beam search's (no effect at beam_width 1)
     _io("random_seed", "TYPE_UINT64", [1]),
     *[_io(n, "TYPE_BOOL", [1]) for n in ("return_log_probs", "return_context_logits",
                                          "return_generation_logits", "return_perf_metrics")],
@@ -70,6 +71,18 @@ INPUTS = [
     _io("embedding_bias_weights", "TYPE_FP32", [-1]),
     _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
     _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
+    # Declared so that they are refused by name (trtllm_inputs.check_unsupported) rather
+    # than as unexpected inputs: p-tuning, LoRA weights in the request, the core model's
+    # token ids, in-band stop.
+    _io("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
+    _io("prompt_table_extra_id", "TYPE_UINT64", [1]),
+    _io("prompt_vocab_size", "TYPE_INT32", [1]),
+    _io("lora_weights", "TYPE_FP16", [-1, -1]),
+    _io("lora_config", "TYPE_INT32", [-1, 3]),
+    _io("input_ids", "TYPE_INT32", [-1]),
+    _io("input_lengths", "TYPE_INT32", [1]),
+    _io("request_output_len", "TYPE_INT32", [1]),
+    _io("stop", "TYPE_BOOL", [1]),
     # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
     _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
     _io("guided_decoding_guide", "TYPE_STRING", [1]),
@@ -93,6 +106,16 @@ TRTLLM_OUTPUTS = [
     {"name": "generation_logits", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]},
     {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
     {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
+    # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
+    *[{"name": n, "data_type": "TYPE_INT32", "dims": [1]}
+      for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
+                "total_draft_tokens")],
+    *[{"name": n, "data_type": "TYPE_INT64", "dims": [1]}
+      for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+                "last_token_time_ns")],
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
 ]
 
 
@@ -114,6 +137,7 @@ class ModelSettings:
     step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
+    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (llmapi_interface.py)
 
 
 def auto_complete(config):
@@ -121,10 +145,20 @@ def auto_complete(config):
     declared = config.as_dict()
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
-    for entry in INPUTS:
+    trtllm = _trtllm_outputs(declared)
+    llmapi = _parameter(declared, "interface") == "llmapi"
+    if llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
+        inputs, outputs = INPUTS + llmapi_interface.INPUTS, llmapi_interface.OUTPUTS
+    else:
+        inputs, outputs = INPUTS, OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
+    for entry in inputs:
         if entry["name"] not in have_inputs:
+            if trtllm and entry["name"] == "text_input":
+                # optional, so that a token-id request reaches the adapter and is refused
+                # by name (the adapter requires text_input itself)
+                entry = {**entry, "optional": True}
             config.add_input(entry)
-    for entry in OUTPUTS + (TRTLLM_OUTPUTS if _trtllm_outputs(declared) else []):
+    for entry in outputs:
         if entry["name"] not in have_outputs:
             config.add_output(entry)
     # Decoupled unless the decoupled parameter is "false": that model answers unary infer.
@@ -212,7 +246,15 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         max_engine_restarts=int(server["max_engine_restarts"]),
         step_timeout_s=float(server["step_timeout_s"]),
         max_request_seconds=float(server["max_request_seconds"]),
-        compatibility=_compatibility(server["compatibility"]))
+        compatibility=_compatibility(server["compatibility"]),
+        interface=_interface(server["interface"]))
+
+
+def _interface(value: str) -> str:
+    value = value.strip()
+    if value not in ("", "llmapi"):
+        raise ValueError(f"interface must be \"llmapi\" or left out, got {value!r}")
+    return value
 
 
 def _compatibility(value: str) -> str:

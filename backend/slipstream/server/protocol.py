@@ -498,6 +498,7 @@ SERVER_PARAMETERS = {
     "max_request_seconds": "0",  # a request running longer ends with an error (0 = no limit)
     "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
     "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
+    "interface": "",  # "llmapi": TensorRT-LLM's LLM-API model's inputs and outputs
 }
 
 

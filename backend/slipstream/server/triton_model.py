@@ -41,10 +41,11 @@ from slipstream.server.metrics import ModelMetrics, NoMetrics
 from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
                                         lora_error, parse_request)
 from slipstream.server.row_sender import RowGroup
-from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_STREAMING,
-                                             STREAMING_NOT_DECOUPLED, split_rows, translate,
-                                             trtllm_queue_full)
+from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
+                                             STREAMING_NOT_DECOUPLED, check_unsupported,
+                                             split_rows, translate, trtllm_queue_full)
 from slipstream.server.trtllm_outputs import TrtllmResponses
+from slipstream.server import llmapi_interface
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -161,10 +162,11 @@ class TritonPythonModel:
                 continue
             try:
                 inputs = {}
-                for name in model_config.INPUT_NAMES:
+                for name in model_config.INPUT_NAMES + llmapi_interface.INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
+                check_unsupported(inputs, request.requested_output_names(), self.output_names)
                 rows = split_rows(inputs, self.batched)
             except Exception as e:  # never let one request take the batch down
                 self._refuse(sender, e)
@@ -189,13 +191,20 @@ class TritonPythonModel:
             if "embedding_request" in inputs:
                 raise BadRequestError(
                     f"Model {self.model_name} does not support 'embed' request")
-            row = translate(inputs, self._encode, batch_index=batch_index,
-                            with_indices=self.batched,
-                            trtllm_defaults=self.settings.compatibility == "trtllm")
+            if self.settings.interface == "llmapi":
+                row = llmapi_interface.translate(inputs)
+            else:
+                row = translate(inputs, self._encode, batch_index=batch_index,
+                                with_indices=self.batched,
+                                trtllm_defaults=self.settings.compatibility == "trtllm")
             if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
                 raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
                                       "and output_log_probs, which this model does not declare "
                                       "(set its compatibility parameter to \"trtllm\")")
+            if row.options.return_perf_metrics and "arrival_time_ns" not in self.output_names:
+                raise BadRequestError("input 'return_perf_metrics' needs the perf metrics "
+                                      "outputs, which this model does not declare (set its "
+                                      "compatibility parameter to \"trtllm\")")
             row.options.with_indices &= "batch_index" in self.output_names
             if row.parameters:  # TRT-LLM inputs win over the same request parameters
                 parameters = {**_parameters_dict(parameters), **row.parameters}
@@ -205,8 +214,8 @@ class TritonPythonModel:
                                    max_logprobs=self.settings.max_logprobs)
             if parsed.options.stream and not self.decoupled:
                 raise BadRequestError(STREAMING_NOT_DECOUPLED)
-            if row.options.num_return_sequences > 1 and not parsed.options.stream:
-                raise BadRequestError(PER_SEQUENCE_NEEDS_STREAMING)
+            if row.options.num_return_sequences > 1 and not self.decoupled:
+                raise BadRequestError(PER_SEQUENCE_NEEDS_DECOUPLED)
             kwargs = {"priority": parsed.options.priority}
             if parsed.options.apply_chat_template:
                 kwargs["apply_chat_template"] = True
@@ -216,8 +225,11 @@ class TritonPythonModel:
         except Exception as e:  # never let one request take the batch down
             self._refuse(sender, e)
             return
-        builder = TrtllmResponses(ResponseBuilder(parsed, self.loop.tokenizer), row.options,
-                                  self.loop.tokenizer)
+        inner = ResponseBuilder(parsed, self.loop.tokenizer)
+        if self.settings.interface == "llmapi":
+            builder = llmapi_interface.LlmapiResponses(inner, row.options)
+        else:
+            builder = TrtllmResponses(inner, row.options, self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
                                    self.metrics.track(arrival, parsed.params), arrival, deadline))
         self.wake.set()
@@ -369,8 +381,10 @@ class TritonPythonModel:
                 return True
             if p.cancelled:
                 continue
-            if p.options.stream:
-                p.sender.send(self._response(p.builder.streamed(out)))
+            if p.options.stream and p.builder.streams:
+                outputs = p.builder.streamed(out)
+                if outputs is not None:  # None: nothing to send for this output
+                    p.sender.send(self._response(outputs))
             else:
                 p.builder.absorb(out)
         return False
@@ -422,10 +436,13 @@ class TritonPythonModel:
         elif out.finish_reason is FinishReason.ABORT:
             p.sender.send(_error("request aborted (server shutting down)", _code("UNAVAILABLE")),
                           flags=FINAL)
-        elif p.options.stream:
+        elif p.options.stream and p.builder.streams:
             p.sender.send(self._response(p.builder.streamed(out)), flags=FINAL)
         else:
-            p.sender.send(self._response(p.builder.final(out)), flags=FINAL)
+            *responses, last = p.builder.finals(out)
+            for outputs in responses:  # num_return_sequences: one response per sequence
+                p.sender.send(self._response(outputs))
+            p.sender.send(self._response(last), flags=FINAL)
 
     # ----------------------------------------------------------------- health
     def is_ready(self):

@@ -25,17 +25,38 @@ TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_
                  "return_log_probs", "return_context_logits", "return_generation_logits",
                  "return_perf_metrics", "beam_width", "num_return_sequences",
                  "embedding_bias_words", "embedding_bias_weights", "decoder_text_input",
-                 "lora_task_id")
+                 "lora_task_id", "stop")
 # Inputs whose any non-empty value is refused: input name -> why.
 REFUSED = {
     "decoder_text_input": "encoder-decoder models are not supported",
     "lora_task_id": "LoRA adapters by task id are not supported",
 }
+# Inputs refused whenever a request carries them (checked before anything else: a token-id
+# request has no text_input): input name -> why.
+_NO_PTUNING = "prompt tuning (p-tuning embedding tables) is not supported"
+_NO_LORA_WEIGHTS = ("LoRA weights sent with the request are not supported; serve adapters "
+                    "with enable_lora and pick one by lora_name")
+_NO_TOKEN_IDS = ("this model takes text (text_input) and answers text (text_output); the "
+                 "TRT-LLM core model's token-id interface (input_ids, input_lengths, "
+                 "request_output_len, output_ids) is not served")
+REFUSED_ALWAYS = {
+    "prompt_embedding_table": _NO_PTUNING,
+    "prompt_table_extra_id": _NO_PTUNING,
+    "prompt_vocab_size": _NO_PTUNING,
+    "lora_weights": _NO_LORA_WEIGHTS,
+    "lora_config": _NO_LORA_WEIGHTS,
+    "input_ids": _NO_TOKEN_IDS,
+    "input_lengths": _NO_TOKEN_IDS,
+    "request_output_len": _NO_TOKEN_IDS,
+}
+REFUSED_OUTPUTS = {"output_ids": _NO_TOKEN_IDS}
+# In-band stop (a second request with stop=true ending the first): refused when true.
+STOP_IN_BAND = ("in-band stop requests are not supported: cancel the request instead (close "
+                "the gRPC stream or the HTTP connection)")
 # Flags that may be sent as false only.
 REFUSED_FLAGS = {
     "return_context_logits": "this backend does not return logits",
     "return_generation_logits": "this backend does not return logits",
-    "return_perf_metrics": "per-request perf metrics are not returned by this backend",
 }
 # TRT-LLM's texts: its executor's when the waiting queue is full (prefixed with Triton's own
 # queue-policy text, which TRT-LLM's max_queue_size test matches), and its backend's when a
@@ -44,10 +65,10 @@ QUEUE_FULL = ("Exceeds maximum queue size: Maximum queue size of {limit} has bee
               "please try again later")
 STREAMING_NOT_DECOUPLED = ("Streaming is only supported if model is deployed using decoupled "
                            "mode.")
-# Each of num_return_sequences > 1 is its own stream of responses (with its sequence_index),
-# which one non-streaming response cannot carry.
-PER_SEQUENCE_NEEDS_STREAMING = ("input 'num_return_sequences' > 1 needs streaming (stream=true on "
-                                "a decoupled model): each sequence is answered on its own")
+# Each of num_return_sequences > 1 is answered on its own (with its sequence_index): one
+# response per request (a model not decoupled) cannot carry them.
+PER_SEQUENCE_NEEDS_DECOUPLED = ("input 'num_return_sequences' > 1 needs a decoupled model: "
+                                "each sequence is answered on its own")
 
 
 def trtllm_queue_full(limit: int) -> str:
@@ -63,6 +84,8 @@ class TrtllmOptions:
     with_indices: bool = False  # emit batch_index and sequence_index
     batch_index: int = 0
     num_return_sequences: int = 1  # > 1: one response stream per sequence, as TRT-LLM sends
+    beam_width: int = 1  # > 1: every beam in one response, [1, beam_width, ...]
+    return_perf_metrics: bool = False
 
 
 @dataclass
@@ -88,6 +111,25 @@ def split_rows(inputs: Mapping[str, np.ndarray], batched: bool) -> List[Dict[str
         for i in range(size):
             rows[i][name] = arr[i]
     return rows
+
+
+def check_unsupported(inputs: Mapping[str, np.ndarray], requested_outputs=(),
+                      declared_outputs=()) -> None:
+    """Refuse, naming it, what a TRT-LLM client may send that is never served here. Triton
+    lists every declared output as requested when the client names none: only outputs
+    named among fewer than all are refused."""
+    for name, why in REFUSED_ALWAYS.items():
+        if inputs.get(name) is not None:
+            raise BadRequestError(f"input '{name}' is not supported: {why}")
+    named = set(requested_outputs or ())
+    if named and named == set(declared_outputs or ()):
+        named = set()
+    for name in sorted(named):
+        if name in REFUSED_OUTPUTS:
+            raise BadRequestError(f"output '{name}' is not supported: {REFUSED_OUTPUTS[name]}")
+    stop = inputs.get("stop")
+    if stop is not None and np.asarray(stop).dtype.kind == "b" and bool(np.asarray(stop).any()):
+        raise BadRequestError(f"input 'stop' is not supported: {STOP_IN_BAND}")
 
 
 def _int(name: str, arr: np.ndarray) -> int:
@@ -142,14 +184,17 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
             raise BadRequestError(f"input '{name}' is not supported: {why}")
 
     beam_width = _int("beam_width", present["beam_width"]) if "beam_width" in present else 1
-    if beam_width != 1:
-        raise BadRequestError(f"input 'beam_width' is {beam_width}: beam search is not "
-                              "supported, only beam_width=1")
+    if beam_width < 1:
+        raise BadRequestError(f"input 'beam_width' must be >= 1, got {beam_width}")
     if "length_penalty" in present:
         # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
         value = float(_scalar("length_penalty", present["length_penalty"]))
         if not math.isfinite(value):
             raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
+        if beam_width > 1:
+            params["length_penalty"] = value
+    if "return_perf_metrics" in present:
+        opts.return_perf_metrics = _flag("return_perf_metrics", present["return_perf_metrics"])
     if "pad_id" in present:
         _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
 
@@ -161,8 +206,12 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
 
     if "num_return_sequences" in present:
         params["n"] = _int("num_return_sequences", present["num_return_sequences"])
-        opts.num_return_sequences = params["n"]
         opts.with_indices = True
+        if beam_width == 1:
+            opts.num_return_sequences = params["n"]
+    if beam_width > 1:  # the n best beams (all unless num_return_sequences says fewer)
+        params["beam_width"] = opts.beam_width = beam_width
+        params.setdefault("n", beam_width)
     if "return_log_probs" in present and _flag("return_log_probs", present["return_log_probs"]):
         opts.return_log_probs = True
         params["logprobs"] = 0  # the sampled tokens' own log-probabilities
