@@ -146,14 +146,14 @@ class Sampler:
         return result  # the batch failed but no row alone does: it was not one request's fault
 
     def _sample(self, logits: torch.Tensor, reqs: list, want_logprobs: bool) -> SampleResult:
-        if torch.isnan(logits).any():  # argmax would pick the NaN: a token of nothing
+        raw = _RawLogprobs.capture(logits, reqs)
+        if torch.isnan(raw.lse).any():  # argmax would pick the NaN: a token of nothing
             raise FloatingPointError("the model produced NaN logits")
-        raw = _RawLogprobs.capture(logits, reqs) if want_logprobs else None
         self._apply_constraints(logits, reqs)
         apply_grammar_masks(logits, reqs)  # structured outputs: their rows only
         penalized = self._apply_penalties(logits, reqs)
         tokens = self._draw(penalized, reqs)
-        return SampleResult(tokens.tolist(), raw.of(tokens, reqs) if raw is not None else [])
+        return SampleResult(tokens.tolist(), raw.of(tokens, reqs) if want_logprobs else [])
 
     def _draw(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         """One token per row: argmax for greedy rows; one batched pass for sampled rows."""
@@ -166,7 +166,10 @@ class Sampler:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         rows = logits if len(sampled) == len(reqs) else logits[sampled]
         params = [reqs[i].params for i in sampled]
-        tokens[sampled] = sample_rows(rows, params, self._uniforms([reqs[i] for i in sampled]))
+        drawn = sample_rows(rows, params, self._uniforms([reqs[i] for i in sampled]))
+        if (drawn < 0).any():  # the kernel found a NaN that the penalties made
+            raise FloatingPointError("sampling produced NaN probabilities")
+        tokens[sampled] = drawn
         return tokens
 
     def _uniforms(self, reqs: list) -> torch.Tensor:
