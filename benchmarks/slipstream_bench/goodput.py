@@ -45,7 +45,7 @@ def slo_summary(run: dict, slo: Slo) -> Optional[dict]:
         return None
     records = records_from_json(run["records"])
     tpots = [r.tpot * 1e3 for r in records if r.tpot is not None and r.error is None]
-    return {"attainment": attainment(records, slo), **asdict(slo),
+    return {"attainment": attainment(records, slo), "target": asdict(slo),
             "tpot_ms": {f"p{q}": percentile(tpots, q) for q in (50, 90, 99)},
             "met": sum(1 for r in records if slo.met_by(r)), "requests": len(records)}
 
