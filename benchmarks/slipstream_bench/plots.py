@@ -128,8 +128,11 @@ def _mode_colour(i: int):
 
 def _title(results: dict) -> str:
     w = results.get("workload", {})
+    sweep = results.get("sweep")
+    rate = (f"rates {', '.join(str(p['rate']) for p in sweep)}" if sweep
+            else f"rate {results.get('rate', 'inf')}")
     return (f"{results.get('scenario', '')}: {w.get('num_requests', '?')} requests, "
-            f"model {results.get('model', '?')}, rate {results.get('rate', 'inf')}")
+            f"model {results.get('model', '?')}, {rate}")
 
 
 def _save(fig, path: Path, plt) -> Path:
