@@ -199,3 +199,82 @@ def test_setup_peers_patches_vllm_backend_for_vllm_0_32(tmp_path):
     (src / "model.py").write_text("import json\n")  # a version the patch does not know
     with pytest.raises(SystemExit, match="differs"):
         setup.patch_backend(src)
+
+
+def _record(rid: str, ttft: float, tpot: float, n: int = 5, error=None) -> RequestRecord:
+    rec = RequestRecord(rid, 10, n, send_time=0.0, error=error)
+    rec.token_times = [ttft + tpot * i for i in range(n)]
+    return rec
+
+
+def test_slo_attainment_counts_requests_meeting_both_targets():
+    from slipstream_bench.goodput import Slo, attainment
+
+    slo = Slo(ttft_ms=2000, tpot_ms=150)
+    records = [_record("ok", 1.0, 0.1), _record("slow_first", 2.5, 0.1),
+               _record("slow_tokens", 1.0, 0.2), _record("one_token", 1.5, 9.0, n=1),
+               _record("failed", 0.1, 0.01, error="boom")]
+    assert attainment(records, slo) == pytest.approx(2 / 5)  # ok, one_token (no TPOT)
+
+
+def test_goodput_is_the_highest_rate_whose_attainment_reaches_the_target():
+    from slipstream_bench.goodput import Slo, goodput
+
+    slo = Slo(attainment=0.9)
+    got = goodput([(2.0, 0.95), (1.0, 1.0), (3.0, 0.7), (4.0, 0.92)], slo)
+    assert got["goodput_rps"] == 2.0  # 4.0 recovering above a failing 3.0 is noise
+    assert got["goodput_interpolated_rps"] == pytest.approx(2.0 + (0.95 - 0.9) / (0.95 - 0.7))
+    assert goodput([(1.0, 0.5)], slo)["goodput_rps"] == 0.0
+    assert goodput([(1.0, 0.99), (2.0, 0.95)], slo)["met_at_every_rate"]
+
+
+def test_a_sampling_mix_reaches_every_path_with_a_greedy_share_and_seeds():
+    from slipstream_bench.inprocess import exact_params
+    from slipstream_bench.loadgen import sampling_json
+    from slipstream_bench.workload import BenchRequest, SamplingMix, apply_sampling
+
+    workload = Workload([BenchRequest(f"r{i}", "x", 3, 8) for i in range(10)])
+    mix = SamplingMix(temperature=0.8, top_p=0.95, seeded=True, greedy_fraction=0.3)
+    apply_sampling(workload, mix, seed=4)
+    greedy = [r for r in workload.requests if r.sampling is None]
+    sampled = [r for r in workload.requests if r.sampling]
+    assert len(greedy) == 3 and len(sampled) == 7
+    assert len({r.sampling["seed"] for r in sampled}) == 7
+    body = json.loads(sampling_json(sampled[0]))
+    assert body == {"max_tokens": 8, "min_tokens": 8, "ignore_eos": True, "temperature": 0.8,
+                    "top_p": 0.95, "seed": sampled[0].sampling["seed"]}
+    assert json.loads(sampling_json(greedy[0]))["temperature"] == 0.0
+    params = exact_params(8, sampled[0].sampling)
+    assert (params.temperature, params.top_p, params.seed) == (0.8, 0.95,
+                                                               sampled[0].sampling["seed"])
+    assert workload.sampled and workload.description["sampling"]["greedy_fraction"] == 0.3
+
+
+def test_a_rate_sweep_reports_attainment_per_rate_goodput_and_a_plot(monkeypatch, tmp_path):
+    from slipstream_bench import plots, report, runner
+    from slipstream_bench.metrics import records_to_json
+    from slipstream_bench.workload import BenchRequest
+
+    # the fake system: requests meet the SLO at low rates, continuous holds out longer
+    def fake_run_mode(mode, sh, r):
+        rate = 1.0 / max(sh.offsets[1] - sh.offsets[0], 1e-9) if len(sh.offsets) > 1 else 1.0
+        limit = {"inprocess": 2.5, "continuous": 4.5}[mode]
+        slow = sh.opts.all_rates.index(rate_of[sh.tag]) + 1 > limit
+        recs = [_record(f"q{i}", 3.0 if slow and i % 2 else 0.5, 0.05) for i in range(10)]
+        return {"label": mode, "kind": "triton", "round": r,
+                "summary": summarize(recs), "records": records_to_json(recs)}
+
+    rates = (1.0, 2.0, 3.0, 4.0, 5.0)
+    rate_of = {f"_rate{x:g}": x for x in rates}
+    monkeypatch.setattr(runner, "run_mode", fake_run_mode)
+    opts = runner.BenchOptions(modes=("inprocess", "continuous"), rates=rates)
+    workload = Workload([BenchRequest(f"q{i}", "x", 3, 5) for i in range(10)])
+    sh = runner._Shared(opts, workload, [], None, None)
+    sweep = [runner.run_rate(sh, rate) for rate in rates]
+    good = runner.goodputs(sweep, opts.slo)
+    assert good["inprocess"]["goodput_rps"] == 2.0 and good["continuous"]["goodput_rps"] == 4.0
+    results = {"runs": sweep[0]["runs"], "slo": vars(opts.slo),
+               "sweep": [{"rate": p["rate"], "runs": p["runs"]} for p in sweep], "goodput": good}
+    text = report.slo_table(results)
+    assert "goodput continuous: 4 req/s" in text and text.count("inprocess") >= 5
+    assert plots.slo_attainment(results, tmp_path / "slo.png").stat().st_size > 1000

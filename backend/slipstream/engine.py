@@ -312,6 +312,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule -> execute -> sample -> update -> outputs, for every request that moved."""
+        step_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if self.swap_pool is not None:
             self.swap_pool.apply(sched)
@@ -328,6 +329,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose([item.request for item in sched.scheduled])
         outputs = [out for u in updates for out in self._report(u)]
+        self.scheduler.observe_step(sched, time.perf_counter() - step_start)
         if self.tracer is not None:
             self.tracer.record(sched, started, time.perf_counter(), self)
         return outputs

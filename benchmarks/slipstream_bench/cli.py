@@ -33,6 +33,16 @@ def _variants(items) -> dict:
     return out
 
 
+def _rates(text: str) -> tuple:
+    try:
+        rates = tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rates expects numbers, e.g. 0.5,1,1.5; got {text!r}")
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("--rates must be positive (requests/s) or inf")
+    return rates
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     from slipstream_bench.runner import ALL_MODES, DEFAULT_MODES
 
@@ -49,6 +59,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "'0.875*uniform:16:64+0.125*uniform:256:512'")
     p.add_argument("--rate", type=float, default=math.inf,
                    help="Poisson arrival rate in requests/s (default inf: all at once)")
+    p.add_argument("--rates", type=_rates, default=(),
+                   help="a sweep: comma list of Poisson rates (requests/s; 'inf' = a burst), "
+                        "every mode at each; prints SLO attainment per rate and goodput")
+    s = p.add_argument_group("decoding (greedy unless --temperature > 0)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--seeded", action="store_true",
+                   help="each sampled request gets a seed of its own")
+    s.add_argument("--greedy-fraction", type=float, default=0.0,
+                   help="this share of the requests decodes greedily (a greedy/sampled mix)")
+    p.add_argument("--prefix-caching", choices=("default", "on", "off"), default="default",
+                   help="every engine's prefix caching: as each ships it (default: on for "
+                        "Slipstream and vLLM), or forced on/off")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT target (default 2000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=150.0, help="TPOT target (default 150)")
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="share of requests that must meet both for a rate to count toward "
+                        "goodput (DistServe; default 0.9)")
     p.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
                    help=f"comma list, subset of {','.join(ALL_MODES)} (default all but "
                         "vllm_offline_eager)")
@@ -82,7 +115,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def options(args: argparse.Namespace):
+    from slipstream_bench.goodput import Slo
     from slipstream_bench.runner import BenchOptions
+    from slipstream_bench.workload import SamplingMix
 
     default_n = 6 if args.quick else (32 if args.scenario == "prefix-cache" else 64)
     return BenchOptions(
@@ -94,7 +129,13 @@ def options(args: argparse.Namespace):
         settings=parse_sets(args.set), repeat=max(args.repeat, 1), peers_dir=args.peers_dir,
         variants=_variants(args.variant),
         variant_modes=tuple(m.strip() for m in args.variant_modes.split(",")
-                            if m.strip().partition(":")[0] in ("inprocess", "continuous")))
+                            if m.strip().partition(":")[0] in ("inprocess", "continuous")),
+        rates=args.rates,
+        sampling=SamplingMix(args.temperature, args.top_p, args.top_k, args.min_p,
+                             args.repetition_penalty, args.presence_penalty,
+                             args.frequency_penalty, args.seeded, args.greedy_fraction),
+        prefix_caching={"default": None, "on": True, "off": False}[args.prefix_caching],
+        slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_attainment))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,9 +25,9 @@ from slipstream_bench.workload import Workload
 POLL_S = 0.05  # a fallback: the engine loop wakes the poller when outputs arrive
 
 
-def exact_params(max_tokens: int) -> SamplingParams:
+def exact_params(max_tokens: int, sampling: Optional[dict] = None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          temperature=0.0)
+                          **(sampling or {"temperature": 0.0}))
 
 
 def make_loop(settings: Mapping[str, str], on_output=None) -> EngineLoop:
@@ -102,7 +102,7 @@ def run_requests(loop: EngineLoop, wake: threading.Event, workload: Workload,
     def send(i: int) -> None:
         req, rec = workload.requests[i], records[i]
         rec.send_time = time.perf_counter()
-        poller.add(loop.submit(req.prompt, exact_params(req.max_tokens)), rec)
+        poller.add(loop.submit(req.prompt, exact_params(req.max_tokens, req.sampling)), rec)
 
     try:
         send_on_schedule(offsets, send)

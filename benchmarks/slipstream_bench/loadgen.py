@@ -4,7 +4,8 @@ All requests share ONE bidirectional gRPC stream (as a serving frontend multiple
 users would): responses are routed by request id in the stream's callback thread, which
 stamps each response on arrival. Each response says how many tokens it carries
 (``return_num_output_tokens``), so per-token times stay exact when a response holds
-several. Lengths are exact: ``max_tokens`` = ``min_tokens`` and ``ignore_eos``, greedy.
+several. Lengths are exact: ``max_tokens`` = ``min_tokens`` and ``ignore_eos``; greedy unless
+the request carries sampling parameters.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from slipstream_bench.workload import BenchRequest, Workload
 MODEL_NAME = "slipstream"
 
 
-def sampling_json(max_tokens: int) -> str:
-    return json.dumps({"max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
-                       "temperature": 0})
+def sampling_json(req: BenchRequest) -> str:
+    return json.dumps({"max_tokens": req.max_tokens, "min_tokens": req.max_tokens,
+                       "ignore_eos": True, **req.sampling_fields()})
 
 
 def build_inputs(req: BenchRequest) -> list:
@@ -39,7 +40,7 @@ def build_inputs(req: BenchRequest) -> list:
         tensor("text_input", np.array([req.prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
         tensor("sampling_parameters",
-               np.array([sampling_json(req.max_tokens).encode()], dtype=np.object_), "BYTES"),
+               np.array([sampling_json(req).encode()], dtype=np.object_), "BYTES"),
         tensor("return_num_output_tokens", np.array([True]), "BOOL"),
     ]
 

@@ -128,8 +128,11 @@ def _mode_colour(i: int):
 
 def _title(results: dict) -> str:
     w = results.get("workload", {})
+    sweep = results.get("sweep")
+    rate = (f"rates {', '.join(str(p['rate']) for p in sweep)}" if sweep
+            else f"rate {results.get('rate', 'inf')}")
     return (f"{results.get('scenario', '')}: {w.get('num_requests', '?')} requests, "
-            f"model {results.get('model', '?')}, rate {results.get('rate', 'inf')}")
+            f"model {results.get('model', '?')}, {rate}")
 
 
 def _save(fig, path: Path, plt) -> Path:
@@ -145,8 +148,39 @@ def write_all(results: dict, out_dir: Path) -> list:
     out_dir = Path(out_dir)
     made = [throughput(results, out_dir / "throughput.png"),
             latency_cdfs(results, out_dir / "latency_cdf.png"),
-            batch_timeline(results, out_dir / "batch_timeline.png", _timeline_labels(results))]
+            batch_timeline(results, out_dir / "batch_timeline.png", _timeline_labels(results)),
+            slo_attainment(results, out_dir / "slo_attainment.png")]
     return [str(p) for p in made if p is not None]
+
+
+def slo_attainment(results: dict, path: Path) -> Optional[Path]:
+    """SLO attainment against the request rate, one line per mode (a sweep's rates)."""
+    by_mode: dict = {}
+    for point in results.get("sweep") or []:
+        if point["rate"] == "inf":
+            continue
+        for run in point["runs"]:
+            if run.get("slo"):
+                by_mode.setdefault(run["label"], []).append(
+                    (point["rate"], run["slo"]["attainment"] * 100))
+    if not by_mode:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, pts) in enumerate(by_mode.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                color=_mode_colour(i))
+    slo = results.get("slo") or {}
+    ax.axhline(slo.get("attainment", 0.9) * 100, color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel("request rate (requests/s, Poisson)")
+    ax.set_ylabel("requests meeting the SLO (%)")
+    ax.set_ylim(0, 102)
+    ax.set_title(f"SLO attainment: TTFT <= {slo.get('ttft_ms', 0):.0f} ms, "
+                 f"TPOT <= {slo.get('tpot_ms', 0):.0f} ms", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle(_title(results), fontsize=9)
+    return _save(fig, path, plt)
 
 
 def _timeline_labels(results: dict) -> list:

@@ -137,3 +137,39 @@ def targets_text(results: dict) -> str:
         lines.append(f"  {t['description']}: {t['value']:.2f} (target {cmp} {t['target']}) "
                      f"{verdict}")
     return "\n".join(lines)
+
+
+def _points(results: dict) -> list:
+    """(rate, runs) per measured rate: the sweep, or the one rate of ``runs``."""
+    if results.get("sweep"):
+        return [(p["rate"], p["runs"]) for p in results["sweep"]]
+    return [(results.get("rate"), results.get("runs", []))]
+
+
+def slo_table(results: dict) -> str:
+    """Per rate and mode: SLO attainment and TTFT / ITL / TPOT percentiles; then goodput."""
+    slo = results.get("slo") or {}
+    w = max([16] + [len(r["label"]) + 1 for _, runs in _points(results) for r in runs])
+    lines = [f"SLO: TTFT <= {slo.get('ttft_ms', 0):.0f} ms and TPOT <= "
+             f"{slo.get('tpot_ms', 0):.0f} ms; goodput = the highest rate with >= "
+             f"{slo.get('attainment', 0):.0%} of requests meeting both",
+             f"{'rate':>6} {'mode':<{w}}{'SLO met':>9}   {'TTFT p50/p90/p99 ms':>22}   "
+             f"{'ITL p50/p90/p99 ms':>20}   {'TPOT p50/p90/p99 ms':>21}  rounds"]
+    for rate, runs in _points(results):
+        for run in runs:
+            s, att = run.get("summary") or {}, run.get("slo")
+            if not att:
+                continue
+            trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
+                                                            ("p50", "p90", "p99"))
+            rounds = ", ".join(f"{a:.0%}" for a in run.get("rounds_slo_attainment") or []
+                               if a is not None)
+            lines.append(f"{str(rate):>6} {run['label']:<{w}}{att['attainment']:>9.1%}   "
+                         f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   "
+                         f"{trip('tpot_ms'):>21}  {rounds}")
+    for label, g in (results.get("goodput") or {}).items():
+        more = " (met at every measured rate: at least)" if g.get("met_at_every_rate") else ""
+        interp = g.get("goodput_interpolated_rps")
+        lines.append(f"goodput {label}: {g['goodput_rps']:g} req/s"
+                     + (f", interpolated {interp:.2f}" if interp is not None else "") + more)
+    return "\n".join(lines)

@@ -24,7 +24,9 @@ from slipstream_bench import plots
 from slipstream_bench import report
 from slipstream_bench import server_run
 from slipstream_bench import timeline
-from slipstream_bench.workload import (Workload, arrival_times, generate_workload, lengths_summary)
+from slipstream_bench.goodput import Slo, goodput, slo_summary
+from slipstream_bench.workload import (SamplingMix, Workload, apply_sampling, arrival_times,
+                                       generate_workload, lengths_summary)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
 PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
@@ -58,6 +60,14 @@ class BenchOptions:
     peers_dir: Optional[Path] = None  # where scripts/setup_peers.py installed the peers
     variants: dict = field(default_factory=dict)  # name -> extra settings: inprocess[name] runs
     variant_modes: tuple = ("inprocess",)  # which modes each variant runs as (and continuous)
+    rates: tuple = ()  # a sweep of Poisson rates (requests/s); empty: ``rate`` alone
+    sampling: SamplingMix = field(default_factory=SamplingMix)  # greedy unless set
+    prefix_caching: Optional[bool] = None  # None: as each engine ships it (both on)
+    slo: Slo = field(default_factory=Slo)
+
+    @property
+    def all_rates(self) -> tuple:
+        return tuple(self.rates) or (self.rate,)
 
 
 def log(message: str) -> None:
@@ -87,9 +97,11 @@ def warmup_workload(tokenizer, seed: int) -> Workload:
 
 
 def server_overrides(opts: BenchOptions, batching: str) -> dict:
+    caching = ({} if opts.prefix_caching is None
+               else {"enable_prefix_caching": str(opts.prefix_caching).lower()})
     return {"model": opts.model, "batching": batching,
             "max_batch_size": opts.static_batch_size,
-            "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **opts.settings}
+            "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **caching, **opts.settings}
 
 
 # The CPU features that decide which kernels run (AVX-512, VNNI, BF16, AMX).
@@ -179,6 +191,7 @@ class _Shared:
     hf_model_and_tok: Optional[tuple] = None  # loaded on first use
     peer: Optional[object] = None  # the vLLM peer, looked up on first use
     peer_missing: Optional[str] = None  # why it is skipped
+    tag: str = ""  # the rate, in the files of a sweep's runs
 
     def vllm_peer(self):
         """The installed vLLM peer, or None (the reason in ``peer_missing``, said once)."""
@@ -203,7 +216,7 @@ class _Shared:
 def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     """One run of one mode (guarded: a failure is recorded, the others go on)."""
     opts, wl, offsets, warm = sh.opts, sh.workload, sh.offsets, sh.warm
-    suffix = f"_r{round_index}" if opts.repeat > 1 else ""
+    suffix = sh.tag + (f"_r{round_index}" if opts.repeat > 1 else "")
     base, name = split_variant(mode)
     if base == "continuous" and name:
         extra = opts.variants[name]
@@ -225,6 +238,9 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         settings = server_run.rendered_settings({**server_overrides(opts, "continuous"), **extra})
         run = guarded(mode, "inprocess", lambda: run_inprocess(
             settings, wl, offsets, warm, label=mode, progress=opts.progress))
+    elif mode in ("hf_static", "hf_continuous") and wl.sampled:
+        run = {"label": mode, "kind": "hf", "summary": {},
+               "skipped": "the Hugging Face baselines decode greedily only"}
     elif mode == "hf_static":
         from slipstream_bench import hf_baselines as hf
 
@@ -260,8 +276,11 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
     import torch
 
     settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
-    args = vllm_peer.engine_args(peer, sh.opts.model, int(settings.get("max_model_len") or 2048),
-                                 sh.opts.seed)
+    args = vllm_peer.engine_args(
+        peer, sh.opts.model, int(settings.get("max_model_len") or 2048), sh.opts.seed,
+        max_num_seqs=int(settings.get("max_num_seqs") or 64),
+        max_num_batched_tokens=int(settings.get("max_num_batched_tokens") or 2048),
+        prefix_caching=sh.opts.prefix_caching)
     threads = torch.get_num_threads()
     if mode == "vllm_triton":
         log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
@@ -317,17 +336,26 @@ def _save_partial(sh: _Shared, run: dict) -> None:
         f.write(json.dumps(line, default=str) + "\n")
 
 
-def representatives(runs: list) -> list:
-    """One run per mode, the median by tokens/s (failed rounds count as slowest), each with
-    every round's tokens/s in ``rounds_tokens_per_s``; modes in first-run order."""
+def _attainment(run: dict) -> float:
+    return ((run.get("slo") or {}).get("attainment")) or 0.0
+
+
+def representatives(runs: list, by_slo: bool = False) -> list:
+    """One run per mode, the median by tokens/s, or by SLO attainment for arrivals over time
+    (``by_slo``; failed rounds count as worst), each with every round's tokens/s in
+    ``rounds_tokens_per_s`` (and attainment in ``rounds_slo_attainment``); modes in first-run
+    order."""
     by_mode: dict = {}
     for run in runs:
         by_mode.setdefault(run["label"], []).append(run)
     out = []
     for mode, group in by_mode.items():
-        ranked = sorted(group, key=lambda r: r["summary"].get("tokens_per_s") or 0.0)
+        key = _attainment if by_slo else (lambda r: r["summary"].get("tokens_per_s") or 0.0)
+        ranked = sorted(group, key=key)
         chosen = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
         chosen["rounds_tokens_per_s"] = [r["summary"].get("tokens_per_s") for r in group]
+        chosen["rounds_slo_attainment"] = [(r.get("slo") or {}).get("attainment")
+                                           for r in group]
         out.append(chosen)
     return out
 
@@ -364,15 +392,15 @@ def run_batching(opts: BenchOptions) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "runs.jsonl").unlink(missing_ok=True)
     tokenizer = load_tokenizer(opts.model)
-    workload = make_workload(opts, tokenizer)
+    workload = apply_sampling(make_workload(opts, tokenizer), opts.sampling, opts.seed)
     workload.save(out_dir / "workload.json")
-    offsets = arrival_times(len(workload), opts.rate, opts.seed)
     warm = warmup_workload(tokenizer, opts.seed)
     log(f"workload: {lengths_summary(workload)}")
     t0 = time.perf_counter()
     machine_at_start = machine()
-    sh = _Shared(opts, workload, offsets, warm, out_dir)
-    runs = representatives(run_rounds(sh))
+    sh = _Shared(opts, workload, [], warm, out_dir)
+    sweep = [run_rate(sh, rate) for rate in opts.all_rates]
+    runs, offsets = sweep[0]["runs"], sweep[0]["arrivals_s"]
     roof = None
     if "roofline" in opts.modes:
         model = sh.hf()[0]
@@ -380,24 +408,68 @@ def run_batching(opts: BenchOptions) -> dict:
     sh.hf_model_and_tok = None
     gc.collect()
     results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
-               "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
+               "rate": _rate_value(opts.all_rates[0]), "quick": opts.quick,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_at_start,
                "workload": {**lengths_summary(workload), **workload.description},
-               "arrivals_s": offsets, "runs": runs, "roofline": roof,
-               "wall_s": time.perf_counter() - t0}
+               "prefix_caching": ("engine default" if opts.prefix_caching is None
+                                  else opts.prefix_caching),
+               "slo": vars(opts.slo).copy(), "arrivals_s": offsets, "runs": runs,
+               "roofline": roof, "wall_s": time.perf_counter() - t0}
+    if len(sweep) > 1:
+        results["sweep"] = [{"rate": _rate_value(p["rate"]), "runs": p["runs"]} for p in sweep]
+    results["goodput"] = goodputs(sweep, opts.slo)
     results["machine"]["load_average_1m_at_end"] = load_average()
     results["targets"] = report.judged(results)
     return finish(results, out_dir)
 
 
+def _rate_value(rate: float):
+    return "inf" if math.isinf(rate) else rate
+
+
+def run_rate(sh: _Shared, rate: float) -> dict:
+    """Every mode (``repeat`` rounds) on the workload sent at ``rate``; each run gets its
+    SLO attainment, and the representative round per mode is chosen by it for arrivals over
+    time (by tokens/s for a burst)."""
+    sh.offsets = arrival_times(len(sh.workload), rate, sh.opts.seed)
+    sh.tag = "" if len(sh.opts.all_rates) == 1 else f"_rate{rate:g}"
+    if sh.tag:
+        log(f"==== rate {rate:g} requests/s")
+    rounds = run_rounds(sh)
+    for run in rounds:
+        run["slo"] = slo_summary(run, sh.opts.slo)
+        run["rate"] = _rate_value(rate)
+    return {"rate": rate, "arrivals_s": list(sh.offsets),
+            "runs": representatives(rounds, by_slo=not math.isinf(rate))}
+
+
+def goodputs(sweep: list, slo: Slo) -> dict:
+    """Per mode with per-token times: goodput over the measured rates (a burst counts as no
+    rate: it has none to report)."""
+    points: dict = {}
+    for point in sweep:
+        if math.isinf(point["rate"]):
+            continue
+        for run in point["runs"]:
+            if run.get("slo"):
+                points.setdefault(run["label"], []).append(
+                    (point["rate"], run["slo"]["attainment"]))
+    return {label: {**goodput(p, slo), "points": sorted(p)} for label, p in points.items()}
+
+
 PER_REQUEST_KEYS = ("records", "timeline", "arrivals_s", "output_token_ids")
+
+
+def _lean(runs: list) -> list:
+    return [{k: v for k, v in run.items() if k not in PER_REQUEST_KEYS} for run in runs]
 
 
 def summary_of(results: dict) -> dict:
     """``results`` without the per-request and per-step data: small enough to commit."""
     out = {k: v for k, v in results.items() if k not in PER_REQUEST_KEYS}
-    out["runs"] = [{k: v for k, v in run.items() if k not in PER_REQUEST_KEYS}
-                   for run in results.get("runs", [])]
+    out["runs"] = _lean(results.get("runs", []))
+    if results.get("sweep"):
+        out["sweep"] = [{"rate": p["rate"], "runs": _lean(p["runs"])} for p in results["sweep"]]
     return out
 
 
@@ -407,6 +479,8 @@ def finish(results: dict, out_dir: Path) -> dict:
     path.write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "summary.json").write_text(json.dumps(summary_of(results), indent=1, default=str))
     log("\n" + report.table(results))
+    if results.get("goodput") or any(r.get("slo") for r in results.get("runs", [])):
+        log("\n" + report.slo_table(results))
     if results.get("targets"):
         log(report.targets_text(results))
     log(f"\nresults: {path} (summary.json: without per-request data)\n"

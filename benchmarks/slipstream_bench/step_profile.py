@@ -2,6 +2,10 @@
 step at several batch sizes, split into the engine's phases and the forward's parts.
 
     python -m slipstream_bench.step_profile --batches 8,32,64 --context 300 [--set KEY=VALUE]
+        [--sampled temperature=0.8,top_p=0.95]
+
+``--sampled`` decodes every row with those sampling parameters (and a seed per request unless
+``seed=none``) instead of greedily; the table then also gives the sampler's share of a step.
 
 Phases (wall clock, per step): schedule, prepare (host-side batch and metadata), forward,
 sample (and splitting the tokens per request), update (scheduler bookkeeping) and report (detokenize, outputs). The forward is split
@@ -114,22 +118,39 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
         runner.ops = saved_ops
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int, sampling: dict | None = None, index: int = 0):
+    """Greedy, or ``sampling`` (a seed per request: ``index``, unless ``seed`` is given)."""
     from slipstream.core.sampling_params import SamplingParams
 
+    values = {"temperature": 0.0}
+    if sampling:
+        values = {"seed": index, **sampling}
+        if values["seed"] is None:
+            del values["seed"]
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          temperature=0.0)
+                          **values)
+
+
+def parse_sampling(text: str) -> dict:
+    """``temperature=0.8,top_p=0.95,seed=none`` -> SamplingParams fields (numbers coerced)."""
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        out[key] = None if value.lower() == "none" else (
+            int(value) if key in ("top_k", "seed") else float(value))
+    return out
 
 
 def _random_prompt(rng: random.Random, n: int, vocab: int) -> list:
     return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
 
-def _fill(engine, batch: int, context: int, rng: random.Random) -> list:
+def _fill(engine, batch: int, context: int, rng: random.Random,
+          sampling: dict | None = None) -> list:
     """``batch`` requests decoding at ``context`` tokens: added, then prefilled."""
     vocab = engine.model.get_input_embeddings().num_embeddings
-    reqs = [engine.add_request(_random_prompt(rng, context, vocab), _params(100_000))
-            for _ in range(batch)]
+    reqs = [engine.add_request(_random_prompt(rng, context, vocab),
+                               _params(100_000, sampling, i)) for i in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
     return reqs
@@ -159,9 +180,10 @@ def _mixed_step(engine, rng: random.Random, chunk: int) -> Callable[[], None]:
     return step
 
 
-def profile_batch(engine, batch: int, context: int, steps: int, seed: int = 0) -> dict:
+def profile_batch(engine, batch: int, context: int, steps: int, seed: int = 0,
+                  sampling: dict | None = None) -> dict:
     rng = random.Random(seed + batch)
-    reqs = _fill(engine, batch, context, rng)
+    reqs = _fill(engine, batch, context, rng, sampling)
     budget = engine.config.max_num_batched_tokens
     chunk = max(budget - batch, 2)
     clock = _Clock()
@@ -185,14 +207,15 @@ def profile_batch(engine, batch: int, context: int, steps: int, seed: int = 0) -
     return result
 
 
-def profile(settings: dict, batches: list, context: int, steps: int) -> list:
+def profile(settings: dict, batches: list, context: int, steps: int,
+            sampling: dict | None = None) -> list:
     from slipstream.core.config import EngineConfig
     from slipstream.engine import LLMEngine
 
     values = {"max_num_seqs": str(max(batches) + 1), **settings}  # + the mixed step's prompt
     engine = LLMEngine(EngineConfig.from_dict(values))
     with torch.inference_mode():
-        return [profile_batch(engine, b, context, steps) for b in batches]
+        return [profile_batch(engine, b, context, steps, sampling=sampling) for b in batches]
 
 
 def format_table(results: list) -> str:
@@ -205,9 +228,11 @@ def format_table(results: list) -> str:
                      + " | ".join(parts))
         for r in results:
             a, b = r[kind], r[f"{kind}_parts"]
+            share = a.get("sample", 0) / a["step"] if a.get("step") else 0.0
             lines.append(f"  {r['batch']:>3} | " + " | ".join(f"{a.get(c, 0):.1f}" for c in cols)
                          + f" || {b.get('forward', 0):.1f}: "
-                         + " | ".join(f"{b.get(p, 0):.1f}" for p in parts))
+                         + " | ".join(f"{b.get(p, 0):.1f}" for p in parts)
+                         + f" || sample {share:.1%} of the step")
     return "\n".join(lines)
 
 
@@ -217,11 +242,14 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=300, help="tokens of context per sequence")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--sampled", type=parse_sampling, default=None, metavar="K=V,...",
+                   help="decode every row sampled, e.g. temperature=0.8,top_p=0.95 (a seed "
+                        "per request unless seed=none)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     settings = dict(item.split("=", 1) for item in args.set)
     results = profile(settings, [int(b) for b in args.batches.split(",")], args.context,
-                      args.steps)
+                      args.steps, sampling=args.sampled)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,12 +15,13 @@ import sys
 import time
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int, sampling: dict | None = None):
     from vllm import SamplingParams
 
-    # Exact lengths, greedy, as every other path: vLLM bans EOS while under min_tokens.
+    # Exact lengths as every other path (vLLM bans EOS while under min_tokens); greedy unless
+    # the request carries sampling parameters.
     return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          temperature=0.0)
+                          **(sampling or {"temperature": 0.0}))
 
 
 def run(job: dict) -> dict:
@@ -31,7 +32,8 @@ def run(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     if job.get("warmup"):
         llm.generate(job["warmup"], [_params(4) for _ in job["warmup"]], use_tqdm=False)
-    params = [_params(n) for n in job["max_tokens"]]
+    samplings = job.get("sampling") or [None] * len(job["max_tokens"])
+    params = [_params(n, s) for n, s in zip(job["max_tokens"], samplings)]
     start = time.perf_counter()
     outputs = llm.generate(job["prompts"], params, use_tqdm=False)
     makespan = time.perf_counter() - start

@@ -9,6 +9,10 @@ A length distribution is a string, components joined by ``+``, each optionally w
 (``W*``): ``uniform:LO:HI`` or ``fixed:N``. A mixture assigns each component exactly its
 share of the requests (largest remainder), shuffled with the seed, so "a few long outputs"
 is the same few in every run of the same seed.
+
+Decoding is greedy unless a ``SamplingMix`` gives the requests sampling parameters
+(``BenchRequest.sampling``: SamplingParams fields that every path sends as they are; a share
+may stay greedy, and sampled requests may each get a seed of their own).
 """
 from __future__ import annotations
 
@@ -32,6 +36,65 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens, as the engine's tokenizer counts them
     max_tokens: int  # exact output length (EOS ignored)
+    # SamplingParams fields besides the lengths (temperature, top_p, seed, ...); None: greedy
+    sampling: Optional[dict] = None
+
+    def sampling_fields(self) -> dict:
+        """What every path sends besides the exact length: greedy unless sampled."""
+        return dict(self.sampling) if self.sampling else {"temperature": 0.0}
+
+
+@dataclass
+class SamplingMix:
+    """How the requests decode: ``greedy_fraction`` of them greedily (exactly that share,
+    chosen with the workload's seed), the rest with these parameters (defaults are off);
+    ``seeded``: each sampled request gets a seed of its own."""
+
+    temperature: float = 0.0  # 0: every request greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seeded: bool = False
+    greedy_fraction: float = 0.0
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0.0 and self.greedy_fraction < 1.0
+
+    def fields(self) -> dict:
+        """The SamplingParams fields that differ from off (a peer gets only those)."""
+        out: dict = {"temperature": self.temperature}
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                          ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                          ("frequency_penalty", 0.0)):
+            if getattr(self, name) != off:
+                out[name] = getattr(self, name)
+        return out
+
+
+def apply_sampling(workload: "Workload", mix: SamplingMix, seed: int = 0) -> "Workload":
+    """``workload`` with each request's sampling set from ``mix`` (in place; returned)."""
+    if not mix.sampled:
+        for req in workload.requests:
+            req.sampling = None
+        workload.description.pop("sampling", None)
+        return workload
+    n = len(workload)
+    rng = random.Random(seed + 2_000_003)  # independent of the lengths and the arrivals
+    greedy = set(rng.sample(range(n), round(mix.greedy_fraction * n)))
+    for i, req in enumerate(workload.requests):
+        if i in greedy:
+            req.sampling = None
+            continue
+        req.sampling = mix.fields()
+        if mix.seeded:
+            req.sampling["seed"] = seed * 1_000_003 + i
+    workload.description["sampling"] = {**mix.fields(), "seeded": mix.seeded,
+                                        "greedy_fraction": mix.greedy_fraction}
+    return workload
 
 
 @dataclass
@@ -50,6 +113,10 @@ class Workload:
     @property
     def total_prompt_tokens(self) -> int:
         return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def sampled(self) -> bool:
+        return any(r.sampling for r in self.requests)
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -207,8 +274,8 @@ def scaled(workload: Workload, num_requests: Optional[int] = None,
     """A smaller copy (smoke runs): the first requests, outputs capped."""
     reqs = workload.requests[:num_requests] if num_requests else list(workload.requests)
     if max_output:
-        reqs = [BenchRequest(r.id, r.prompt, r.prompt_len, min(r.max_tokens, max_output))
-                for r in reqs]
+        reqs = [BenchRequest(r.id, r.prompt, r.prompt_len, min(r.max_tokens, max_output),
+                             r.sampling) for r in reqs]
     return Workload(reqs, workload.seed, dict(workload.description))
 
 

@@ -38,6 +38,10 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None = the model's position limit
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Stall-free batching (core/step_budget.py): while requests decode, a step takes only
+    # the prompt tokens that keep its predicted time within this many ms (0: off, every step
+    # fills max_num_batched_tokens, which stays the hard limit either way).
+    tpot_target_ms: float = 0.0
 
     batching: str = "continuous"
     max_batch_size: int = 8  # static / dynamic batch size
@@ -93,6 +97,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.tpot_target_ms, (int, float)) or self.tpot_target_ms < 0:
+            raise ValueError(f"tpot_target_ms must be a number >= 0, got {self.tpot_target_ms!r}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.policy not in POLICIES:

@@ -2,8 +2,11 @@
 
 Each step, running requests get their next tokens first (a decode is one token; a partly
 prefilled prompt continues with its next chunk), then waiting requests are admitted with
-prefill chunks that fill what is left of ``max_num_batched_tokens``. When KV blocks run
-out, the request the policy ranks last is preempted (recompute or swap).
+prefill chunks that fill what is left of ``max_num_batched_tokens``. With ``tpot_target_ms``
+set, while requests decode the step's budget is what keeps its predicted time within that
+target (``core/step_budget.py``, fed by ``observe_step``), never more than
+``max_num_batched_tokens``. When KV blocks run out, the request the policy ranks last is
+preempted (recompute or swap).
 
 The scheduler owns request progress: ``schedule`` decides what each request computes and
 ``update_from_output`` applies what the worker sampled (progress, draft rollback, prefix-cache
@@ -23,6 +26,7 @@ from slipstream.core.policies import make_policy, pick_first, pick_victim
 from slipstream.core.request import FinishReason, Request, RequestStatus
 from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
                                               SchedulerOutput)
+from slipstream.core.step_budget import StepBudget
 from slipstream.core.swap_space import SwapSpace
 
 # Given a request whose tokens just grew, the stop string its text now contains, if any
@@ -79,6 +83,9 @@ class SchedulerBase(ABC):
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts; allocate their KV blocks."""
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's measured wall time (schedule to outputs), for schedulers that plan by it."""
 
     # -- applying a step's results -----------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, sampled: SampledTokens,
@@ -270,9 +277,29 @@ class SchedulerBase(ABC):
 class Scheduler(SchedulerBase):
     """The continuous (in-flight) scheduler."""
 
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 swap: Optional[SwapSpace] = None) -> None:
+        super().__init__(config, block_manager, swap)
+        self.step_budget = (StepBudget(config.tpot_target_ms / 1e3, config.max_num_batched_tokens)
+                            if config.tpot_target_ms > 0 else None)
+        self.last_budget = config.max_num_batched_tokens  # the token budget of the last step
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        if self.step_budget is not None and sched.scheduled:
+            self.step_budget.observe(sched.num_tokens, len(sched.scheduled), seconds)
+
+    def _token_budget(self) -> int:
+        """max_num_batched_tokens, or less while requests decode (stall-free batching)."""
+        if self.step_budget is None:
+            return self.config.max_num_batched_tokens
+        decoding = [r for r in self.running if r.status is RequestStatus.RUNNING
+                    and r.num_computed_tokens >= r.num_prompt_tokens]
+        return self.step_budget.tokens(sum(self._tokens_wanted(r) for r in decoding),
+                                       len(decoding))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.last_budget = self._token_budget()
         now = time.monotonic()
         budget = self._schedule_running(out, budget, now)
         if not out.preempted:
@@ -351,7 +378,7 @@ class Scheduler(SchedulerBase):
                     break
             self._admit(req, num_new, cached, num_cached_tokens, out)
             # Recounted rather than decremented: an eviction above gives its tokens back.
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            budget = self.last_budget - out.num_tokens
 
     def _release_offered_siblings(self, req: Request, out: SchedulerOutput) -> None:
         """A beam slot that needs blocks to catch up may take them from its siblings that

@@ -23,6 +23,7 @@ import torch
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.worker.structured_output import apply_grammar_masks
+from slipstream.worker.token_draw import sample_rows
 
 _FINITE = torch.finfo(torch.float32).max
 PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
@@ -32,6 +33,41 @@ PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
 class SampleResult:
     token_ids: list  # one per logits row
     logprobs: list  # logprob of each sampled token under the raw model distribution
+
+
+@dataclass
+class _RawLogprobs:
+    """What the sampled tokens' logprobs under the raw model distribution need, taken before
+    the constraints change rows in place: each row's log-sum-exp (a sampled token's logprob is
+    its raw logit less that), copies of the rows constraints or a grammar will change, and the
+    full log-softmax only of the rows whose requests asked for ranks and alternatives."""
+
+    logits: torch.Tensor  # [R, V]; rows not in ``changed`` stay raw
+    lse: torch.Tensor  # [R]
+    changed: list[int]
+    changed_rows: Optional[torch.Tensor]  # raw copies of those rows
+    ranked: list[int]  # rows with params.logprobs set
+    ranked_rows: Optional[torch.Tensor]  # their log-softmax
+
+    @classmethod
+    def capture(cls, logits: torch.Tensor, reqs: list) -> "_RawLogprobs":
+        changed = [i for i, r in enumerate(reqs) if r.params.uses_vocabulary_constraints
+                   or getattr(r, "grammar", None) is not None]
+        ranked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        return cls(logits, torch.logsumexp(logits, dim=-1), changed,
+                   logits[changed].clone() if changed else None, ranked,
+                   torch.log_softmax(logits[ranked], dim=-1) if ranked else None)
+
+    def of(self, tokens: torch.Tensor, reqs: list) -> list:
+        picked = self.logits.gather(1, tokens[:, None])[:, 0]
+        if self.changed:
+            picked[self.changed] = self.changed_rows.gather(
+                1, tokens[self.changed][:, None])[:, 0]
+        values = (picked - self.lse).tolist()
+        for n, i in enumerate(self.ranked):
+            row = self.ranked_rows[n]
+            values[i] = _ranked(row, float(row[tokens[i]]), reqs[i].params.logprobs)
+        return values
 
 
 @dataclass
@@ -110,33 +146,50 @@ class Sampler:
         return result  # the batch failed but no row alone does: it was not one request's fault
 
     def _sample(self, logits: torch.Tensor, reqs: list, want_logprobs: bool) -> SampleResult:
-        if torch.isnan(logits).any():  # argmax would pick the NaN: a token of nothing
+        raw = _RawLogprobs.capture(logits, reqs)
+        if torch.isnan(raw.lse).any():  # argmax would pick the NaN: a token of nothing
             raise FloatingPointError("the model produced NaN logits")
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._apply_constraints(logits, reqs)
         apply_grammar_masks(logits, reqs)  # structured outputs: their rows only
-        logits = self._apply_penalties(logits, reqs)
+        penalized = self._apply_penalties(logits, reqs)
+        tokens = self._draw(penalized, reqs)
+        return SampleResult(tokens.tolist(), raw.of(tokens, reqs) if want_logprobs else [])
+
+    def _draw(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """One token per row: argmax for greedy rows; one batched pass for sampled rows."""
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not sampled:
+            return logits.argmax(dim=-1)  # no copy of the rows (64 x 49k logits: ~4 ms)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        if len(greedy) == len(reqs):  # no copy of the rows (64 x 49k logits: ~4 ms)
-            tokens = logits.argmax(dim=-1)
-        elif greedy:
+        if greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
+        rows = logits if len(sampled) == len(reqs) else logits[sampled]
+        params = [reqs[i].params for i in sampled]
+        drawn = sample_rows(rows, params, self._uniforms([reqs[i] for i in sampled]))
+        if (drawn < 0).any():  # the kernel found a NaN that the penalties made
+            raise FloatingPointError("sampling produced NaN probabilities")
+        tokens[sampled] = drawn
+        return tokens
+
+    def _uniforms(self, reqs: list) -> torch.Tensor:
+        """One uniform in [0, 1) per sampled row, float64: a seeded request's from its own
+        generator (in row order, so a request verifying drafts draws once per row), the others'
+        in one draw from the engine's generator (torch.rand of n equals n draws of one)."""
+        u = torch.empty(len(reqs), dtype=torch.float64)
+        shared = [i for i, r in enumerate(reqs) if r.params.seed is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
         for i, req in enumerate(reqs):
-            if not req.params.greedy:
-                probs = self.probabilities(logits[i], req)
-                tokens[i] = torch.multinomial(probs, 1, generator=self._generator(req))[0]
-        logprobs = []
-        if raw_logprobs is not None:
-            logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            for i, req in enumerate(reqs):
-                if req.params.logprobs is not None:
-                    logprobs[i] = _ranked(raw_logprobs[i], logprobs[i], req.params.logprobs)
-        return SampleResult(tokens.tolist(), logprobs)
+            if req.params.seed is not None:
+                u[i] = torch.rand(1, generator=self._generator(req), dtype=torch.float64)[0]
+        return u
 
     @staticmethod
     def probabilities(logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """The distribution a non-greedy request samples from (temperature, top-k, top-p)."""
+        """The distribution a non-greedy request samples from (temperature, top-k, min-p,
+        top-p) over the whole vocabulary: the reference the batched ``sample_rows`` draws from
+        (it never builds this)."""
         p = req.params
         scaled = (logits / p.temperature).clamp(max=_FINITE)  # -inf (blocked) stays
         if p.top_k > 0 and p.top_k < scaled.numel():
@@ -180,29 +233,35 @@ class Sampler:
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
-        """A penalized copy (the caller's logits stay as they are for a per-row retry)."""
+        """A penalized copy (the caller's logits stay as they are for a per-row retry): the
+        (row, token) pairs of every row are gathered into one index, so each penalty is one
+        gather and one scatter over the batch."""
         vocab = logits.shape[-1]
-        original = logits
-        for i, req in enumerate(reqs):
-            p = req.params
-            blocked = self._blocked_tokens(req, vocab)
-            if (blocked or p.repetition_penalty != 1.0 or p.presence_penalty
-                    or p.frequency_penalty) and logits is original:
-                logits = logits.clone()
-            if blocked:
-                logits[i, blocked] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(t for t in set(req.all_token_ids) if t < vocab),
-                                    dtype=torch.long)
-                vals = logits[i, seen]
-                penalized = torch.where(vals > 0, vals / p.repetition_penalty,
-                                        vals * p.repetition_penalty)
-                logits[i, seen] = penalized.clamp(-_FINITE, _FINITE)
-            if p.presence_penalty or p.frequency_penalty:
-                out = req.output_token_ids
-                if out:
-                    ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
-                    logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+        blocked = [(i, self._blocked_tokens(r, vocab)) for i, r in enumerate(reqs)]
+        blocked = [(i, ids) for i, ids in blocked if ids]
+        repeat = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+        counted = [i for i, r in enumerate(reqs) if (r.params.presence_penalty
+                   or r.params.frequency_penalty) and r.num_output_tokens]
+        if not (blocked or repeat or counted):
+            return logits
+        logits = logits.clone()
+        for i, ids in blocked:
+            logits[i, ids] = float("-inf")
+        flat = logits.view(-1)
+        if repeat:
+            index = _flat_index(repeat, [reqs[i].all_token_ids for i in repeat], vocab).unique()
+            rows = index // vocab
+            penalty = torch.tensor([r.params.repetition_penalty for r in reqs])[rows]
+            vals = flat[index]
+            flat[index] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp(
+                -_FINITE, _FINITE)
+        if counted:
+            index, counts = _flat_index(counted, [reqs[i].output_token_ids for i in counted],
+                                        vocab).unique(return_counts=True)
+            rows = index // vocab
+            freq = torch.tensor([r.params.frequency_penalty for r in reqs])[rows]
+            presence = torch.tensor([r.params.presence_penalty for r in reqs])[rows]
+            flat[index] -= freq * counts.float() + presence
         return logits
 
     @staticmethod
@@ -216,6 +275,16 @@ class Sampler:
         if req.eos_token_id is not None and not p.ignore_eos and req.eos_token_id < vocab:
             blocked.append(req.eos_token_id)
         return blocked or None
+
+
+def _flat_index(rows: list[int], token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """Positions ``row * vocab + token`` in the flattened logits of each row's tokens (ids
+    the logits do not cover are left out)."""
+    lengths = torch.tensor([len(t) for t in token_lists])
+    tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.tensor(rows), lengths)
+    inside = tokens < vocab
+    return (owner * vocab + tokens)[inside]
 
 
 def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogprob:
