@@ -28,10 +28,7 @@ from slipstream.core.swap_space import SwapSpace
 from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
-from slipstream.worker.cpu_linear import prepare_linears
-from slipstream.worker.cpu_reduced_linear import (CpuFeatures, WeightFormat,
-                                                  prepare_reduced_linears, release_freed_memory)
-from slipstream.worker.cpu_norm import prepare_norms
+from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import (PerRequestError, Sampler, prepare as prepare_sampling,
@@ -93,13 +90,7 @@ class LLMEngine:
         return eos[0] if isinstance(eos, (list, tuple)) else eos
 
     def _prepare_cpu_layers(self) -> None:
-        if self.weight_format == "float32":
-            prepare_linears(self.model, self.config.cpu_linear)
-        else:
-            how = prepare_reduced_linears(self.model, WeightFormat(self.weight_format))
-            release_freed_memory()
-            log.info("CPU linear layers: %s (CPU: %s)", how, CpuFeatures.detect())
-        prepare_norms(self.model)
+        prepare_cpu_model(self.model, self.weight_format, self.config.cpu_linear)
 
     def _allocate_kv_cache(self) -> KVCache:
         geometry = KVGeometry.from_model_config(self.model.config, self.config.block_size,

@@ -277,3 +277,19 @@ def release_freed_memory() -> None:
             ctypes.CDLL(name).malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             pass
+
+
+def prepare_cpu_model(model: torch.nn.Module, weights: str, cpu_linear: str) -> None:
+    """The CPU engine's layers for a loaded fp32 model: its linear layers in ``weights``
+    (``float32`` in ``cpu_linear``'s layout, or ``bfloat16`` / ``int8``), its norms on the
+    compiled kernel. The quality gate prepares its candidate models the same way."""
+    from slipstream.worker.cpu_linear import prepare_linears
+    from slipstream.worker.cpu_norm import prepare_norms
+
+    if weights == WeightFormat.FLOAT32.value:
+        prepare_linears(model, cpu_linear)
+    else:
+        how = prepare_reduced_linears(model, WeightFormat(weights))
+        release_freed_memory()
+        log.info("CPU linear layers: %s (%s)", how, CpuFeatures.detect())
+    prepare_norms(model)
