@@ -32,6 +32,9 @@
 
 namespace {
 
+// Tests set this to run the portable path on a CPU that has AVX512-BF16 too.
+bool g_force_portable = false;
+
 constexpr int kCols = 4;     // output columns per task tile (their weight rows stay in L1)
 constexpr int kRowTile = 6;  // rows per register tile (kRowTile x kCols accumulators)
 
@@ -141,6 +144,29 @@ void fp32_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w
     }
 }
 
+#if defined(__AVX512BF16__)
+void dp_bf16_gemm(const at::Tensor& x, const at::Tensor& w, WeightKind kind, const float* s,
+                  const float* b, float* yp, int64_t tiles, int64_t grain) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor xb = x.to(at::kBFloat16).contiguous();  // each row rounded once, not per column
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  slipstream_cpu::dynamic_for(tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
+      const uint16_t* wt = bf16_rows(w, kind, n0, cols, K, buf);
+      switch (cols) {
+        case 1: dp_rows<1>(xp, M, K, wt, yp, N, n0, s, b); break;
+        case 2: dp_rows<2>(xp, M, K, wt, yp, N, n0, s, b); break;
+        case 3: dp_rows<3>(xp, M, K, wt, yp, N, n0, s, b); break;
+        default: dp_rows<4>(xp, M, K, wt, yp, N, n0, s, b); break;
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
                        const c10::optional<at::Tensor>& scales,
                        const c10::optional<at::Tensor>& bias) {
@@ -170,23 +196,11 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
   // ~16 columns a task: small enough that a preempted thread's share moves on.
   const int64_t grain = std::max<int64_t>(1, 16 / kCols);
 #if defined(__AVX512BF16__)
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();  // each row rounded once, not per column
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  slipstream_cpu::dynamic_for(tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> buf;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      const uint16_t* wt = bf16_rows(w, kind, n0, cols, K, buf);
-      switch (cols) {
-        case 1: dp_rows<1>(xp, M, K, wt, yp, N, n0, s, b); break;
-        case 2: dp_rows<2>(xp, M, K, wt, yp, N, n0, s, b); break;
-        case 3: dp_rows<3>(xp, M, K, wt, yp, N, n0, s, b); break;
-        default: dp_rows<4>(xp, M, K, wt, yp, N, n0, s, b); break;
-      }
-    }
-  });
-#else
+  if (!g_force_portable) {
+    dp_bf16_gemm(x, w, kind, s, b, yp, tiles, grain);
+    return y;
+  }
+#endif
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
   slipstream_cpu::dynamic_for(tiles, grain, [&](int64_t begin, int64_t end) {
@@ -198,18 +212,22 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
       fp32_rows(xp, ldx, M, K, buf.data(), cols, yp, N, n0, s, b);
     }
   });
-#endif
   return y;
 }
 
 // Which path this build runs (the start-up log names it): "avx512_bf16" or "portable".
-std::string weight_gemm_path() { return kDpBf16 ? "avx512_bf16" : "portable"; }
+std::string weight_gemm_path() {
+  return kDpBf16 && !g_force_portable ? "avx512_bf16" : "portable";
+}
+
+void weight_gemm_force_portable(bool on) { g_force_portable = on; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.def("weight_gemm(Tensor x, Tensor w, Tensor? scales, Tensor? bias) -> Tensor");
   m.def("weight_gemm_path() -> str", &weight_gemm_path);
+  m.def("weight_gemm_force_portable(bool on) -> ()", &weight_gemm_force_portable);
 }
 
 TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
