@@ -119,3 +119,42 @@ def test_fused_layers_compute_each_layers_product():
     torch.testing.assert_close(a, separate[0])
     torch.testing.assert_close(b, separate[1])
     torch.testing.assert_close(model.a(x), separate[0])  # still callable: a slice of the fused
+
+
+@pytest.mark.parametrize("settings, weights, kv", [
+    (dict(dtype="bfloat16"), "bfloat16", torch.float32),
+    (dict(dtype="float16"), "bfloat16", torch.float32),  # held as bf16 on CPU
+    (dict(quantization="int8", kv_cache_dtype="bfloat16"), "int8", torch.bfloat16),
+])
+def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weights, kv):
+    from slipstream import EngineConfig, SamplingParams
+    from slipstream.engine import LLMEngine
+    from support import tiny_model_dir
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
+                                    max_num_seqs=4, max_model_len=128,
+                                    num_gpu_blocks_override=64, device="cpu", **settings))
+    assert engine.weight_format == weights and engine.dtype == torch.float32
+    assert engine.kv_cache.data.dtype == kv
+    plans = [rl.applied_plan(m) for m in engine.model.modules()
+             if isinstance(m, torch.nn.Linear)]
+    assert rl.applied_plan(engine.model.lm_head) is not None and len(plans) > 1
+    outs = engine.generate(["hello there", "one two three four"],
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+
+
+def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
+    from slipstream import EngineConfig
+    from slipstream.server.engine_args import translate
+    from slipstream.worker.model_loader import resolve_weight_format
+
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_weight_format(EngineConfig(quantization="int8"), torch.device("cuda"))
+    args = translate({"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "bfloat16"})
+    assert args.engine == {"dtype": "bfloat16", "quantization": "int8",
+                           "kv_cache_dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
+        translate({"quantization": "awq"})
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
