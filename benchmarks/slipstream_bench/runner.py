@@ -27,9 +27,10 @@ from slipstream_bench import timeline
 from slipstream_bench.workload import (Workload, arrival_times, generate_workload, lengths_summary)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
-PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
+# slipstream_bench.vllm_peer; *_bf16: vLLM with dtype bfloat16, its best on an AVX512-BF16 CPU
+PEER_MODES = ("vllm_triton", "vllm_triton_bf16", "vllm_offline")
 # vLLM offline without torch.compile (enforce_eager): what compiling gives vLLM; on request only
-EXTRA_MODES = ("vllm_offline_eager",)
+EXTRA_MODES = ("vllm_offline_eager", "vllm_offline_bf16")
 DEFAULT_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + (
     "roofline",)
 ALL_MODES = DEFAULT_MODES + EXTRA_MODES
@@ -260,10 +261,11 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
     import torch
 
     settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
+    dtype = "bfloat16" if mode.endswith("_bf16") else "float32"
     args = vllm_peer.engine_args(peer, sh.opts.model, int(settings.get("max_model_len") or 2048),
-                                 sh.opts.seed)
+                                 sh.opts.seed, dtype)
     threads = torch.get_num_threads()
-    if mode == "vllm_triton":
+    if mode in ("vllm_triton", "vllm_triton_bf16"):
         log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
         return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
             peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
@@ -271,7 +273,7 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
     if mode == "vllm_offline_eager":
         args = {**args, "enforce_eager": True}
     log(f"== vLLM {peer.version} offline, LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
-        f"{suffix}")
+        f" {dtype}{suffix}")
     return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
         peer, args, sh.workload, sh.warm, threads, mode + suffix))
 

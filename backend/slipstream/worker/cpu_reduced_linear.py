@@ -202,7 +202,19 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     head = getattr(model, "lm_head", None)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
         _prepare_one(module, ctx, embedding if module is head else None)
+    _own_storage(model)
     return describe(fmt, features, kernel)
+
+
+def _own_storage(model: torch.nn.Module) -> None:
+    """Give what is left (norms, rotary tables) storage of its own. Loaded from safetensors,
+    every tensor is a view of the file's one memory map: a single norm weight left in it
+    keeps the whole file mapped, and the pages the conversion read (all of the fp32
+    weights) resident."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
 
 
 def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
