@@ -41,6 +41,7 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int,
             for name in order:
                 result = measure(engines[name], b, context, n_steps, seed=r)
                 times[name][b].append(result["decode_step_ms"])
+                print(json.dumps({"round": r, "format": name, **result}), flush=True)
     table = {name: {b: statistics.median(v) for b, v in per.items()}
              for name, per in times.items()}
     return {"decode_step_ms": table,
