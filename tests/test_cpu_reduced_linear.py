@@ -126,14 +126,20 @@ def test_fused_layers_compute_each_layers_product():
     (dict(dtype="float16"), "bfloat16", torch.float32),  # held as bf16 on CPU
     (dict(quantization="int8", kv_cache_dtype="bfloat16"), "int8", torch.bfloat16),
 ])
-def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weights, kv):
+def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weights, kv, caplog):
+    import logging
+
     from slipstream import EngineConfig, SamplingParams
     from slipstream.engine import LLMEngine
     from support import tiny_model_dir
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                    max_num_seqs=4, max_model_len=128,
-                                    num_gpu_blocks_override=64, device="cpu", **settings))
+    with caplog.at_level(logging.INFO, logger="slipstream"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
+                                        max_num_seqs=4, max_model_len=128,
+                                        num_gpu_blocks_override=64, device="cpu", **settings))
+    # the start-up log says which path runs the products, and the CPU features it found
+    assert any("CPU linear layers:" in r.message and "amx_bf16=" in r.message
+               for r in caplog.records)
     assert engine.weight_format == weights and engine.dtype == torch.float32
     assert engine.kv_cache.data.dtype == kv
     plans = [rl.applied_plan(m) for m in engine.model.modules()
