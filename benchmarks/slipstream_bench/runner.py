@@ -271,7 +271,7 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
                                  sh.opts.seed, dtype)
     threads = torch.get_num_threads()
     if mode in ("vllm_triton", "vllm_triton_bf16"):
-        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
+        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}, {dtype}){suffix}")
         return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
             peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
             progress=sh.opts.progress))
