@@ -164,3 +164,27 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
         translate({"quantization": "awq"})
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_a_cpu_without_bf16_or_amx_takes_the_portable_paths(monkeypatch, fmt):
+    """As on an AVX2-only CPU: decode rows on the portable kernel, prompt rows in fp32 on a
+    widened copy (oneDNN would only emulate bf16 there); the log line says so."""
+    monkeypatch.setattr(rl.CpuFeatures, "detect",
+                        classmethod(lambda cls: cls(False, False, False)))
+    op.weight_gemm_force_portable(True)
+    try:
+        torch.manual_seed(0)
+        model = _Tiny()
+        x_few, x_many = torch.randn(2, 64), torch.randn(40, 64)
+        with torch.no_grad():
+            want = [model.a(x_few), model.a(x_many)]
+            how = rl.prepare_reduced_linears(model, rl.WeightFormat(fmt))
+            plan = rl.applied_plan(model.a)
+            got = [model.a(x_few), model.a(x_many)]
+    finally:
+        op.weight_gemm_force_portable(False)
+    assert "portable" in how and "no AVX512-BF16" in how
+    assert plan.packed is None and not plan.pack and not plan.bf16_gemm
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 0.03 * w.abs().max()

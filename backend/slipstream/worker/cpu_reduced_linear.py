@@ -67,6 +67,8 @@ class WeightPlan:
     scales: Optional[torch.Tensor]  # [N] fp32: int8's per-row scales
     bias: Optional[torch.Tensor]  # [N] fp32
     kernel_rows: int  # up to this many rows the compiled kernel runs the product
+    # many rows in bf16 (the CPU has AVX512-BF16 or AMX), else in fp32 on a widened copy
+    bf16_gemm: bool = True
     pack: bool = False  # bf16 on AMX: oneDNN's packing replaces the plain weight
     packed: Optional[torch.Tensor] = None  # oneDNN's packing of the bf16 weight
 
@@ -95,7 +97,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _wide_product(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     """Many rows (a prompt chunk): oneDNN's GEMM on the plain weight, in bf16 where the CPU
     runs bf16 products natively, else in fp32 on a widened copy made for the call."""
-    if plan.plain.dtype == torch.bfloat16 or _BF16_GEMM[0]:
+    if plan.bf16_gemm:
         weight = plan.plain if plan.plain.dtype == torch.bfloat16 else plan.plain.bfloat16()
         y = F.linear(x.to(torch.bfloat16), weight).float()
     else:
@@ -105,9 +107,6 @@ def _wide_product(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     if plan.bias is not None:
         y.add_(plan.bias)
     return y
-
-
-_BF16_GEMM = [False]  # set by prepare_reduced_linears from the CPU's features
 
 
 def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +138,7 @@ def _plan(weight: torch.Tensor, scales: Optional[torch.Tensor], bias: Optional[t
     if fmt is WeightFormat.BFLOAT16 and features.amx_bf16 and _onednn_ok():
         return WeightPlan(n, weight.contiguous(), None, bias, 0, pack=True)
     rows = KERNEL_ROWS[fmt] if kernel and k % 32 == 0 else 0
-    return WeightPlan(n, weight.contiguous(), scales, bias, rows)
+    return WeightPlan(n, weight.contiguous(), scales, bias, rows, _bf16_gemm_ok(features))
 
 
 def _onednn_ok() -> bool:
@@ -195,7 +194,6 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     """Convert every ``nn.Linear`` of an fp32 CPU model to ``fmt`` (one copy of each weight);
     returns what runs the products, for the start-up log."""
     features = CpuFeatures.detect()
-    _BF16_GEMM[0] = _bf16_gemm_ok(features)
     kernel = cpu_kernels.load()
     ctx = _Context(fmt, features, kernel)
     embedding = _tied_embedding(model)
@@ -274,7 +272,8 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> WeightPlan:
         scales = torch.cat([p.scales for p in plans]).contiguous()
     for p in plans:
         p.plain = None
-    return WeightPlan(n, stacked, scales, bias, plans[0].kernel_rows, plans[0].pack)
+    return WeightPlan(n, stacked, scales, bias, plans[0].kernel_rows, plans[0].bf16_gemm,
+                      plans[0].pack)
 
 
 def release_freed_memory() -> None:
