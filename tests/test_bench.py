@@ -112,8 +112,12 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
     assert set(results["targets"]) == {"continuous_vs_static", "continuous_vs_hf_continuous",
                                        "roofline_fraction", "triton_overhead",
                                        "continuous_vs_vllm_triton", "itl_p50_vs_vllm_triton",
-                                       "itl_p90_vs_vllm_triton", "inprocess_vs_vllm_offline"}
+                                       "itl_p90_vs_vllm_triton", "inprocess_vs_vllm_offline",
+                                       "bf16_vs_vllm_triton_bf16", "int8_vs_vllm_triton_bf16",
+                                       "bf16_itl_p50_vs_vllm_triton_bf16",
+                                       "bf16_itl_p90_vs_vllm_triton_bf16"}
     assert results["targets"]["continuous_vs_vllm_triton"]["value"] is None  # no peer run
+    assert results["targets"]["bf16_vs_vllm_triton_bf16"]["value"] is None
     assert results["machine"]["cpu_model"] and "load_average_1m" in results["machine"]
     for name in ("throughput.png", "latency_cdf.png", "batch_timeline.png"):
         assert (out / name).stat().st_size > 1000
@@ -278,3 +282,26 @@ def test_a_rate_sweep_reports_attainment_per_rate_goodput_and_a_plot(monkeypatch
     text = report.slo_table(results)
     assert "goodput continuous: 4 req/s" in text and text.count("inprocess") >= 5
     assert plots.slo_attainment(results, tmp_path / "slo.png").stat().st_size > 1000
+
+
+def test_reduced_precision_targets_compare_the_bf16_and_int8_variants_with_vllm_bf16():
+    from slipstream_bench import report
+
+    def run(label, tps, itl):
+        return {"label": label, "summary": {"output_tokens": 10, "tokens_per_s": tps,
+                                            "itl_ms": {"p50": itl, "p90": 2 * itl}}}
+
+    results = {"runs": [run("vllm_triton_bf16", 100.0, 50.0), run("continuous[bf16]", 130.0, 40.0),
+                        run("continuous[int8]", 140.0, 45.0)]}
+    judged = report.judged(results)
+    assert judged["bf16_vs_vllm_triton_bf16"]["value"] == pytest.approx(1.3)
+    assert judged["bf16_vs_vllm_triton_bf16"]["met"] is True
+    assert judged["int8_vs_vllm_triton_bf16"]["met"] is False  # 1.4 < 1.5
+    assert judged["bf16_itl_p90_vs_vllm_triton_bf16"]["value"] == pytest.approx(0.8)
+
+
+def test_llamacpp_modes_are_skipped_with_the_setup_hint_when_not_built(tmp_path):
+    from slipstream_bench import llamacpp_peer
+
+    with pytest.raises(llamacpp_peer.PeerUnavailable, match="setup_llamacpp.sh"):
+        llamacpp_peer.load_peer(tmp_path)

@@ -28,8 +28,7 @@ from slipstream.core.swap_space import SwapSpace
 from slipstream.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
-from slipstream.worker.cpu_linear import prepare_linears
-from slipstream.worker.cpu_norm import prepare_norms
+from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sampler import (PerRequestError, Sampler, prepare as prepare_sampling,
@@ -58,14 +57,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
         self.config = config
         self.device = model_loader.resolve_device(config.device)
-        self.dtype = model_loader.resolve_dtype(config.dtype, self.device)
+        self.dtype = model_loader.resolve_compute_dtype(config, self.device)
+        self.weight_format = model_loader.resolve_weight_format(config, self.device)
+        self.kv_dtype = model_loader.resolve_kv_cache_dtype(config, self.dtype)
         path = None if model is not None else model_loader.resolve_model_path(config.model)
         self.model = model if model is not None else model_loader.load_model(path, self.dtype, self.device)
         self.tokenizer = tokenizer if tokenizer is not None else model_loader.load_tokenizer(path, config.tokenizer)
         self.config = config = model_loader.fit_max_model_len(config, self.model.config)
         if self.device.type == "cpu":
-            prepare_linears(self.model, config.cpu_linear)
-            prepare_norms(self.model)
+            self._prepare_cpu_layers()
         self.lora: Optional[LoraLayers] = None
         if config.enable_lora:  # after packing: adapters wrap the packed linears
             self.lora = load_lora_layers(config.lora_modules, self.model, config.max_lora_rank,
@@ -98,8 +98,12 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         return eos[0] if isinstance(eos, (list, tuple)) else eos
 
+    def _prepare_cpu_layers(self) -> None:
+        prepare_cpu_model(self.model, self.weight_format, self.config.cpu_linear)
+
     def _allocate_kv_cache(self) -> KVCache:
-        geometry = KVGeometry.from_model_config(self.model.config, self.config.block_size, self.dtype)
+        geometry = KVGeometry.from_model_config(self.model.config, self.config.block_size,
+                                                self.kv_dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override + 1  # + the scratch block
         else:

@@ -46,9 +46,14 @@ def _rates(text: str) -> tuple:
 def add_args(p: argparse.ArgumentParser) -> None:
     from slipstream_bench.runner import ALL_MODES, DEFAULT_MODES
 
-    p.add_argument("--scenario", choices=("batching", "prefix-cache"), default="batching",
+    p.add_argument("--scenario", choices=("batching", "prefix-cache", "quality"),
+                   default="batching",
                    help="batching: every mode on one workload; prefix-cache: a shared long "
-                        "system prompt with prefix caching on and off")
+                        "system prompt with prefix caching on and off; quality: reduced-"
+                        "precision weights against fp32 (perplexity, KL, greedy agreement)")
+    p.add_argument("--quality-weights", default="bfloat16,int8",
+                   help="quality scenario: comma list of weight formats to gate "
+                        "(bfloat16, int8; default both)")
     p.add_argument("--num-requests", type=int, help="requests to generate (default 64; "
                    "prefix-cache 32; --quick 6)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
@@ -139,6 +144,11 @@ def options(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "quality":
+        from slipstream_bench.quality import run_quality
+
+        weights = [w.strip() for w in args.quality_weights.split(",") if w.strip()]
+        return run_quality(args.model, weights, args.output_dir)
     opts = options(args)
     if args.scenario == "prefix-cache":
         from slipstream_bench.prefix import run_prefix_cache

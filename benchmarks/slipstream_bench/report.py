@@ -22,8 +22,20 @@ TARGETS = {
                                lambda v, n: v <= n),
     "inprocess_vs_vllm_offline": ("in-process engine / vLLM offline (LLM.generate), tokens/s",
                                   1.2, lambda v, n: v >= n),
+    # Reduced precision (issue 25): the server variants named bf16 and int8
+    # (--variant bf16:dtype=bfloat16 --variant int8:quantization=int8 --variant-modes continuous)
+    # against Triton + vLLM backend at vLLM's best CPU dtype, bfloat16.
+    "bf16_vs_vllm_triton_bf16": ("continuous[bf16] / Triton + vLLM backend bf16, tokens/s", 1.2,
+                                 lambda v, n: v >= n),
+    "bf16_itl_p50_vs_vllm_triton_bf16": ("ITL p50, continuous[bf16] / Triton + vLLM bf16", 1.0,
+                                         lambda v, n: v <= n),
+    "bf16_itl_p90_vs_vllm_triton_bf16": ("ITL p90, continuous[bf16] / Triton + vLLM bf16", 1.0,
+                                         lambda v, n: v <= n),
+    "int8_vs_vllm_triton_bf16": ("continuous[int8] / Triton + vLLM backend bf16, tokens/s", 1.5,
+                                 lambda v, n: v >= n),
 }
-LOWER_IS_BETTER = ("triton_overhead", "itl_p50_vs_vllm_triton", "itl_p90_vs_vllm_triton")
+LOWER_IS_BETTER = ("triton_overhead", "itl_p50_vs_vllm_triton", "itl_p90_vs_vllm_triton",
+                   "bf16_itl_p50_vs_vllm_triton_bf16", "bf16_itl_p90_vs_vllm_triton_bf16")
 
 
 def _tps(results: dict, label: str) -> Optional[float]:
@@ -59,6 +71,19 @@ def ratios(results: dict) -> dict:
     out["inprocess_vs_vllm_offline"] = _ratio(inproc, _tps(results, "vllm_offline"))
     out["roofline_fraction"] = (results.get("roofline") or {}).get("efficiency", {}).get(
         "vs_makespan")
+    out.update(_reduced_ratios(results))
+    return out
+
+
+def _reduced_ratios(results: dict) -> dict:
+    peer = "vllm_triton_bf16"
+    out = {"bf16_vs_vllm_triton_bf16": _ratio(_tps(results, "continuous[bf16]"),
+                                              _tps(results, peer)),
+           "int8_vs_vllm_triton_bf16": _ratio(_tps(results, "continuous[int8]"),
+                                              _tps(results, peer))}
+    for p in ("p50", "p90"):
+        out[f"bf16_itl_{p}_vs_vllm_triton_bf16"] = _ratio(
+            _itl(results, "continuous[bf16]", p), _itl(results, peer, p))
     return out
 
 

@@ -29,11 +29,15 @@ from slipstream_bench.workload import (SamplingMix, Workload, apply_sampling, ar
                                        generate_workload, lengths_summary)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
-PEER_MODES = ("vllm_triton", "vllm_offline")  # slipstream_bench.vllm_peer
+# slipstream_bench.vllm_peer; *_bf16: vLLM with dtype bfloat16, its best on an AVX512-BF16 CPU
+PEER_MODES = ("vllm_triton", "vllm_triton_bf16", "vllm_offline")
 # vLLM offline without torch.compile (enforce_eager): what compiling gives vLLM; on request only
-EXTRA_MODES = ("vllm_offline_eager",)
+EXTRA_MODES = ("vllm_offline_eager", "vllm_offline_bf16")
+# llama.cpp's llama-server on the default model's GGUF (slipstream_bench.llamacpp_peer);
+# skipped unless scripts/setup_llamacpp.sh has built it
+LLAMACPP_MODES = ("llamacpp_q8_0", "llamacpp_q4_1")
 DEFAULT_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + (
-    "roofline",)
+    "roofline",) + LLAMACPP_MODES
 ALL_MODES = DEFAULT_MODES + EXTRA_MODES
 QUICK_PROMPT_LENS = "uniform:8:48"
 QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
@@ -259,6 +263,8 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
         hf.release(model)
     elif mode in PEER_MODES + EXTRA_MODES:
         run = run_peer(mode, sh, suffix)
+    elif mode in LLAMACPP_MODES:
+        run = run_llamacpp(mode, sh)
     else:
         raise ValueError(f"not a runnable mode: {mode}")
     run["label"], run["round"] = mode, round_index
@@ -276,23 +282,44 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
     import torch
 
     settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
+    dtype = "bfloat16" if mode.endswith("_bf16") else "float32"
     args = vllm_peer.engine_args(
         peer, sh.opts.model, int(settings.get("max_model_len") or 2048), sh.opts.seed,
         max_num_seqs=int(settings.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(settings.get("max_num_batched_tokens") or 2048),
-        prefix_caching=sh.opts.prefix_caching)
+        prefix_caching=sh.opts.prefix_caching, dtype=dtype)
     threads = torch.get_num_threads()
-    if mode == "vllm_triton":
-        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}){suffix}")
+    if mode in ("vllm_triton", "vllm_triton_bf16"):
+        log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}, {dtype}){suffix}")
         return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
             peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
             progress=sh.opts.progress))
     if mode == "vllm_offline_eager":
         args = {**args, "enforce_eager": True}
     log(f"== vLLM {peer.version} offline, LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
-        f"{suffix}")
+        f" {dtype}{suffix}")
     return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
         peer, args, sh.workload, sh.warm, threads, mode + suffix))
+
+
+def run_llamacpp(mode: str, sh: _Shared) -> dict:
+    """llama-server on a GGUF of the default model; skipped (not failed) when not built."""
+    from slipstream_bench import llamacpp_peer
+    from slipstream_bench.vllm_peer import default_peers_dir
+
+    try:
+        peer = llamacpp_peer.load_peer(sh.opts.peers_dir or default_peers_dir())
+    except llamacpp_peer.PeerUnavailable as exc:
+        return {"label": mode, "kind": "peer", "skipped": str(exc), "summary": {}}
+    if sh.opts.model not in ("default", "", None):
+        return {"label": mode, "kind": "peer", "summary": {},
+                "skipped": "llama.cpp runs the default model's GGUF only"}
+    import torch
+
+    log(f"== llama.cpp llama-server {llamacpp_peer.MODES[mode].upper()}")
+    return guarded(mode, "peer_llamacpp", lambda: llamacpp_peer.run(
+        peer, mode, sh.workload, sh.offsets, sh.out_dir, torch.get_num_threads(),
+        sh.opts.progress))
 
 
 def split_variant(mode: str) -> tuple:
@@ -317,7 +344,8 @@ def run_rounds(sh: _Shared) -> list:
     that a drift in the machine's speed falls evenly on every mode."""
     variants = tuple(variant_labels(sh.opts.variant_modes, sh.opts.variants))
     order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             + PEER_MODES + EXTRA_MODES if m in sh.opts.modes] + list(variants)
+             + PEER_MODES + EXTRA_MODES + LLAMACPP_MODES if m in sh.opts.modes]
+    order += list(variants)
     runs = []
     for r in range(sh.opts.repeat):
         for mode in (order if r % 2 == 0 else order[::-1]):

@@ -35,7 +35,7 @@ from slipstream_bench.workload import Workload, scaled
 MODEL_NAME = "vllm_model"
 SETUP_HINT = ("install it with: .venv/bin/python scripts/setup_peers.py --vllm-backend-src "
               "<a clone of github.com/triton-inference-server/vllm_backend>")
-PEER_MODES = ("vllm_triton", "vllm_offline")
+PEER_MODES = ("vllm_triton", "vllm_triton_bf16", "vllm_offline")
 
 
 class PeerUnavailable(RuntimeError):
@@ -81,13 +81,14 @@ def load_peer(peers_dir: Optional[Path] = None) -> VllmPeer:
 
 def engine_args(peer: VllmPeer, model: str, max_model_len: int, seed: int, *,
                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                prefix_caching: Optional[bool] = None) -> dict:
-    """vLLM's engine arguments (model.json); ``prefix_caching`` None keeps vLLM's default."""
+                prefix_caching: Optional[bool] = None, dtype: str = "float32") -> dict:
+    """vLLM's engine arguments (model.json); ``prefix_caching`` None keeps vLLM's default;
+    ``dtype`` bfloat16 is vLLM's best on a CPU with AVX512-BF16."""
     if model not in ("default", "", None):
         model_dir = str(Path(model).resolve())
     else:
         model_dir = peer.model_dir
-    args = {"model": model_dir, "dtype": "float32", "max_model_len": max_model_len,
+    args = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
             "enforce_eager": False, "seed": seed}
     if prefix_caching is not None:

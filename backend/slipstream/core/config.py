@@ -9,6 +9,8 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtype
+QUANTIZATIONS = (None, "int8")  # int8: weight-only, per-row scales (worker/cpu_reduced_linear)
 CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
 ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
@@ -25,6 +27,9 @@ class EngineConfig:
     model: str = "default"  # "default" = embedded SmolLM2, or a local HF model directory
     tokenizer: Optional[str] = None
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    # CPU: bfloat16 / int8 hold the linear layers' weights so (activations stay float32)
+    quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     seed: int = 0
 
@@ -113,6 +118,12 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_queue_delay_ms < 0:

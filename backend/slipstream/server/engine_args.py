@@ -52,6 +52,25 @@ def _dtype(value: Any) -> dict:
     return {"dtype": names[str(value)]}
 
 
+def _quantization(value: Any) -> dict:
+    """vLLM's ``quantization`` names a checkpoint's scheme; here ``int8`` (weight-only, per-row
+    scales, made at load) is the one scheme, and null / "" none."""
+    if value in (None, "", "none"):
+        return {"quantization": None}
+    if value != "int8":
+        raise ValueError(f"quantization={value!r} is not supported (weights load unquantized, "
+                         "or with 'int8' quantized at load: weight-only, per-row scales, CPU)")
+    return {"quantization": "int8"}
+
+
+def _kv_cache_dtype(value: Any) -> dict:
+    names = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16"}
+    if str(value) not in names:
+        raise ValueError(f"kv_cache_dtype={value!r} is not supported (the KV cache uses the "
+                         f"model's dtype, or one of {sorted(names)})")
+    return {"kv_cache_dtype": names[str(value)]}
+
+
 def _flag(value: Any, name: str) -> bool:
     text = str(value).strip().lower()
     if text not in ("true", "false", "1", "0"):
@@ -99,6 +118,8 @@ MAPPED: dict = {
     "model": _same("model"),
     "tokenizer": _same("tokenizer"),
     "dtype": _dtype,
+    "quantization": _quantization,
+    "kv_cache_dtype": _kv_cache_dtype,
     "seed": _same("seed"),
     "device": _same("device"),
     "block_size": _same("block_size"),
@@ -125,9 +146,7 @@ FIXED: dict = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
-    "quantization": None,
     "trust_remote_code": False,
-    "kv_cache_dtype": "auto",
     "tokenizer_mode": "auto",
     "load_format": "auto",
     "skip_tokenizer_init": False,
@@ -137,9 +156,7 @@ WHY_FIXED = {
     "tensor_parallel_size": "one device per model",
     "pipeline_parallel_size": "one device per model",
     "data_parallel_size": "one engine per model instance",
-    "quantization": "weights load unquantized",
     "trust_remote_code": "only architectures built into transformers load",
-    "kv_cache_dtype": "the KV cache uses the model's dtype",
     "tokenizer_mode": "the model's Hugging Face tokenizer is used",
     "load_format": "weights load with transformers' from_pretrained",
     "skip_tokenizer_init": "requests are text and need the tokenizer",

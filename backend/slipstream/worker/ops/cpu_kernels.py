@@ -41,8 +41,8 @@ log = logging.getLogger("slipstream")
 ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_paged_attention.cpp", "cpu_prefill_attention.cpp",
-                             "cpu_small_gemm.cpp", "cpu_rms_norm.cpp", "cpu_rotary.cpp",
-                             "cpu_sampling.cpp"))
+                             "cpu_small_gemm.cpp", "cpu_weight_gemm.cpp", "cpu_rms_norm.cpp",
+                             "cpu_rotary.cpp", "cpu_sampling.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_parallel.h", "cpu_attention_checks.h"))
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
