@@ -274,13 +274,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     finally:
-        if openai_api is not None:
-            openai_api.stop()
         try:
-            server.stop()
+            server.stop()  # first: Triton drains at once; the API relays what is in flight
         except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
             print("killing tritonserver", flush=True)
             server.kill()
+        finally:
+            if openai_api is not None:
+                openai_api.stop()
         for s, h in old.items():
             signal.signal(s, h)
         import shutil
