@@ -79,6 +79,11 @@ class WeightPlan:
 # 0.68x at 1 row and 1.26x at 8 (it is bound by vdpbf16ps's rate past a few rows, where
 # oneDNN's blocked kernels keep more products in flight).
 KERNEL_ROWS = {WeightFormat.BFLOAT16: 4, WeightFormat.INT8: 16}
+# A weight this large (an LM head) costs more to widen for one call than the kernel's product
+# at up to 64 rows: a fresh 57 MB bf16 copy page-faults in. SmolLM2's int8 LM head, one thread:
+# kernel 13.6 / 22.0 / 41.5 ms at 16 / 32 / 64 rows against 42.8 / 42.4 / 51.7 widened.
+LARGE_WEIGHT = 1 << 23
+LARGE_KERNEL_ROWS = 64
 
 
 def _bf16_gemm_ok(features: CpuFeatures) -> bool:
@@ -138,6 +143,8 @@ def _plan(weight: torch.Tensor, scales: Optional[torch.Tensor], bias: Optional[t
     if fmt is WeightFormat.BFLOAT16 and features.amx_bf16 and _onednn_ok():
         return WeightPlan(n, weight.contiguous(), None, bias, 0, pack=True)
     rows = KERNEL_ROWS[fmt] if kernel and k % 32 == 0 else 0
+    if rows and fmt is WeightFormat.INT8 and weight.numel() >= LARGE_WEIGHT:
+        rows = LARGE_KERNEL_ROWS
     return WeightPlan(n, weight.contiguous(), scales, bias, rows, _bf16_gemm_ok(features))
 
 
