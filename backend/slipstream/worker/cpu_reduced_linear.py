@@ -14,8 +14,9 @@ the products read is the only one kept (`WeightPlan`):
   rows in 0.3-0.5x the fp32 kernel's time on one thread; at 1 row as fast as the bf16 kernel).
 * bf16 elsewhere, and int8 everywhere: the plain ``[N, K]`` weight. Up to ``kernel_rows`` rows
   (decode steps) ``ops/cpu_weight_gemm.cpp`` streams it (AVX512-BF16 ``vdpbf16ps`` where the CPU
-  has it, else widened to fp32 in registers); more rows (prompt chunks) run oneDNN's bf16 GEMM
-  on it (int8 widened to bf16 exactly for the call, its scales applied to the output).
+  has it, else widened to fp32 a tile at a time); more rows (prompt chunks) run oneDNN's bf16
+  GEMM on it (int8 widened to bf16 exactly for the call, its scales applied to the output), or
+  on a CPU with neither AVX512-BF16 nor AMX oneDNN's fp32 GEMM on a widened copy.
 
 int8 is weight-only (like vLLM's W8A16 schemes): symmetric, one fp32 scale per output row
 (``scale = max|w| / 127``), activations not quantized. A tied input embedding reads the same
