@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from slipstream.kv_events.config import KVEventsConfig
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
 from slipstream.server.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
@@ -108,6 +109,7 @@ class ModelSettings:
     engine_failure_threshold: int  # failed engine steps in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
+    kv_events: Optional[KVEventsConfig] = None  # set when KV events are published
 
 
 def auto_complete(config):
@@ -184,6 +186,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
+    kv_events = _kv_events(server["kv_events_config"] or vllm_args.kv_events_config, engine)
     own_layout = backend == "python"
     report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=own_layout)
     return ModelSettings(
@@ -198,7 +201,21 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
         max_engine_restarts=int(server["max_engine_restarts"]),
-        compatibility=_compatibility(server["compatibility"]))
+        compatibility=_compatibility(server["compatibility"]), kv_events=kv_events)
+
+
+def _kv_events(value, engine: dict) -> Optional[KVEventsConfig]:
+    """The events config when events are on; they need vLLM's block hashes, which become the
+    default (an explicit ``builtin`` is refused)."""
+    config = KVEventsConfig.parse(value)
+    if config is None or not config.enabled:
+        return None
+    algo = str(engine.get("prefix_caching_hash_algo") or "sha256_cbor")
+    if algo != "sha256_cbor":
+        raise ValueError("kv_events_config: KV events carry vLLM's block hashes, which need "
+                         f"prefix_caching_hash_algo sha256_cbor, not {algo!r}")
+    engine["prefix_caching_hash_algo"] = algo
+    return config
 
 
 def _compatibility(value: str) -> str:

@@ -490,6 +490,7 @@ SERVER_PARAMETERS = {
     "max_engine_restarts": "3",  # restarts within 10 minutes before the server is taken down
     "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
     "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
+    "kv_events_config": "",  # vLLM's KVEventsConfig as JSON (slipstream/kv_events/config.py)
 }
 
 
