@@ -3,9 +3,13 @@
 # (its `args` are appended) and tests/test_deploy_server.py starts. Ports and timeouts come
 # from the environment, so the image, the manifests and the test pass the same arguments and
 # only the values differ (the test picks free ports). Extra arguments are `slipstream serve`
-# options, e.g. `--set max_num_seqs=128`.
-set -eu
+# options, e.g. `--set max_num_seqs=128`. SLIPSTREAM_SERVER_ARGS holds further tritonserver
+# options, space-separated, each passed on as `--server-arg=OPTION`.
+set -euf  # -f: the options in SLIPSTREAM_SERVER_ARGS are not file patterns
 home=$(cd "$(dirname "$0")/.." && pwd)
+for option in ${SLIPSTREAM_SERVER_ARGS:-}; do
+    set -- "$@" "--server-arg=$option"
+done
 exec slipstream serve \
     --model-repository "${SLIPSTREAM_MODEL_REPOSITORY:-$home/model_repository}" \
     --host 0.0.0.0 \
