@@ -155,11 +155,12 @@ def test_endpoint_picker_reads_slipstreams_own_metric_names():
     assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= profile_refs
 
 
-def test_endpoint_picker_scrapes_tritons_metrics_port():
-    objects = render("inference-gateway")
-    _, args = picker_config(objects)
-    port = int(args[args.index("--model-server-metrics-port") + 1])
-    assert port == container_port(slipstream_container(objects), "metrics")
+def test_endpoint_picker_scrapes_metrics_at_the_pools_target_port():
+    """No metrics-port override: the OpenAI API (the target port) serves Triton's /metrics."""
+    config, args = picker_config(render("inference-gateway"))
+    assert "--model-server-metrics-port" not in args
+    source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
+    assert source["parameters"]["path"] == "/metrics"
 
 
 def test_endpoint_picker_may_watch_its_pool_and_the_pods():
