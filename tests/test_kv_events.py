@@ -264,3 +264,21 @@ def test_a_full_queue_drops_batches_and_never_blocks_the_engine(subscriber):
         assert pub.dropped >= 997
     finally:
         pub.shutdown(timeout=0.1)
+
+
+def test_ipv6_loopback_endpoint_binds_as_vllms_rule_says():
+    """``tcp://[::1]:PORT`` contains "::": vLLM binds it, so a subscriber (a router) connects
+    to a publisher reachable from this machine only."""
+    pub = KVEventPublisher(KVEventsConfig(True, endpoint="tcp://[::1]:0"))
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.IPV6, 1)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        assert pub.endpoint.startswith("tcp://[::1]:") and not pub.endpoint.endswith(":0")
+        sub.connect(pub.endpoint)
+        join(pub, sub)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.shutdown()

@@ -100,7 +100,11 @@ class KVEventPublisher:
 
     @staticmethod
     def _bind(sock: zmq.Socket, endpoint: str) -> str:
-        """Bind; returns the bound address (a tcp port 0 becomes the port chosen)."""
+        """Bind; returns the bound address (a tcp port 0 becomes the port chosen). An IPv6
+        address (``tcp://[::1]:PORT`` binds by vLLM's rule: loopback only) needs ZMQ's IPv6
+        switch."""
+        if "[" in endpoint or "::" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
 
