@@ -282,3 +282,15 @@ def test_ipv6_loopback_endpoint_binds_as_vllms_rule_says():
         sub.close(linger=0)
         ctx.term()
         pub.shutdown()
+
+
+def test_cache_salt_isolates_prefixes_and_same_salt_shares_them(monkeypatch):
+    bm, first, _ = manager_with_cached_request(False, True, monkeypatch)  # salted with SALT
+    bm.free_request(first)
+    same = Request("same", list(TOKENS), SamplingParams(cache_salt=SALT))
+    other = Request("other", list(TOKENS), SamplingParams(cache_salt="tenant-b"))
+    plain = Request("plain", list(TOKENS), SamplingParams())
+    assert len(bm.find_cached_prefix(same)) == 4
+    assert bm.find_cached_prefix(other) == [] and bm.find_cached_prefix(plain) == []
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
