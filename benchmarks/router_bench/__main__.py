@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                "kv_cache_bytes_per_replica": args.kv_cache_bytes, "rows": rows}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(report.table(rows) + "\n")
-    report.plot(rows, out / "router_bench.png", title)
+    report.plot(rows, out / "router_bench.png", title)  # report.replot redraws it
     print(report.table(rows))
     return 0
 

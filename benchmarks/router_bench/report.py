@@ -2,6 +2,9 @@
 hit rate per routing policy."""
 from __future__ import annotations
 
+import json
+import sys
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -49,7 +52,7 @@ def plot(rows: list, path: Path, title: str) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = [r["name"].replace(" ", "\n", 1) for r in rows]
+    names = [r["name"].replace(" (", "\n(").replace("router ", "router\n") for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = range(len(rows))
     p50 = [r["ttft_ms"]["p50"] or 0 for r in rows]
@@ -63,8 +66,20 @@ def plot(rows: list, path: Path, title: str) -> Optional[Path]:
     ax2.set_xticks(list(xs), names, fontsize=8)
     ax2.set_ylabel("engines' prefix-cache hit rate (%)")
     ax2.set_ylim(0, 100)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def replot(results_path: Path) -> Optional[Path]:
+    """The plot again from a run's results.json (``python -m router_bench.report FILE``)."""
+    results = json.loads(Path(results_path).read_text())
+    title = (f"{results['replicas']} Slipstream replicas (1 core each) behind each router; "
+             f"{results['description']}; {results['cpu']}")
+    return plot(results["rows"], Path(results_path).with_name("router_bench.png"), title)
+
+
+if __name__ == "__main__":
+    print(replot(Path(sys.argv[1])))

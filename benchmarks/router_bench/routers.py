@@ -14,6 +14,12 @@ from typing import Optional
 from router_bench.replicas import BLOCK_SIZE, Replica
 
 
+# A replica busy on its one core can take seconds to answer /health: with the routers'
+# default timeouts (sglang-router: 5 s) it is marked unhealthy and its share of the traffic
+# lands on the other replica, which then measures the health checker, not the policy.
+HEALTH_CHECK = ("--health-check-timeout-secs", "60", "--health-failure-threshold", "10")
+
+
 @dataclass(frozen=True)
 class RouterSpec:
     name: str  # the table's label
@@ -29,7 +35,8 @@ class RouterSpec:
             cmd = [str(routers_dir / "vllm-router" / "bin" / "vllm-router"), "--host",
                    "127.0.0.1", "--port", str(port), "--policy", self.policy,
                    "--worker-urls", *urls, "--log-level", self.log_level,
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1)]
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
+                   *HEALTH_CHECK]
             if self.policy == "kv_aware":
                 for r in replicas:
                     cmd += ["--kv-event-source", f"{r.url}={r.kv_endpoint}"]
@@ -41,7 +48,8 @@ class RouterSpec:
                     "sglang_router.launch_router", "--backend", "openai", "--host",
                     "127.0.0.1", "--port", str(port), "--policy", self.policy,
                     "--worker-urls", *urls, "--log-level", "warn",
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1)]
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
+                    *HEALTH_CHECK]
         raise ValueError(f"no command for {self.router}")
 
 
