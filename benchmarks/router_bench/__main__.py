@@ -66,10 +66,9 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
     cores = [int(c) for c in args.cores.split(",") if c.strip()]
     log_dir = out / key
     log_dir.mkdir(parents=True, exist_ok=True)
-    replicas = fleet.start_replicas(count, settings, log_dir, cores)
+    replicas = fleet.start_ready(count, settings, log_dir, cores)
     router = None
     try:
-        fleet.wait_ready(replicas)
         for r in replicas:  # compile, allocate, first-step costs: out of the measurement
             client.run_workload(r.url + "/v1", MODEL_NAME, [conversations.Conversation(
                 "warm", -1, "Warm up.", ["Say hello."], 0.0, 0.0)], 4)
@@ -79,9 +78,7 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
         if spec.router == "direct":
             base = replicas[0].url
         else:
-            port = free_port()
-            router = routers.start_router(spec, args.routers_dir, port, replicas,
-                                          tokenizer_dir, log_dir / "router.log")
+            router, port = _start_router(spec, args, replicas, tokenizer_dir, log_dir)
             base = f"http://127.0.0.1:{port}"
         log(f"{spec.name}: {count} replica(s) ready, running {len(convs)} conversations")
         records, wall = client.run_workload(base + "/v1", MODEL_NAME, convs, max_tokens,
@@ -102,6 +99,20 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
     finally:
         routers.stop_router(router)
         fleet.stop_replicas(replicas)
+
+
+def _start_router(spec, args, replicas: list, tokenizer_dir: str, log_dir: Path,
+                  attempts: int = 3) -> tuple:
+    """The router and its port; a port taken between being picked and bound: another one."""
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            return routers.start_router(spec, args.routers_dir, port, replicas, tokenizer_dir,
+                                        log_dir / "router.log"), port
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def main(argv=None) -> int:

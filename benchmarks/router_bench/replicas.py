@@ -77,14 +77,34 @@ class EventRelay:
 
 
 def start_replicas(count: int, settings: dict, log_dir: Path, cores: list) -> list[Replica]:
-    replicas = []
+    return [_start(i, cores[i % len(cores)] if cores else None, settings, log_dir)
+            for i in range(count)]
+
+
+def _start(index: int, core: Optional[int], settings: dict, log_dir: Path) -> Replica:
+    replica = Replica(index, core, free_port(), free_port(), free_port(), free_port(),
+                      log_dir / f"replica{index}.log")
+    replica.relay = EventRelay(replica.kv_port, replica.relay_port)
+    replica.process = _launch(replica, settings)
+    return replica
+
+
+def start_ready(count: int, settings: dict, log_dir: Path, cores: list,
+                attempts: int = 3) -> list[Replica]:
+    """Started and answering /health. A free port can be taken by another process between
+    being picked and bound (a busy machine): such a replica is started again on new ports."""
+    replicas = start_replicas(count, settings, log_dir, cores)
     for i in range(count):
-        core = cores[i % len(cores)] if cores else None
-        replica = Replica(i, core, free_port(), free_port(), free_port(), free_port(),
-                          log_dir / f"replica{i}.log")
-        replica.relay = EventRelay(replica.kv_port, replica.relay_port)
-        replica.process = _launch(replica, settings)
-        replicas.append(replica)
+        for attempt in range(attempts):
+            try:
+                wait_ready([replicas[i]])
+                break
+            except RuntimeError:
+                stop_replicas([replicas[i]])
+                if attempt == attempts - 1:
+                    stop_replicas(replicas)
+                    raise
+                replicas[i] = _start(i, replicas[i].core, settings, log_dir)
     return replicas
 
 
