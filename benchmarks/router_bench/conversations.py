@@ -24,12 +24,12 @@ class Conversation:
 class WorkloadSpec:
     num_systems: int = 6
     system_tokens: int = 700
-    num_users: int = 24
+    num_users: int = 16
     turns: int = 3
     user_tokens: int = 40
     max_tokens: int = 24
-    user_rate: float = 0.4  # users arriving per second (Poisson)
-    think_s: float = 1.0
+    user_rate: float = 0.1  # users arriving per second (Poisson)
+    think_s: float = 2.0
     seed: int = 0
 
     def describe(self) -> str:
