@@ -18,7 +18,8 @@ WAYS = ("inference-gateway", "router")
 CRDS = Path(__file__).parent / "data" / "crds"
 CRD_FILES = {("inference.networking.k8s.io", "InferencePool"):
              "inference.networking.k8s.io_inferencepools.yaml",
-             ("gateway.networking.k8s.io", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml"}
+             ("gateway.networking.k8s.io", "HTTPRoute"):
+             "gateway.networking.k8s.io_httproutes.yaml"}
 KUBERNETES_VERSIONS = ("1.29.0", None)
 
 
