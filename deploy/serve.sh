@@ -6,8 +6,13 @@
 # options, e.g. `--set max_num_seqs=128`. The OpenAI-compatible API listens on
 # SLIPSTREAM_OPENAI_PORT (9000, Triton's OpenAI frontend's port), and the vLLM-named metric
 # series are on: what inference gateways and routers read of each replica.
-set -eu
+# SLIPSTREAM_SERVER_ARGS holds further tritonserver options, space-separated, each passed on as
+# `--server-arg=OPTION`.
+set -euf  # -f: the options in SLIPSTREAM_SERVER_ARGS are not file patterns
 home=$(cd "$(dirname "$0")/.." && pwd)
+for option in ${SLIPSTREAM_SERVER_ARGS:-}; do
+    set -- "$@" "--server-arg=$option"
+done
 exec slipstream serve \
     --model-repository "${SLIPSTREAM_MODEL_REPOSITORY:-$home/model_repository}" \
     --host 0.0.0.0 \

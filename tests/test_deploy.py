@@ -102,10 +102,28 @@ def test_probes_wait_for_the_model_then_check_server_and_model_readiness(overlay
     assert probes["startupProbe"] == ("/v2/health/ready", "http")
     assert probes["livenessProbe"] == ("/v2/health/live", "http")
     readiness = " ".join(spec["readinessProbe"]["exec"]["command"])
-    assert "/v2/health/ready" in readiness and "/v2/models/slipstream/ready" in readiness
+    assert "/v2/health/ready" in readiness
     assert "${SLIPSTREAM_HTTP_PORT}" in readiness
     # Liveness only starts once the startup probe passed, so it needs no long delay.
     assert "initialDelaySeconds" not in spec["livenessProbe"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_readiness_probe_checks_the_model_named_in_the_container_env(overlay):
+    """Not a hard-coded `slipstream`: serving another repository changes one env value."""
+    spec = container(overlay)
+    readiness = " ".join(spec["readinessProbe"]["exec"]["command"])
+    assert "/v2/models/${SLIPSTREAM_MODEL_NAME}/ready" in readiness
+    shipped = [p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt")]
+    assert plain_env(spec)["SLIPSTREAM_MODEL_NAME"] in shipped
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tritonserver_options_pass_through_the_manifest_env(overlay):
+    """SLIPSTREAM_SERVER_ARGS (Triton's Helm chart's serverArgs): serve.sh passes each as
+    --server-arg (tests/test_serve_options.py runs it)."""
+    assert "SLIPSTREAM_SERVER_ARGS" in plain_env(container(overlay))
+    assert "--server-arg=$option" in (DEPLOY / "serve.sh").read_text()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -276,16 +294,63 @@ def test_dockerfile_pins_the_triton_image_torch_and_the_default_model():
     assert "-c deploy/constraints.txt" in runs
 
 
+def image_extras() -> list:
+    """The extras of the image's `pip install ".[...]"`."""
+    runs = " ".join(i.args for i in dockerfile() if i.keyword == "RUN")
+    return re.search(r'"\.\[([a-z,]+)\]"', runs).group(1).split(",")
+
+
 def test_constraints_pin_every_dependency_the_image_installs():
-    """`pip install .[gguf,structured,openai]` in the image: the package's dependencies and
-    those extras."""
+    """`pip install .[extras]` in the image: the package's dependencies and those extras'."""
     from packaging.requirements import Requirement
 
-    extras = project()["optional-dependencies"]
-    wanted = [Requirement(r).name.lower() for r in
-              project()["dependencies"] + extras["gguf"] + extras["structured"] + extras["openai"]]
+    optional = project()["optional-dependencies"]
+    wanted = [Requirement(r).name.lower() for r in project()["dependencies"] +
+              [r for extra in image_extras() for r in optional[extra]]]
     pins = constraints()
     assert [name for name in wanted if name not in pins] == []
+
+
+def test_image_installs_the_client_serve_prompt_needs_and_the_kv_event_publisher():
+    assert {"client", "events"} <= set(image_extras())
+
+
+def test_image_cache_belongs_to_the_user_the_image_runs_as():
+    """The CPU kernels compile into $SLIPSTREAM_CACHE at the first start: a root-owned cache
+    means the slow path. The RUN that fills it (the model conversion) hands it over."""
+    env = " ".join(i.args for i in dockerfile() if i.keyword == "ENV")
+    cache = re.search(r"SLIPSTREAM_CACHE=(\S+)", env).group(1)
+    user = [i.args for i in dockerfile() if i.keyword == "USER"][-1]
+    runs = [i.args for i in dockerfile() if i.keyword == "RUN"]
+    filled = max(n for n, run in enumerate(runs) if "default_model_dir()" in run)
+    assert any(f"chown -R {user} {cache}" in run for run in runs[filled:]), (user, cache)
+
+
+def test_repository_is_apache_2_licensed():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX" in text  # the whole text
+    assert project()["license"] == {"text": "Apache-2.0"}
+    copies = " ".join(i.args for i in dockerfile() if i.keyword == "COPY")
+    assert "LICENSE" in copies
+
+
+def test_python_floor_is_one_torch_2_13_has_wheels_for():
+    """torch 2.13.0 has no Python 3.9 wheel (its index stops at 2.8.0 for 3.9): the floor
+    is 3.10 in pyproject and in the README, which also states the glibc floor of the
+    nvidia-pytriton wheel (manylinux_2_35)."""
+    from packaging.specifiers import SpecifierSet
+
+    floor = SpecifierSet(project()["requires-python"])
+    assert "3.9" not in floor and "3.10" in floor
+    readme = (ROOT / "README.md").read_text()
+    assert "Python 3.10-3.13" in readme
+    try:
+        wheel = importlib.metadata.distribution("nvidia-pytriton").read_text("WHEEL") or ""
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nvidia-pytriton is not installed")
+    major, minor = re.search(r"manylinux_(\d+)_(\d+)", wheel).groups()
+    assert f"glibc {major}.{minor} or newer" in readme and f"manylinux_{major}_{minor}" in readme
 
 
 def test_image_entrypoint_is_deploy_serve_sh_from_this_repository():

@@ -169,3 +169,32 @@ def test_supervisor_gives_up_after_too_many_restarts():
             supervisor.submit([1, 2], SamplingParams())
     finally:
         supervisor.shutdown()
+
+
+def test_a_restarted_engine_tells_kv_event_consumers_its_cache_is_empty():
+    """The sink outlives engines (the publisher keeps its sequence numbers): the engine that
+    replaces a dead one starts with AllBlocksCleared, so routers forget the old blocks."""
+    from slipstream.core.kv_cache_events import AllBlocksCleared, BlockStored
+
+    events: list = []
+    supervisor = EngineSupervisor(
+        lambda: config(prefix_caching_hash_algo="sha256_cbor"), failure_threshold=2,
+        restart_backoff_s=0.0, engine_kwargs={"kv_event_sink": events.extend})
+    supervisor.start()
+    try:
+        first = supervisor.loop
+        collect(supervisor.submit(list(range(5, 40)), SamplingParams(max_tokens=2, **GREEDY)))
+        assert events[0] == AllBlocksCleared()
+        assert any(isinstance(e, BlockStored) for e in events)
+        seen = len(events)
+        first.engine.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("boom"))
+        for prompt in ([50, 51, 52], [60, 61]):
+            collect(supervisor.submit(prompt, SamplingParams(max_tokens=5, **GREEDY)))
+        deadline = time.monotonic() + 60
+        while (supervisor.loop is first or not supervisor.health().ok) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervisor.restarts == 1
+        assert AllBlocksCleared() in events[seen:]
+    finally:
+        supervisor.shutdown()

@@ -8,13 +8,15 @@ import logging
 import threading
 import time
 import traceback
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from slipstream.core.batch_scheduler import BatchScheduler
+from slipstream.core.block_hash import make_hasher
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
+from slipstream.core.kv_cache_events import KVCacheEvent
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.lora_limit import adapters_of
 from slipstream.core.request import (BeamSnapshot, FinishReason, Request, RequestOutput,
@@ -54,7 +56,10 @@ class OverloadedError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None,
+                 kv_event_sink: Optional[Callable[[list[KVCacheEvent]], None]] = None) -> None:
+        """``kv_event_sink`` receives the prefix cache's events after each step that made
+        any, on the engine thread: it must return at once (a queue, not I/O)."""
         self.config = config
         self.device = model_loader.resolve_device(config.device)
         self.dtype = model_loader.resolve_compute_dtype(config, self.device)
@@ -73,8 +78,13 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.grammars = GrammarCompiler(self.tokenizer, self.logits_vocab_size, self.eos_token_id)
         self.kv_cache = self._allocate_kv_cache()
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+            hasher=make_hasher(config.prefix_caching_hash_algo),
+            lora_paths=config.lora_modules if config.enable_lora else None,
+            emit_events=kv_event_sink is not None)
+        self.kv_event_sink = kv_event_sink
+        self._flush_kv_events()  # a fresh cache: AllBlocksCleared
         self.swap_pool: Optional[SwapPool] = None
         self.scheduler = self._make_scheduler()
         self._warn_short_capacity()
@@ -324,6 +334,7 @@ class LLMEngine:
             if self.tracer is not None and sched.preempted:  # a step that only preempted
                 now = time.perf_counter()
                 self.tracer.record(sched, now, now, self)
+            self._flush_kv_events()
             return []
         started = time.perf_counter()
         sampled = self._execute(sched)
@@ -334,9 +345,23 @@ class LLMEngine:
             self._propose([item.request for item in sched.scheduled])
         outputs = [out for u in updates for out in self._report(u)]
         self.scheduler.observe_step(sched, time.perf_counter() - step_start)
+        self._flush_kv_events()
         if self.tracer is not None:
             self.tracer.record(sched, started, time.perf_counter(), self)
         return outputs
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_event_sink is not None:
+            events = self.block_manager.take_events()
+            if events:
+                self.kv_event_sink(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (KV events: ``AllBlocksCleared``); False while any
+        request holds blocks (nothing is then changed), as vLLM's reset."""
+        done = self.block_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return done
 
     def _execute(self, sched: SchedulerOutput) -> SampledTokens:
         """Run and sample the step. Fail-soft: if the batch raises, each request is run

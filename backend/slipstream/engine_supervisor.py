@@ -30,8 +30,11 @@ class EngineSupervisor:
                  on_give_up: Optional[Callable[[Health], None]] = None,
                  failure_threshold: int = DEFAULT_FAILURE_THRESHOLD, max_restarts: int = 3,
                  restart_window_s: float = 600.0, restart_backoff_s: float = 1.0,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
-        """``max_restarts`` restarts are allowed within ``restart_window_s``; the next death
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+                 engine_kwargs: Optional[dict] = None) -> None:
+        """``engine_kwargs`` go to every ``LLMEngine`` built (e.g. ``kv_event_sink``: the
+        sink outlives engines, so a consumer sees one stream across restarts).
+        ``max_restarts`` restarts are allowed within ``restart_window_s``; the next death
         calls ``on_give_up`` (on a supervisor thread) and leaves the engine dead. The n-th
         restart in the window waits ``restart_backoff_s * 2**(n-1)`` first."""
         self._config = config
@@ -42,6 +45,7 @@ class EngineSupervisor:
         self._max_restarts = max_restarts
         self._window = restart_window_s
         self._backoff = restart_backoff_s
+        self._engine_kwargs = dict(engine_kwargs or {})
         self._lock = threading.Lock()
         self._loop: Optional[EngineLoop] = None
         self._override: Optional[Health] = Health(HealthState.STARTING)  # else: the loop's
@@ -61,7 +65,8 @@ class EngineSupervisor:
         config = self._config() if callable(self._config) else self._config
         return EngineLoop(config, on_output=self._on_output, on_dead=self._on_dead,
                           failure_threshold=self._failure_threshold,
-                          step_timeout_s=self._step_timeout_s).start()
+                          step_timeout_s=self._step_timeout_s,
+                          **self._engine_kwargs).start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Hashable, Optional
 
+from slipstream.core.block_hash import BlockHasher, BlockKeySource, event_extra_keys
+from slipstream.core.kv_cache_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                             KVCacheEvent)
 from slipstream.core.request import Request
 
 NULL_BLOCK = 0
@@ -18,7 +21,7 @@ NULL_BLOCK = 0
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: Optional[int] = None  # set once the block is full and registered
+    block_hash: Optional[Hashable] = None  # set once the block is full and registered
     token_ids: tuple = ()
 
 
@@ -32,25 +35,19 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def chain_hash(parent: Optional[int], token_ids: tuple) -> int:
-    """A full block is identified by its tokens and everything before it."""
-    return hash((parent, token_ids))
-
-
-def root_hash(req: Request) -> Optional[int]:
-    """The parent of a request's first block: its LoRA adapter, since an adapter changes
-    every layer's K/V, so two adapters (or an adapter and the base model) never share blocks."""
-    name = req.params.lora_name
-    return None if name is None else hash(("lora", name))
-
-
 @dataclass
 class _PerRequest:
     block_hashes: list = field(default_factory=list)  # hashes of the request's full blocks
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hasher: Optional[BlockHasher] = None,
+                 lora_paths: Optional[dict[str, str]] = None, emit_events: bool = False) -> None:
+        """``hasher`` names full blocks (default: the fast built-in hash; vLLM's
+        ``sha256_cbor`` for KV events routers can match); ``lora_paths`` (adapter name ->
+        directory) goes into LoRA blocks' keys as vLLM puts it there. With ``emit_events``
+        every change to the set of cached hashes is queued for ``take_events``."""
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.block_size = block_size
@@ -63,6 +60,11 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.per_request: dict[str, _PerRequest] = {}
         self.stats = PrefixCacheStats()
+        self.hasher = hasher or BlockHasher()
+        self.lora_paths = dict(lora_paths or {})
+        # None: events off. A fresh cache is empty: say so, so that a consumer that saw an
+        # earlier engine (a restart) forgets its blocks.
+        self.events: Optional[list[KVCacheEvent]] = [AllBlocksCleared()] if emit_events else None
 
     # -- queries -------------------------------------------------------------------
     @property
@@ -91,10 +93,11 @@ class BlockManager:
             return []
         tokens = req.all_token_ids
         hits: list[int] = []
-        parent = root_hash(req)
+        keys = self._key_source(req)
+        parent = None
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
-            h = chain_hash(parent, chunk)
+            h = self.hasher.hash_block(parent, chunk, keys.extra_keys(len(hits)))
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
@@ -139,16 +142,40 @@ class BlockManager:
         state = self.per_request.setdefault(req.request_id, _PerRequest())
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
         tokens = req.all_token_ids
+        keys = self._key_source(req)
+        stored: list[int] = []  # indices of the blocks entering the cache now
         while len(state.block_hashes) < num_full:
             i = len(state.block_hashes)
-            parent = state.block_hashes[-1] if state.block_hashes else root_hash(req)
+            parent = state.block_hashes[-1] if state.block_hashes else None
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, chunk)
+            h = self.hasher.hash_block(parent, chunk, keys.extra_keys(i))
             state.block_hashes.append(h)
             block = self.blocks[req.block_table[i]]
             if block.block_hash is None and h not in self.hash_to_block:
                 block.block_hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
+                stored.append(i)
+        if self.events is not None and stored:
+            self._emit_stored(req, state.block_hashes, stored, keys)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's rule: only while no request holds a block).
+        False, and nothing changes, while any is held."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.hash_to_block.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call, oldest first ([] when events are off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> Optional[tuple[int, int]]:
         """Give ``child`` the parent's KV for its first ``num_tokens`` tokens: full blocks are
@@ -191,6 +218,31 @@ class BlockManager:
         assert NULL_BLOCK not in self.free
 
     # -- internals -----------------------------------------------------------------------
+    def _key_source(self, req: Request) -> BlockKeySource:
+        name = req.params.lora_name
+        return BlockKeySource(name, self.lora_paths.get(name) if name else None,
+                              req.params.cache_salt)
+
+    def _emit_stored(self, req: Request, hashes: list, stored: list[int],
+                     keys: BlockKeySource) -> None:
+        """One ``BlockStored`` per run of consecutive new blocks (a block already cached
+        under the same hash by another request breaks a run: its hash is not new)."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        size, tokens = self.block_size, req.all_token_ids
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(BlockStored(
+                block_hashes=tuple(hashes[first:last + 1]),
+                parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=tuple(tokens[first * size:(last + 1) * size]),
+                block_size=size, lora_name=req.params.lora_name,
+                extra_keys=tuple(event_extra_keys(keys.extra_keys(i)) for i in run)))
+
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -203,6 +255,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict from the prefix cache
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((block.block_hash,)))
             block.block_hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

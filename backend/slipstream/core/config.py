@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from slipstream.core.block_hash import HASH_ALGOS
+
 BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -47,6 +49,9 @@ class EngineConfig:
     # the prompt tokens that keep its predicted time within this many ms (0: off, every step
     # fills max_num_batched_tokens, which stays the hard limit either way).
     tpot_target_ms: float = 0.0
+    # How full blocks are named: "builtin" (fast) or vLLM's "sha256_cbor" (the hashes its KV
+    # events carry and KV-aware routers compute; chosen automatically with kv_events_config).
+    prefix_caching_hash_algo: str = "builtin"
 
     batching: str = "continuous"
     max_batch_size: int = 8  # static / dynamic batch size
@@ -111,6 +116,9 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got "
+                             f"{self.prefix_caching_hash_algo!r}")
         if self.attention_ops not in ATTENTION_OPS:
             raise ValueError(
                 f"attention_ops must be one of {ATTENTION_OPS}, got {self.attention_ops!r}")

@@ -74,6 +74,9 @@ class SamplingParams:
     best_of: Optional[int] = None  # sequences generated (>= n); the n most likely are returned
     detokenize: bool = True  # False: token ids only, empty text
     lora_name: Optional[str] = None  # the LoRA adapter to apply (engine's lora_modules name)
+    # vLLM's cache_salt: mixed into the first block's prefix-cache hash, so only requests
+    # with the same salt share cached KV (isolation between tenants).
+    cache_salt: Optional[str] = None
     # The output must match a JSON schema / regex / choice / grammar (a dict with vLLM's
     # field names is accepted and converted).
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -170,6 +173,9 @@ class SamplingParams:
             self.lora_name = None  # vllm_backend clients send "" for the base model
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise ValueError(f"lora_name must be a non-empty string, got {show(self.lora_name)}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {show(self.cache_salt)}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings are only supported when detokenize is True")
         if self.structured_outputs is not None:

@@ -22,6 +22,11 @@ from slipstream.server.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSI
                             TritonServerError, render_model_repository)
 
 DEMO_PROMPT = "What is the capital of France?"
+# tritonserver options `serve` sets from its own flags: --server-arg may not repeat them.
+OWNED_SERVER_OPTIONS = ("--model-repository", "--model-store", "--http-address", "--http-port",
+                        "--grpc-address", "--grpc-port", "--metrics-address", "--metrics-port",
+                        "--model-control-mode", "--load-model", "--exit-timeout-secs",
+                        "--backend-directory", "--log-verbose", "--log-file")
 
 
 # --------------------------------------------------------------------------- streaming client
@@ -128,6 +133,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-file", help="tritonserver log (default: a temp file; '-': stdout, "
                                       "as in a container)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--server-arg", action="append", default=[], metavar="--OPTION=VALUE",
+                   help="pass an option to tritonserver as is (repeatable), e.g. "
+                        "--server-arg=--log-format=ISO8601; the options serve sets itself "
+                        f"({', '.join(OWNED_SERVER_OPTIONS)}) are refused")
     p.add_argument("--vllm-alias", action="store_true",
                    help="also install the slipstream backend under the name 'vllm': a repository "
                         "written for Triton's vLLM backend (backend: \"vllm\", 1/model.json) "
@@ -138,6 +147,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "index) to every client that reaches the HTTP or gRPC port. Off by "
                         "default: only the launcher, with a random key, may use it (loading a "
                         "Python-backend model runs its code; an unload takes the model away)")
+
+
+def server_args(values: list[str]) -> list[str]:
+    """``--server-arg`` values, checked: each one ``--option[=value]``, none that serve owns
+    (ports and addresses come from its own flags; the model-control mode is how it stops
+    Triton cleanly)."""
+    for value in values:
+        name = value.split("=", 1)[0]
+        if not name.startswith("--"):
+            raise SystemExit(f"--server-arg {value!r}: give tritonserver options as "
+                             "--server-arg=--name=value")
+        if name in OWNED_SERVER_OPTIONS:
+            raise SystemExit(f"--server-arg {name}: set by slipstream serve itself; use its "
+                             "own flags (--host, --http-port, --model-repository, ...)")
+    return list(values)
 
 
 class _Stop(Exception):
@@ -212,6 +236,7 @@ def _start_first(server: TritonServer) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    extra_args = server_args(args.server_arg)
     overrides = parse_sets(args.set)
     if args.model:
         overrides["model"] = args.model
@@ -231,7 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           startup_timeout=args.startup_timeout, log_path=args.log_file,
                           log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
                           models=names, backend_aliases=aliases,
-                          open_model_control=args.allow_model_control)
+                          open_model_control=args.allow_model_control, extra_args=extra_args)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     openai_api = None

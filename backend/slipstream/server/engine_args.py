@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from slipstream.core.block_hash import HASH_ALGOS
+
 MODEL_JSON = "model.json"
 log = logging.getLogger("slipstream")
 # Keys vLLM once accepted and has since removed; old model.json files (vllm_backend's own
@@ -38,6 +40,7 @@ class EngineArgs:
     engine: dict = field(default_factory=dict)  # EngineConfig settings (name -> value)
     disable_log_stats: bool = False
     max_logprobs: Optional[int] = None
+    kv_events_config: Any = None  # vLLM's KVEventsConfig fields (a JSON object or its text)
 
 
 def _same(name: str) -> Callable[[Any], dict]:
@@ -85,6 +88,14 @@ def _scheduling_policy(value: Any) -> dict:
     return {"policy": policies[value]}
 
 
+def _hash_algo(value: Any) -> dict:
+    # vLLM's sha256 (pickle) and xxhash digests depend on its own pickling: not reproduced.
+    if value not in HASH_ALGOS:
+        raise ValueError(f"prefix_caching_hash_algo={value!r} is not supported, only "
+                         f"{' and '.join(HASH_ALGOS)} are")
+    return {"prefix_caching_hash_algo": value}
+
+
 def _speculative_config(value: Any) -> dict:
     if isinstance(value, str):
         value = json.loads(value)
@@ -126,6 +137,7 @@ MAPPED: dict = {
     "max_model_len": _same("max_model_len"),
     "max_num_seqs": _same("max_num_seqs"),
     "max_num_batched_tokens": _same("max_num_batched_tokens"),
+    "prefix_caching_hash_algo": _hash_algo,
     "enable_prefix_caching": lambda v: {"enable_prefix_caching": _flag(v, "enable_prefix_caching")},
     "enable_chunked_prefill": lambda v: {"enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
     "enforce_eager": lambda v: {"enable_cuda_graphs": not _flag(v, "enforce_eager")},
@@ -166,7 +178,7 @@ WHY_FIXED = {
 NO_EFFECT = {"served_model_name", "disable_log_requests", "enable_log_requests",
              "distributed_executor_backend", "disable_custom_all_reduce", "max_seq_len_to_capture",
              "max_cpu_loras"}
-SERVER_OPTIONS = {"disable_log_stats", "max_logprobs"}
+SERVER_OPTIONS = {"disable_log_stats", "max_logprobs", "kv_events_config"}
 
 
 def read_model_json(version_dir: Path) -> Optional[dict]:
@@ -212,6 +224,8 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
     elif key in REMOVED_IN_VLLM:
         log.warning("model.json: %s=%r is accepted and has no effect: %s", key, value,
                     REMOVED_IN_VLLM[key])
+    elif key == "kv_events_config":
+        result.kv_events_config = value
     elif key not in NO_EFFECT:
         raise ValueError(f"unknown or unsupported engine argument {key!r} (supported: "
                          f"{', '.join(sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS))})")

@@ -291,12 +291,15 @@ def set_parameters(config_pbtxt: str, overrides: Mapping[str, object]) -> str:
 
 def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] = None,
                             models: Optional[Sequence[str]] = None) -> Path:
-    """Copy model repository ``src`` to ``dst`` with config ``parameters`` replaced.
+    """Mirror model repository ``src`` at ``dst`` with config ``parameters`` replaced.
 
-    ``overrides`` apply to every model of the repository (or only to ``models``). A ``model``
-    override that names an existing directory is made absolute.
+    Only each model's ``config.pbtxt`` is copied (and rewritten); every other file is a
+    symbolic link to its source, so weights in the repository cost no space where it is
+    rendered (a container's /tmp is small). ``overrides`` apply to every model of the
+    repository (or only to ``models``). A ``model`` override that names an existing
+    directory is made absolute.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src).resolve(), Path(dst)
     if not src.is_dir():
         raise FileNotFoundError(f"model repository {src} does not exist")
     overrides = dict(overrides or {})
@@ -305,13 +308,29 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
         overrides["model"] = str(Path(model).resolve())
     if dst.exists():
         shutil.rmtree(dst)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    _mirror(src, dst)
     for config in sorted(dst.glob("*/config.pbtxt")):
         if models is not None and config.parent.name not in models:
             continue
         if overrides:
             config.write_text(set_parameters(config.read_text(), overrides))
     return dst
+
+
+def _mirror(src: Path, dst: Path) -> None:
+    """Directories recreated, models' config.pbtxt copied, every other file linked."""
+    for here, dirs, files in os.walk(src, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        rel = Path(here).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            if name.endswith(".pyc"):
+                continue
+            source = Path(here) / name
+            if name == "config.pbtxt" and len(rel.parts) == 1:
+                shutil.copyfile(source, dst / rel / name)
+            else:
+                (dst / rel / name).symlink_to(source.resolve())
 
 
 # --------------------------------------------------------------------------- the server

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from slipstream.server import llmapi_interface
+from slipstream.kv_events.config import KVEventsConfig
 from slipstream.server.engine_args import read_model_json, resolve_model, translate
 from slipstream.server.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
@@ -138,6 +139,7 @@ class ModelSettings:
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
     interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (llmapi_interface.py)
+    kv_events: Optional[KVEventsConfig] = None  # set when KV events are published
 
 
 def auto_complete(config):
@@ -227,6 +229,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     # A server refuses work it cannot start soon instead of queueing without bound
     # (model.json or the config may still say 0: unbounded).
     engine.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
+    kv_events = _kv_events(server["kv_events_config"] or vllm_args.kv_events_config, engine)
     own_layout = backend == "python"
     # On by default except under the vllm alias, which keeps Triton vLLM backend's default
     # (off) for repositories written for it: routers and dashboards read these series.
@@ -247,7 +250,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         step_timeout_s=float(server["step_timeout_s"]),
         max_request_seconds=float(server["max_request_seconds"]),
         compatibility=_compatibility(server["compatibility"]),
-        interface=_interface(server["interface"]))
+        interface=_interface(server["interface"]), kv_events=kv_events)
 
 
 def _interface(value: str) -> str:
@@ -255,6 +258,20 @@ def _interface(value: str) -> str:
     if value not in ("", "llmapi"):
         raise ValueError(f"interface must be \"llmapi\" or left out, got {value!r}")
     return value
+
+
+def _kv_events(value, engine: dict) -> Optional[KVEventsConfig]:
+    """The events config when events are on; they need vLLM's block hashes, which become the
+    default (an explicit ``builtin`` is refused)."""
+    config = KVEventsConfig.parse(value)
+    if config is None or not config.enabled:
+        return None
+    algo = str(engine.get("prefix_caching_hash_algo") or "sha256_cbor")
+    if algo != "sha256_cbor":
+        raise ValueError("kv_events_config: KV events carry vLLM's block hashes, which need "
+                         f"prefix_caching_hash_algo sha256_cbor, not {algo!r}")
+    engine["prefix_caching_hash_algo"] = algo
+    return config
 
 
 def _compatibility(value: str) -> str:

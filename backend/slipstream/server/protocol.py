@@ -499,6 +499,7 @@ SERVER_PARAMETERS = {
     "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
     "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
     "interface": "",  # "llmapi": TensorRT-LLM's LLM-API model's inputs and outputs
+    "kv_events_config": "",  # vLLM's KVEventsConfig as JSON (slipstream/kv_events/config.py)
 }
 
 

@@ -114,11 +114,18 @@ class TritonPythonModel:
         self.max_queue_size = engine_config.max_queue_size
         # the adapters a request's lora_name may pick (None: LoRA off)
         self.lora_names = list(engine_config.lora_modules) if engine_config.enable_lora else None
-        self.loop = EngineSupervisor(
-            engine_config, on_output=self.wake.set, on_give_up=self._give_up,
-            failure_threshold=settings.engine_failure_threshold,
-            max_restarts=settings.max_engine_restarts,
-            step_timeout_s=settings.step_timeout_s).start()
+        self.kv_events = self._make_kv_events(settings, engine_config)
+        engine_kwargs = {"kv_event_sink": self.kv_events.publish} if self.kv_events else {}
+        try:
+            self.loop = EngineSupervisor(
+                engine_config, on_output=self.wake.set, on_give_up=self._give_up,
+                failure_threshold=settings.engine_failure_threshold,
+                max_restarts=settings.max_engine_restarts, step_timeout_s=settings.step_timeout_s,
+                engine_kwargs=engine_kwargs).start()
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
+            raise
         self.watchdog = Watchdog.start()
         self.drain_grace = max(triton_exit_timeout() - DRAIN_MARGIN_S, 0.0)
         self.stop_probe = HttpStopProbe()
@@ -132,6 +139,16 @@ class TritonPythonModel:
                                               daemon=True)
         self.sender_thread.start()
         self.logger.log_info(f"slipstream engine ready: {settings.engine}")
+
+    @staticmethod
+    def _make_kv_events(settings, engine_config):
+        if settings.kv_events is None:
+            return None
+        from slipstream.kv_events.publisher import KVEventPublisher
+
+        # vLLM numbers adapters from 1 in the order they are configured (lora_id).
+        lora_ids = {name: i + 1 for i, name in enumerate(engine_config.lora_modules)}
+        return KVEventPublisher(settings.kv_events, lora_ids=lora_ids)
 
     def _make_metrics(self, args, engine_config):
         if not self.settings.report_metrics:
@@ -471,6 +488,8 @@ class TritonPythonModel:
         started = time.monotonic()
         self.logger.log_info("slipstream: finalize, stopping the engine")
         self.loop.shutdown()  # aborts what is left: every stream ends, the sender sends FINAL
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.stopping = True
         self.wake.set()
         self.sender_thread.join(timeout=30)
