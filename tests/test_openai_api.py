@@ -628,3 +628,36 @@ def test_vllm_bench_serve_openai_chat_completes_every_request(frontend, tmp_path
     assert result["completed"] == 8 and result.get("failed", 0) == 0, result
     assert result["total_output_tokens"] == 8 * 8
     assert "Request goodput (req/s):" in out.stdout and result["request_goodput"] > 0
+
+
+def test_chat_render_returns_the_prompt_tokens_the_engine_prefills(frontend, client):
+    # vllm-router's kv_aware policy matches these ids against the replica's KV events
+    messages = [{"role": "user", "content": QUESTION}]
+    status, body = post(frontend, "/v1/chat/completions/render",
+                        {"model": MODEL, "messages": messages})
+    assert status == 200, body
+    tokenizer = tokenizer_of()
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert body["token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == len(body["token_ids"])
+
+
+def test_completion_render_returns_one_token_list_per_prompt(frontend, client):
+    status, body = post(frontend, "/v1/completions/render",
+                        {"model": MODEL, "prompt": [PROMPT, QUESTION]})
+    assert status == 200, body
+    assert [len(r["token_ids"]) for r in body] == [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens
+        for p in (PROMPT, QUESTION)]
+
+
+def test_router_added_fields_do_not_change_the_answer(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           temperature=0)
+    routed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"no_stop_trim": True, "separate_reasoning": True, "stream_reasoning": True,
+                    "return_hidden_states": False, "include_reasoning": True})
+    assert routed.choices[0].message.content == plain.choices[0].message.content

@@ -112,3 +112,23 @@ def test_add_special_tokens_is_a_request_option_of_the_backend():
                                                               dtype=np.object_)})
     assert parsed({}).options.add_special_tokens is True
     assert parsed({"add_special_tokens": False}).options.add_special_tokens is False
+
+
+ROUTER_FIELDS = {"no_stop_trim": True, "separate_reasoning": True, "stream_reasoning": True,
+                 "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_the_fields_routers_add_are_accepted_and_change_no_sampling_parameter():
+    # vllm-router and sglang-router add these to every request they forward
+    plain = ChatCompletionRequest(**CHAT, max_tokens=4)
+    routed = ChatCompletionRequest(**CHAT, max_tokens=4, **ROUTER_FIELDS)
+    routed.check()
+    assert routed.sampling_parameters() == plain.sampling_parameters()
+    completion = CompletionRequest(model="m", prompt="p", **ROUTER_FIELDS)
+    assert completion.sampling_parameters() == CompletionRequest(
+        model="m", prompt="p").sampling_parameters()
+
+
+def test_cache_salt_reaches_the_engine_as_a_sampling_parameter():
+    body = ChatCompletionRequest(**CHAT, cache_salt="tenant-a")
+    assert body.sampling_parameters()["cache_salt"] == "tenant-a"

@@ -177,6 +177,8 @@ class OpenAIApp:
         app.get("/v1/models/{model_id:path}")(self.get_model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/completions/render")(self.render_completion)
+        app.post("/v1/chat/completions/render")(self.render_chat)
         app.get("/metrics")(self.metrics)
         return app
 
@@ -283,6 +285,26 @@ class OpenAIApp:
             return Response(status_code=499)
         return JSONResponse(json.loads(out.dump(out.chat_completion(
             rid, target.id, answer, bool(body.logprobs)))))
+
+    # ------------------------------------------------------------------ render (vLLM's)
+    # KV-aware routers (vllm-router's kv_aware) ask a worker for a request's prompt tokens
+    # here and match them against the blocks its KV events announced: the ids are the ones
+    # the engine will see for the same request.
+    async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        body.check()
+        target = self._target(body.model)
+        prompt = await asyncio.to_thread(self._render, target, body)
+        # chat prompts carry their special tokens in the template (add_special_tokens off)
+        ids = target.model.tokenizer(prompt, add_special_tokens=bool(body.add_special_tokens))
+        return {"request_id": out.new_id("render"), "token_ids": ids["input_ids"]}
+
+    async def render_completion(self, body: CompletionRequest) -> list[dict[str, Any]]:
+        body.check()
+        target = self._target(body.model)
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return [{"request_id": out.new_id("render"),
+                 "token_ids": target.model.tokenizer(p, add_special_tokens=special)["input_ids"]}
+                for p in body.prompts()]
 
     @staticmethod
     def _render(target: Target, body: ChatCompletionRequest) -> str:

@@ -26,7 +26,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
                    "response_format", "structured_outputs", "guided_json", "guided_regex",
                    "guided_choice", "guided_grammar", "guided_json_object",
                    "guided_whitespace_pattern", "guided_decoding_backend", "priority",
-                   "add_special_tokens")
+                   "add_special_tokens", "cache_salt")
 
 
 def _unset(value: Any) -> bool:
@@ -111,6 +111,15 @@ class _Sampling(BaseModel):
     guided_decoding_backend: Optional[str] = None  # one grammar library here: no effect
     priority: Optional[int] = None
     add_special_tokens: Optional[bool] = None
+    cache_salt: Optional[str] = None  # vLLM's: only requests with the same salt share a prefix
+    # What routers add to every request they forward (vllm-router and sglang-router send
+    # SGLang's fields): accepted with no effect, as vLLM's server ignores them. They change
+    # nothing a non-reasoning model returns; without them a router's traffic would be refused.
+    no_stop_trim: Optional[bool] = None
+    separate_reasoning: Optional[bool] = None
+    stream_reasoning: Optional[bool] = None
+    return_hidden_states: Optional[bool] = None
+    include_reasoning: Optional[bool] = None
     # refused unless a no-op (REFUSED)
     prompt_logprobs: Optional[int] = None
     use_beam_search: Optional[bool] = None
