@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.server.cli import OWNED_SERVER_OPTIONS, server_args
-from slipstream.server.launcher import read_parameters, render_model_repository
+from slipstream.server.launcher import LINK_FROM_BYTES, read_parameters, render_model_repository
 from support import need_tritonserver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,11 +21,12 @@ def write_repo(root: Path) -> Path:
     (model / "1" / "weights").mkdir(parents=True)
     (model / "config.pbtxt").write_text('name: "llm"\nbackend: "slipstream"\n')
     (model / "1" / "model.json").write_text('{"model": "./weights"}')
-    (model / "1" / "weights" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (model / "1" / "weights" / "model.safetensors").write_bytes(b"\0" * LINK_FROM_BYTES)
+    (model / "1" / "model.py").write_text("# the source's model.py\n")
     return root / "repo"
 
 
-def test_render_copies_only_config_and_links_every_other_file(tmp_path):
+def test_render_copies_small_files_and_links_large_ones(tmp_path):
     src = write_repo(tmp_path)
     out = render_model_repository(src, tmp_path / "out", {"max_num_seqs": 4})
     config = out / "llm" / "config.pbtxt"
@@ -34,7 +35,7 @@ def test_render_copies_only_config_and_links_every_other_file(tmp_path):
     weights = out / "llm" / "1" / "weights" / "model.safetensors"
     assert weights.is_symlink() and weights.resolve() == \
         (src / "llm" / "1" / "weights" / "model.safetensors").resolve()
-    assert (out / "llm" / "1" / "model.json").is_symlink()
+    assert not (out / "llm" / "1" / "model.json").is_symlink()
     assert (out / "llm" / "1" / "weights").is_dir() and not (out / "llm" / "1" /
                                                             "weights").is_symlink()
     # the source is left as it was
@@ -45,9 +46,18 @@ def test_render_again_replaces_the_previous_rendering_not_the_source(tmp_path):
     src = write_repo(tmp_path)
     render_model_repository(src, tmp_path / "out", {"max_num_seqs": 4})
     render_model_repository(src, tmp_path / "out", {"max_num_seqs": 8})
-    assert (src / "llm" / "1" / "weights" / "model.safetensors").stat().st_size == 4096
+    assert (src / "llm" / "1" / "weights" / "model.safetensors").stat().st_size == \
+        LINK_FROM_BYTES
     assert read_parameters((tmp_path / "out" / "llm" / "config.pbtxt").read_text()) == {
         "max_num_seqs": "8"}
+
+
+def test_writing_a_file_of_a_rendering_leaves_the_source_as_it_was(tmp_path):
+    # tests and benchmarks write their own model.py into a rendered repository
+    src = write_repo(tmp_path)
+    out = render_model_repository(src, tmp_path / "out", {"max_num_seqs": 4})
+    (out / "llm" / "1" / "model.py").write_text("# a test's fault-injecting model.py\n")
+    assert (src / "llm" / "1" / "model.py").read_text() == "# the source's model.py\n"
 
 
 def test_server_args_pass_options_and_refuse_what_serve_sets():

@@ -293,9 +293,10 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
                             models: Optional[Sequence[str]] = None) -> Path:
     """Mirror model repository ``src`` at ``dst`` with config ``parameters`` replaced.
 
-    Only each model's ``config.pbtxt`` is copied (and rewritten); every other file is a
-    symbolic link to its source, so weights in the repository cost no space where it is
-    rendered (a container's /tmp is small). ``overrides`` apply to every model of the
+    Files below ``LINK_FROM_BYTES`` (configs, ``model.py``, ``model.json``) are copied, so a
+    rendering is a private copy its caller may edit (tests write their own ``model.py``);
+    larger files are symbolic links to their source, so weights in the repository cost no
+    space where it is rendered (a container's /tmp is small). ``overrides`` apply to every model of the
     repository (or only to ``models``). A ``model`` override that names an existing
     directory is made absolute.
     """
@@ -317,8 +318,11 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
     return dst
 
 
+LINK_FROM_BYTES = 1 << 20  # files this large or larger are linked, not copied
+
+
 def _mirror(src: Path, dst: Path) -> None:
-    """Directories recreated, models' config.pbtxt copied, every other file linked."""
+    """Directories recreated, small files copied, large ones linked."""
     for here, dirs, files in os.walk(src, followlinks=True):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         rel = Path(here).relative_to(src)
@@ -327,7 +331,7 @@ def _mirror(src: Path, dst: Path) -> None:
             if name.endswith(".pyc"):
                 continue
             source = Path(here) / name
-            if name == "config.pbtxt" and len(rel.parts) == 1:
+            if source.stat().st_size < LINK_FROM_BYTES:
                 shutil.copyfile(source, dst / rel / name)
             else:
                 (dst / rel / name).symlink_to(source.resolve())
