@@ -53,6 +53,9 @@ def test_rotary_kernel_refuses_an_odd_head_dim_with_a_clear_error():
 
 
 def test_the_lean_forward_of_an_fp32_model_uses_the_kernel_and_a_bf16_one_torch():
-    model = torch.nn.Linear(2, 2)
+    # the activations' dtype is the final norm's (reduced weights keep fp32 activations)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.norm = torch.nn.LayerNorm(2)
     assert fast_forward._rotary_for(model) is fast_forward._kernel_rotary
     assert fast_forward._rotary_for(model.to(torch.bfloat16)) is fast_forward._torch_rotary

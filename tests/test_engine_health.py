@@ -46,10 +46,10 @@ def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
     original = engine._tokenize
     release = threading.Event()
 
-    def slow(prompt, apply_chat_template=False):  # runs holding the tokenizer's lock
+    def slow(prompt, *args, **kwargs):  # runs holding the tokenizer's lock
         if isinstance(prompt, str) and prompt.startswith("slow"):
             release.wait(10)
-        return original(prompt, apply_chat_template)
+        return original(prompt, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_tokenize", slow)
     started = time.perf_counter()
@@ -67,7 +67,7 @@ def test_abort_before_the_engine_has_the_request(loop, monkeypatch):
     original = engine._tokenize
     gate = threading.Event()
     monkeypatch.setattr(engine, "_tokenize",
-                        lambda p, c=False: (gate.wait(10), original(p, c))[1])
+                        lambda p, *a, **k: (gate.wait(10), original(p, *a, **k))[1])
     first = loop.submit("blocked one", SamplingParams(max_tokens=50, **GREEDY))
     second = loop.submit("blocked two", SamplingParams(max_tokens=50, **GREEDY))
     loop.abort(second.request_id)
