@@ -21,7 +21,9 @@ from test_server import OVERRIDES, REPO, http_post, tiny_model  # noqa: E402,F40
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
 UNARY = "slipstream_unary"
-LONG = json.dumps({"temperature": 0, "max_tokens": 40, "ignore_eos": True})
+# long enough that both held requests are still there when the third arrives (a 40-token
+# request on the tiny model ended within the 0.3 s between submissions on an idle machine)
+LONG = json.dumps({"temperature": 0, "max_tokens": 1000, "ignore_eos": True})
 RETRY = "retry after 1 s"
 
 
