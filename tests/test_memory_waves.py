@@ -3,12 +3,16 @@ tritonserver leave no per-request Python objects behind in the stub, and its hea
 (``benchmarks/memory_waves.py`` is the full measurement, docs/robustness.md its figures)."""
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
-import memory_waves  # noqa: E402 - benchmarks/ is on PYTHONPATH
+# benchmarks/memory_waves.py is a script beside the benchmark packages, not an installed module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import memory_waves  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")

@@ -249,14 +249,8 @@ class OpenAIApp:
         if body.stream:
             return await self._stream(request, reqs, self._completion_events(
                 rid, target.id, body, prompts, n))
-        answer = out.Answer()
-
-        async def collect():
-            async for i, step in merged(self.generator, reqs):
-                self._absorb(answer, i, n, step)
-        try:
-            await _unless_disconnected(request, collect())
-        except _ClientGone:
+        answer = await self._answer(request, reqs, n)
+        if answer is None:
             return Response(status_code=499)
         if body.echo:
             for index, choice in answer.choices.items():
@@ -274,17 +268,26 @@ class OpenAIApp:
         rid = out.new_id("chatcmpl")
         if body.stream:
             return await self._stream(request, reqs, self._chat_events(rid, target.id, body, n))
+        answer = await self._answer(request, reqs, n)
+        if answer is None:
+            return Response(status_code=499)
+        return JSONResponse(json.loads(out.dump(out.chat_completion(
+            rid, target.id, answer, bool(body.logprobs)))))
+
+    async def _answer(self, request: Request, reqs: list[GenerateRequest],
+                      n: int) -> Optional[out.Answer]:
+        """Every choice of a non-streamed request, or None if the client left first (its
+        generations are cancelled)."""
         answer = out.Answer()
 
-        async def collect():
+        async def collect() -> None:
             async for i, step in merged(self.generator, reqs):
                 self._absorb(answer, i, n, step)
         try:
             await _unless_disconnected(request, collect())
         except _ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(json.loads(out.dump(out.chat_completion(
-            rid, target.id, answer, bool(body.logprobs)))))
+            return None
+        return answer
 
     # ------------------------------------------------------------------ render (vLLM's)
     # KV-aware routers (vllm-router's kv_aware) ask a worker for a request's prompt tokens
