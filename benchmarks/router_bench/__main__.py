@@ -19,6 +19,7 @@ from pathlib import Path
 
 from router_bench import client, conversations, replicas as fleet, report, routers
 from slipstream.server.launcher import free_port
+from slipstream_bench.runner import cpu_info
 
 DEFAULT_ROUTERS = Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream")) \
     / "routers"
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     convs = conversations.make_conversations(tokenizer, spec)
     rows = [run_policy(key, args, convs, spec.max_tokens, out, tokenizer_dir)
             for key in args.policies.split(",") if key]
-    cpu = _cpu_model()
+    cpu = cpu_info()["cpu_model"] or "unknown CPU"
     title = (f"{args.replicas} Slipstream replicas (1 core each) behind each router; "
              f"{spec.describe()}; {cpu}")
     results = {"workload": spec.as_dict(), "description": spec.describe(), "cpu": cpu,
@@ -138,16 +139,6 @@ def main(argv=None) -> int:
     report.plot(rows, out / "router_bench.png", title)  # report.replot redraws it
     print(report.table(rows))
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
