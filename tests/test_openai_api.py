@@ -21,7 +21,7 @@ from lora_support import adapter_dir
 from slipstream.server.launcher import TritonServer
 from slipstream.server.openai.frontend import OpenAIFrontend
 from support import http_generate, need_tritonserver
-from vllm_backend_support import tokenizer_of, write_model
+from vllm_backend_support import FAILING_HEALTH_MODEL_PY, tokenizer_of, write_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,21 +30,6 @@ QUEUED = "tiny_queue1"  # one running request, one waiting: the third is refused
 SICK = "sick"  # its engine check fails from the second batch on (ENABLE_VLLM_HEALTH_CHECK)
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
-SICK_MODEL_PY = '''
-import os, sys
-for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-    if _path and _path not in sys.path:
-        sys.path.insert(0, _path)
-from slipstream.server.triton_model import TritonPythonModel as _Adapter
-
-
-class TritonPythonModel(_Adapter):
-    checks = 0
-
-    def _engine_problem(self):
-        type(self).checks += 1
-        return "Simulated engine check_health() failure" if self.checks > 1 else None
-'''
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +43,7 @@ def repo(tmp_path_factory):
         json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"}))
     write_model(repo, QUEUED, parameters={"max_queue_size": "1", "max_num_seqs": "1",
                                           "metrics_interval_ms": "100"})
-    write_model(repo, SICK, backend="python", model_py=SICK_MODEL_PY,
+    write_model(repo, SICK, backend="python", model_py=FAILING_HEALTH_MODEL_PY,
                 parameters={"ENABLE_VLLM_HEALTH_CHECK": "true"})
     return repo
 

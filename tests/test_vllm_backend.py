@@ -26,8 +26,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.server.launcher import TritonServer  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
-from vllm_backend_support import (SAMPLING_PARAMETERS, VLLM_DEFAULT_MAX_TOKENS,  # noqa: E402
-                                  bool_input, create_vllm_request, hf_completion,
+from vllm_backend_support import (FAILING_HEALTH_MODEL_PY, SAMPLING_PARAMETERS,  # noqa: E402
+                                  VLLM_DEFAULT_MAX_TOKENS, bool_input, create_vllm_request, hf_completion,
                                   hf_stream_pieces, parse_vllm_metrics, stream_requests,
                                   tokenizer_of, write_model)
 
@@ -40,23 +40,6 @@ MODEL = "vllm_opt"
 # (vllm_metrics also has the health check on: upstream's health_check_enabled configuration).
 STARTUP_MODELS = [MODEL, "vllm_metrics", "vllm_metrics_false", "vllm_log_stats_off",
                   "vllm_failing_unchecked", "vllm_failing_checked"]
-# The engine fails its health check from the second check on: vllm_backend's CI mocks vLLM's
-# check_health() the same way (L0_check_health_vllm/test.sh).
-FAILING_HEALTH_MODEL_PY = '''
-import os, sys
-for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-    if _path and _path not in sys.path:
-        sys.path.insert(0, _path)
-from slipstream.server.triton_model import TritonPythonModel as _Adapter
-
-
-class TritonPythonModel(_Adapter):
-    checks = 0
-
-    def _engine_problem(self):
-        type(self).checks += 1
-        return "Simulated engine check_health() failure" if self.checks > 1 else None
-'''
 ADD_SUB_MODEL_PY = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils

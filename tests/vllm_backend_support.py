@@ -24,6 +24,25 @@ SAMPLING_PARAMETERS = {"temperature": "0", "top_p": "1"}
 VLLM_DEFAULT_MAX_TOKENS = 16
 
 
+# The engine fails its health check from the second check on: vllm_backend's CI mocks vLLM's
+# check_health() the same way (L0_check_health_vllm/test.sh).
+FAILING_HEALTH_MODEL_PY = '''
+import os, sys
+for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if _path and _path not in sys.path:
+        sys.path.insert(0, _path)
+from slipstream.server.triton_model import TritonPythonModel as _Adapter
+
+
+class TritonPythonModel(_Adapter):
+    checks = 0
+
+    def _engine_problem(self):
+        type(self).checks += 1
+        return "Simulated engine check_health() failure" if self.checks > 1 else None
+'''
+
+
 def write_model(repo: Path, name: str, *, model_json: Optional[dict] = None,
                 parameters: Optional[dict] = None, backend: str = "slipstream",
                 model_py: Optional[str] = None) -> Path:
