@@ -1,9 +1,13 @@
 """CPU linear layouts: every layout computes the stock product (to float rounding)."""
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_linear import CpuLinear, onednn_available, prepare_linears
+from slipstream.worker.cpu_linear import (CpuLinear, bucketed_rows, onednn_available,
+                                          prepare_linears)
 
 
 def _model(bias: bool) -> torch.nn.Module:
@@ -34,3 +38,50 @@ def test_onednn_layout_runs_packed_weights():
     assert all("forward" in vars(m) for m in model)  # the packed product replaced forward
     with pytest.raises(ValueError):
         prepare_linears(model, "mkl")
+
+
+def test_row_counts_run_at_forty_shapes_with_under_16_rows_or_an_eighth_of_padding():
+    shapes = {bucketed_rows(rows) for rows in range(1, 2049)}
+    assert len(shapes) == 40
+    for rows in range(1, 2049):
+        padded = bucketed_rows(rows)
+        assert 0 <= padded - rows < max(16, rows / 8), rows
+
+
+def _heap_mb() -> float:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_packed_layer_over_hundreds_of_row_counts_keeps_its_heap_small():
+    """oneDNN caches a compiled primitive per product shape (~0.5 MB each here): run at every
+    row count, 600 prompt lengths grew the heap by ~350 MB (the server's per-wave growth)."""
+    if not onednn_available():
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 1536, bias=False)
+    prepare_linears(layer, "onednn")
+    with torch.no_grad():
+        layer(torch.randn(300, 576))  # the first call's one-off allocations
+        before = _heap_mb()
+        for rows in range(65, 665):
+            layer(torch.randn(rows, 576))
+    assert _heap_mb() - before < 60
+
+
+@pytest.mark.parametrize("rows", [65, 129, 1000])
+def test_padded_rows_leave_the_real_rows_unchanged(rows):
+    if not onednn_available():
+        pytest.skip("torch built without oneDNN")
+    model = _model(bias=True)
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        want = model[1](model[0](x))
+        prepare_linears(model, "onednn")
+        got = model(x)
+    assert got.shape == (rows, 40)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

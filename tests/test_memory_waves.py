@@ -29,5 +29,7 @@ def test_waves_of_requests_leave_no_objects_behind_and_the_heap_levels_off(tmp_p
     # After the first wave (imports, caches warming) fewer new Python objects than requests
     # survive a wave: nothing is kept per request.
     assert all(grown < CONCURRENCY for grown in figures["objects_grown"][1:]), figures
-    heap = [m["RssAnon"] for m in figures["memory_mb_trimmed"]]
-    assert heap[-1] - heap[1] < 10, heap  # MB over two waves of 40 requests
+    # The heap as the server holds it: after malloc_trim the figure climbs towards this one
+    # while glibc's free lists fragment (a fill, not a leak), so it is not the one to watch.
+    heap = [m["RssAnon"] for m in figures["memory_mb"]]
+    assert max(heap[2:]) - heap[1] < 10, heap  # MB over two waves of 40 requests

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.worker.ops import cpu_kernels
+from slipstream.worker.cpu_linear import padded_product
 
 log = logging.getLogger("slipstream")
 
@@ -123,8 +124,9 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
         plan.packed = torch.ops.mkldnn._reorder_linear_weight(plan.plain, 64)
         plan.plain = None
     if plan.packed is not None:
-        y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), plan.packed, None,
-                                               "none", [], "").float()
+        packed = plan.packed
+        y = padded_product(x2.to(torch.bfloat16), lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, packed, None, "none", [], "")).float()
         if plan.bias is not None:
             y.add_(plan.bias)
     elif 0 < rows <= plan.kernel_rows:
@@ -132,7 +134,7 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
             x2 = x2.contiguous()
         y = torch.ops.slipstream_cpu.weight_gemm(x2, plan.plain, plan.scales, plan.bias)
     else:
-        y = _wide_product(plan, x2)
+        y = padded_product(x2, lambda rows: _wide_product(plan, rows))
     return y.view(*x.shape[:-1], plan.out_features)
 
 
