@@ -22,4 +22,4 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     values = dict(_ARCHS[arch])
     model_type = values.pop("model_type")
     values.update(overrides)
-    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **values)
+    return AutoConfig.for_model(str(model_type), vocab_size=vocab_size, **values)

@@ -9,7 +9,7 @@ ends. ``static`` always computes ``max_batch_size`` rows (empty slots are paddin
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from slipstream.core.lora_limit import adapters_of, fits
 from slipstream.core.request import Request, RequestStatus
@@ -18,7 +18,7 @@ from slipstream.core.scheduler_output import BatchPadding, ScheduledRequest, Sch
 
 
 class BatchScheduler(SchedulerBase):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.dynamic = self.config.batching == "dynamic"
         self.batch: list[Request] = []  # the batch in flight, finished rows included
@@ -55,7 +55,8 @@ class BatchScheduler(SchedulerBase):
             return False
         now = time.monotonic()
         if self.dynamic and len(self.waiting) < self.config.max_batch_size:
-            if now < self.next_wakeup():
+            release = self.next_wakeup()  # set: no batch in flight, requests waiting
+            if release is not None and now < release:
                 return False
         ordered = sorted(self.waiting, key=lambda r: self.key(r, now))
         for req in ordered:

@@ -27,6 +27,9 @@ from typing import Union
 
 from slipstream.core.request import FinishReason
 
+# a continuation: (total log-probability, parent slot, token, its log-probability)
+Candidate = tuple[float, int, int, float]
+
 UNREACHABLE = -1.0e9  # a score that no real continuation can have (Hugging Face's value)
 EarlyStopping = Union[bool, str]
 
@@ -96,7 +99,7 @@ class BeamSearch:
                          for lp, tok in zip(lps, toks)),
                         key=lambda c: -c[0])[:self.num_candidates]
         self.candidates = {}
-        running = []
+        running: list[Candidate] = []
         finished = []
         for rank, (total, slot, tok, lp) in enumerate(ranked):
             stops = tok in self.stop_ids
@@ -121,7 +124,7 @@ class BeamSearch:
         merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
         self.hypotheses = merged[:self.width]
 
-    def _seat(self, running: list[tuple[float, int, int, float]]) -> list[Move]:
+    def _seat(self, running: list[Candidate]) -> list[Move]:
         """Slots for the next beams: a beam's first continuation stays in its slot, others
         take the slots of beams no continuation kept."""
         parents = {slot for _, slot, _, _ in running}
@@ -138,7 +141,7 @@ class BeamSearch:
             self.logprobs[m.slot] = old_logprobs[m.parent] + [m.logprob]
         return moves
 
-    def _check_done(self, running: list, length: int, limit: int, last: bool) -> None:
+    def _check_done(self, running: list[Candidate], length: int, limit: int, last: bool) -> None:
         if len(self.hypotheses) >= self.width and running:
             best_length = length
             if self.early_stopping == "never" and self.length_penalty > 0:

@@ -18,7 +18,8 @@ HASH_ALGOS = ("builtin", "sha256_cbor")
 # vLLM's seed for the first block's parent when PYTHONHASHSEED is unset (sha256 algorithms).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
-ExtraKeys = Optional[tuple]
+# per extra key: a tag ("lora", "cache_salt") and its values
+ExtraKeys = Optional[tuple[tuple[Any, ...], ...]]
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class BlockKeySource:
     cache_salt: Optional[str] = None
 
     def extra_keys(self, block_index: int) -> ExtraKeys:
-        keys: list[tuple] = []
+        keys: list[tuple[Any, ...]] = []
         if self.lora_name is not None:
             keys.append(("lora", self.lora_name, self.lora_path))
         if block_index == 0 and self.cache_salt:
@@ -39,7 +40,7 @@ class BlockKeySource:
         return tuple(keys) if keys else None
 
 
-def event_extra_keys(extra: ExtraKeys) -> Optional[tuple]:
+def event_extra_keys(extra: ExtraKeys) -> Optional[tuple[Any, ...]]:
     """vLLM publishes extra keys untagged: the LoRA name, the salt (``to_event_extra_keys``)."""
     return None if extra is None else tuple(key[1] for key in extra)
 
@@ -49,7 +50,7 @@ class BlockHasher:
 
     algo = "builtin"
 
-    def hash_block(self, parent: Optional[Hashable], tokens: tuple,
+    def hash_block(self, parent: Optional[Hashable], tokens: tuple[int, ...],
                    extra_keys: ExtraKeys) -> Hashable:
         return hash((parent, tokens, extra_keys))
 
@@ -70,7 +71,7 @@ class Sha256CborHasher(BlockHasher):
     def digest(self, value: Any) -> bytes:
         return hashlib.sha256(self._dumps(value, canonical=True)).digest()
 
-    def hash_block(self, parent: Optional[bytes], tokens: tuple,
+    def hash_block(self, parent: Optional[Hashable], tokens: tuple[int, ...],
                    extra_keys: ExtraKeys) -> bytes:
         return self.digest((parent or self.none_hash, tokens, extra_keys))
 

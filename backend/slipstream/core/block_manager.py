@@ -22,7 +22,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: Optional[Hashable] = None  # set once the block is full and registered
-    token_ids: tuple = ()
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PrefixCacheStats:
 
 @dataclass
 class _PerRequest:
-    block_hashes: list = field(default_factory=list)  # hashes of the request's full blocks
+    block_hashes: list[Hashable] = field(default_factory=list)  # hashes of the request's full blocks
 
 
 class BlockManager:
@@ -57,7 +57,7 @@ class BlockManager:
         # Free blocks in LRU order: the front is evicted first. A freed block keeps its hash
         # (and so stays a prefix-cache hit) until it is handed out again.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[Hashable, int] = {}
         self.per_request: dict[str, _PerRequest] = {}
         self.stats = PrefixCacheStats()
         self.hasher = hasher or BlockHasher()
@@ -156,7 +156,7 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
                 stored.append(i)
         if self.events is not None and stored:
-            self._emit_stored(req, state.block_hashes, stored, keys)
+            self._emit_stored(self.events, req, state.block_hashes, stored, keys)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's rule: only while no request holds a block).
@@ -177,7 +177,8 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> Optional[tuple[int, int]]:
+    def fork(self, parent: Request, child: Request,
+             num_tokens: int) -> Optional[tuple[int, int]]:
         """Give ``child`` the parent's KV for its first ``num_tokens`` tokens: full blocks are
         shared (one more reference each); the partly filled last block, which both will write
         their next tokens into, is copied into a fresh block. Returns that copy as
@@ -223,8 +224,8 @@ class BlockManager:
         return BlockKeySource(name, self.lora_paths.get(name) if name else None,
                               req.params.cache_salt)
 
-    def _emit_stored(self, req: Request, hashes: list, stored: list[int],
-                     keys: BlockKeySource) -> None:
+    def _emit_stored(self, events: list[KVCacheEvent], req: Request, hashes: list[Hashable],
+                     stored: list[int], keys: BlockKeySource) -> None:
         """One ``BlockStored`` per run of consecutive new blocks (a block already cached
         under the same hash by another request breaks a run: its hash is not new)."""
         runs: list[list[int]] = []
@@ -236,7 +237,7 @@ class BlockManager:
         size, tokens = self.block_size, req.all_token_ids
         for run in runs:
             first, last = run[0], run[-1]
-            self.events.append(BlockStored(
+            events.append(BlockStored(
                 block_hashes=tuple(hashes[first:last + 1]),
                 parent_block_hash=hashes[first - 1] if first else None,
                 token_ids=tuple(tokens[first * size:(last + 1) * size]),

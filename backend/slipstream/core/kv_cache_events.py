@@ -7,22 +7,22 @@ socket live outside ``core`` (``slipstream/kv_events/``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Optional, Union
+from typing import Any, Hashable, Optional, Union
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    block_hashes: tuple  # one per block, in order; each block's parent is the one before
+    block_hashes: tuple[Hashable, ...]  # one per block, in order; each block's parent is the one before
     parent_block_hash: Optional[Hashable]  # the first block's parent (None: prompt start)
-    token_ids: tuple  # every token of these blocks
+    token_ids: tuple[int, ...]  # every token of these blocks
     block_size: int
     lora_name: Optional[str]
-    extra_keys: Optional[tuple]  # per block: vLLM's untagged extra keys, or None
+    extra_keys: Optional[tuple[Optional[tuple[Any, ...]], ...]]  # per block: vLLM's untagged extra keys, or None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    block_hashes: tuple
+    block_hashes: tuple[Hashable, ...]
 
 
 @dataclass(frozen=True)

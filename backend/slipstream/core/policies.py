@@ -6,11 +6,11 @@ A key is "smaller = served first". Priority and shortest-job-first age: every
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from slipstream.core.request import Request
 
-PolicyKey = Callable[[Request, float], tuple]
+PolicyKey = Callable[[Request, float], tuple[Any, ...]]
 
 
 def _aged(value: float, req: Request, now: float, aging_seconds: float) -> float:
@@ -28,21 +28,21 @@ def make_policy(name: str, aging_seconds: float = 5.0) -> PolicyKey:
     if name == "sjf":
         # Job size = requested output length (+ the prompt still to prefill), in units of
         # 64 tokens per class so aging is comparable across scales.
-        def key(req: Request, now: float) -> tuple:
+        def key(req: Request, now: float) -> tuple[float, float]:
             size = (req.params.max_tokens + req.num_prompt_tokens) / 64.0
             return (_aged(size, req, now, aging_seconds), req.arrival_time)
         return key
     raise ValueError(f"unknown policy {name!r}")
 
 
-def pick_first(requests: list, key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
+def pick_first(requests: list[Request], key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
     if not requests:
         return None
     now = time.monotonic() if now is None else now
     return min(requests, key=lambda r: key(r, now))
 
 
-def pick_victim(requests: list, key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
+def pick_victim(requests: list[Request], key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
     """The running request to preempt: the one the policy would serve last."""
     if not requests:
         return None

@@ -30,10 +30,10 @@ class StepCostModel:
     """Least squares of step seconds on (1, tokens, rows), past steps decaying."""
 
     # the weighted sums of x x^T (3 x 3) and x y (3), x = (1, tokens, rows)
-    xx: list = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    xy: list = field(default_factory=lambda: [0.0] * 3)
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
     num_steps: int = 0
-    token_counts: set = field(default_factory=set)  # distinct sizes seen (recent enough)
+    token_counts: set[int] = field(default_factory=set)  # distinct sizes seen (recent enough)
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         x = (1.0, float(tokens), float(rows))
@@ -62,9 +62,9 @@ class StepCostModel:
         return None if c is None else c[0] + c[1] * tokens + c[2] * rows
 
 
-def _solve3(a: list, b: list) -> Optional[tuple[float, float, float]]:
+def _solve3(a: list[list[float]], b: list[float]) -> Optional[tuple[float, float, float]]:
     """Cramer's rule for a 3 x 3 system (None when singular)."""
-    def det(m: list) -> float:
+    def det(m: list[list[float]]) -> float:
         return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
                 - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
                 + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))

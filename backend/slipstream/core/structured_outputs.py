@@ -26,9 +26,9 @@ class GuideKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    json: Union[None, str, dict] = None  # a JSON schema (object or its text)
+    json: Union[None, str, dict[str, Any]] = None  # a JSON schema (object or its text)
     regex: Optional[str] = None
-    choice: Optional[tuple] = None  # the output is exactly one of these strings
+    choice: Optional[tuple[str, ...]] = None  # the output is exactly one of these strings
     grammar: Optional[str] = None  # Lark or GBNF (llama.cpp) text
     json_object: Optional[bool] = None  # any JSON object
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
@@ -86,7 +86,7 @@ class StructuredOutputsParams:
         return json.dumps(list(value) if isinstance(value, tuple) else value)
 
     @property
-    def cache_key(self) -> tuple:
+    def cache_key(self) -> tuple[Any, ...]:
         """Equal for requests that compile to the same grammar (a schema sent as text or as
         an object alike; key order is kept: it is the order of the output's properties)."""
         text = self.spec_text

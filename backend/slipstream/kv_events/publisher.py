@@ -142,7 +142,9 @@ class KVEventPublisher:
             self._next_seq += 1
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+        replay = self._replay
+        assert replay is not None  # polled only when replay is on
+        frames = replay.recv_multipart()
         if len(frames) != 3:
             log.warning("KV events: bad replay request (%d frames)", len(frames))
             return
@@ -150,6 +152,6 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
                                              payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -78,7 +78,8 @@ class WireFormat:
         return KVEventBatch(ts=ts, events=[self.event(e) for e in events],
                             data_parallel_rank=self.data_parallel_rank)
 
-    def event(self, event: core.KVCacheEvent) -> KVCacheEvent:
+    def event(self, event: core.KVCacheEvent
+              ) -> Union[BlockStored, BlockRemoved, AllBlocksCleared]:
         if isinstance(event, core.BlockStored):
             return BlockStored(
                 block_hashes=[self.block_hash(h) for h in event.block_hashes],

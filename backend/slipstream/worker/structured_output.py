@@ -139,7 +139,7 @@ _COMPILE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-co
 def grammar_definition(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar text for a spec (vLLM's "guidance" backend's choices)."""
     llguidance = _import_llguidance()
-    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}
     if spec.whitespace_pattern is not None:
         options["whitespace_pattern"] = spec.whitespace_pattern
     kind = spec.kind
@@ -153,6 +153,7 @@ def grammar_definition(spec: StructuredOutputsParams) -> str:
     if kind is GuideKind.JSON_OBJECT:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if kind is GuideKind.CHOICE:
+        assert spec.choice is not None  # the kind says so
         return llguidance.grammar_from("choice", json.dumps(list(spec.choice)))
     if kind is GuideKind.REGEX:
         return llguidance.grammar_from("regex", spec.regex)
@@ -203,7 +204,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> None:
         np.copyto(view[i], -np.inf, where=blocked[n])
 
 
-_EXECUTOR = []  # one llguidance thread pool, made on first use
+_EXECUTOR: list[Any] = []  # one llguidance thread pool, made on first use
 
 
 def _fill_bitmask(matchers: list, bitmask: np.ndarray) -> None:

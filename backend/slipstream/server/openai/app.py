@@ -212,8 +212,10 @@ class OpenAIApp:
         if not self.metrics_url:
             return JSONResponse(error_body(404, "metrics are not enabled"), status_code=404)
 
+        url = self.metrics_url
+
         def scrape() -> str:
-            with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            with urllib.request.urlopen(url, timeout=10) as r:
                 return r.read().decode()
         try:
             text = await asyncio.to_thread(scrape)

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from slipstream.server.openai.served_models import ModelTable, ServedModel, served_models
 
@@ -22,7 +22,7 @@ class OpenAIFrontend:
         self.table = ModelTable(models)
         self.grpc_url, self.metrics_url = grpc_url, metrics_url
         self.host, self.port = host, port
-        self._server = None
+        self._server: Optional[Any] = None  # uvicorn.Server (imported when started)
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
@@ -47,12 +47,12 @@ class OpenAIFrontend:
         app = build_app(self.table, self.grpc_url, self.metrics_url)
         config = uvicorn.Config(app, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+        server = self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                                         name="slipstream-openai", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise OpenAIFrontendError(f"the OpenAI API did not start on {self.url}")
             time.sleep(0.02)

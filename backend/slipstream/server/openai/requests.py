@@ -164,7 +164,7 @@ class CompletionRequest(_Sampling):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if self.prompt and all(isinstance(p, str) for p in self.prompt):
-            return list(self.prompt)
+            return [str(p) for p in self.prompt]
         raise bad_request("prompts as token ids are not supported: send text", "prompt")
 
     def check(self) -> None:

@@ -13,7 +13,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Sequence
 
 import numpy as np
 
@@ -133,7 +133,7 @@ class TritonGenerator:
                 *[_tensor(grpcclient, name, np.array([value]), "BOOL")
                   for name, value in flags.items()]]
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Step]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[Step, None]:
         """The request's steps until every sequence has finished; an error raises
         ``OpenAIError``. Closing the iterator early cancels the request in Triton."""
         import grpc
