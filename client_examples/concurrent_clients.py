@@ -8,7 +8,6 @@ request id. Prints each request's text, time to first token, total time and toke
 """
 import argparse
 import json
-import queue
 import sys
 import threading
 import time

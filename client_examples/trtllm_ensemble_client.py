@@ -4,7 +4,8 @@ with a batch dimension, unary `infer` (samples/trtllm_model_repository) or a gRP
 (samples/trtllm_streaming_model_repository with --streaming).
 
     slipstream serve --model-repository samples/trtllm_model_repository
-    python client_examples/trtllm_ensemble_client.py "What is machine learning?" "Why is the sky blue?"
+    python client_examples/trtllm_ensemble_client.py "What is machine learning?" \
+        "Why is the sky blue?"
 
 Several prompts go in ONE request of batch size B; each answer comes back with its
 ``batch_index``. ``--return-log-probs`` adds ``cum_log_probs`` and ``output_log_probs``.

@@ -261,7 +261,6 @@ def test_a_rate_sweep_reports_attainment_per_rate_goodput_and_a_plot(monkeypatch
 
     # the fake system: requests meet the SLO at low rates, continuous holds out longer
     def fake_run_mode(mode, sh, r):
-        rate = 1.0 / max(sh.offsets[1] - sh.offsets[0], 1e-9) if len(sh.offsets) > 1 else 1.0
         limit = {"inprocess": 2.5, "continuous": 4.5}[mode]
         slow = sh.opts.all_rates.index(rate_of[sh.tag]) + 1 > limit
         recs = [_record(f"q{i}", 3.0 if slow and i % 2 else 0.5, 0.05) for i in range(10)]

@@ -2,7 +2,6 @@
 ``prepare_reduced_linears``: one resident copy of each weight, products close to fp32's."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from slipstream.worker import cpu_reduced_linear as rl
 from slipstream.worker.ops import cpu_kernels

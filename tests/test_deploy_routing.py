@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_support import DEPLOY, ROOT, find, plain_env, render, require_module, require_tool
+from deploy_support import DEPLOY, find, plain_env, render, require_module, require_tool
 from slipstream.server.metrics import GAUGES, PREFIX
 
 WAYS = ("inference-gateway", "router")

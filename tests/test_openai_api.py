@@ -419,7 +419,8 @@ def test_metrics_contract_every_vllm_dashboard_series_exists_with_its_labels(ser
     deadline = time.monotonic() + 10
     while True:
         samples = scrape(server)
-        missing = [(n, l) for n, l in selectors if not has_series(samples, n, l)]
+        missing = [(name, labels) for name, labels in selectors
+                   if not has_series(samples, name, labels)]
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(0.2)

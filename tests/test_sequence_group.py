@@ -9,7 +9,7 @@ from slipstream.core.request import Request, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler_output import SampledTokens, SchedulerOutput
 from slipstream.core.sequence_group import SequenceGroup, child_params
-from test_scheduler import EOS, make_scheduler
+from scheduler_support import EOS, make_scheduler
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int, n: int, **params) -> Request:

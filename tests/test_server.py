@@ -10,7 +10,6 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request

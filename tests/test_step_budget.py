@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.core.step_budget import MIN_PREFILL_TOKENS, StepBudget, StepCostModel
-from test_scheduler import make_request, make_scheduler, sample
+from scheduler_support import make_request, make_scheduler, sample
 
 FIXED, PER_TOKEN, PER_ROW = 0.010, 0.0005, 0.001  # a step of the fake machine, in seconds
 

@@ -1,7 +1,7 @@
 """The printed table and the ratios against the project's targets."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 # name -> (description, needed, compare): compare(value, needed) says whether it is met.
 TARGETS = {
@@ -100,6 +100,11 @@ def judged(results: dict) -> dict:
     return out
 
 
+def _trip(summary: dict, key: str) -> str:
+    """A latency's p50/p90/p99 from a summary, as "a/b/c"."""
+    return "/".join(_ms(summary.get(key), p) for p in ("p50", "p90", "p99"))
+
+
 def _ms(d: Optional[dict], key: str) -> str:
     v = (d or {}).get(key)
     return "-" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
@@ -128,13 +133,11 @@ def table(results: dict) -> str:
             lines.append(f"{run['label']:<{w}}skipped: {run['skipped'][:140]}")
             continue
         s = run["summary"]
-        trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
-                                                        ("p50", "p90", "p99"))
         makespan = s.get("makespan_s")
         lines.append(f"{run['label']:<{w}}{s.get('tokens_per_s', 0):>9.1f}"
                      f"{s.get('requests_per_s', 0):>8.2f}"
                      f"{(f'{makespan:.1f}s' if makespan else '-'):>10}   "
-                     f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   {trip('e2e_ms'):>22}  "
+                     f"{_trip(s, 'ttft_ms'):>22}   {_trip(s, 'itl_ms'):>20}   {_trip(s, 'e2e_ms'):>22}  "
                      f"{s.get('num_errors', 0):>4}{s.get('num_wrong_length', 0):>5}")
     for run in results.get("runs", []):
         rounds = [t for t in run.get("rounds_tokens_per_s") or [] if t]
@@ -185,13 +188,11 @@ def slo_table(results: dict) -> str:
             s, att = run.get("summary") or {}, run.get("slo")
             if not att:
                 continue
-            trip: Callable[[str], str] = lambda k: "/".join(_ms(s.get(k), p) for p in
-                                                            ("p50", "p90", "p99"))
             rounds = ", ".join(f"{a:.0%}" for a in run.get("rounds_slo_attainment") or []
                                if a is not None)
             lines.append(f"{str(rate):>6} {run['label']:<{w}}{att['attainment']:>9.1%}   "
-                         f"{trip('ttft_ms'):>22}   {trip('itl_ms'):>20}   "
-                         f"{trip('tpot_ms'):>21}  {rounds}")
+                         f"{_trip(s, 'ttft_ms'):>22}   {_trip(s, 'itl_ms'):>20}   "
+                         f"{_trip(s, 'tpot_ms'):>21}  {rounds}")
     for label, g in (results.get("goodput") or {}).items():
         more = " (met at every measured rate: at least)" if g.get("met_at_every_rate") else ""
         interp = g.get("goodput_interpolated_rps")

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
 from slipstream.core.block_hash import BlockHasher, BlockKeySource, event_extra_keys
-from slipstream.core.kv_cache_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                             KVCacheEvent)
+from slipstream.core.kv_cache_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from slipstream.core.request import Request
 
 NULL_BLOCK = 0
@@ -37,7 +41,8 @@ class PrefixCacheStats:
 
 @dataclass
 class _PerRequest:
-    block_hashes: list[Hashable] = field(default_factory=list)  # hashes of the request's full blocks
+    # hashes of the request's full blocks
+    block_hashes: list[Hashable] = field(default_factory=list)
 
 
 class BlockManager:

@@ -12,12 +12,14 @@ from typing import Any, Hashable, Optional, Union
 
 @dataclass(frozen=True)
 class BlockStored:
-    block_hashes: tuple[Hashable, ...]  # one per block, in order; each block's parent is the one before
+    # one per block, in order; each block's parent is the one before
+    block_hashes: tuple[Hashable, ...]
     parent_block_hash: Optional[Hashable]  # the first block's parent (None: prompt start)
     token_ids: tuple[int, ...]  # every token of these blocks
     block_size: int
     lora_name: Optional[str]
-    extra_keys: Optional[tuple[Optional[tuple[Any, ...]], ...]]  # per block: vLLM's untagged extra keys, or None
+    # per block: vLLM's untagged extra keys, or None
+    extra_keys: Optional[tuple[Optional[tuple[Any, ...]], ...]]
 
 
 @dataclass(frozen=True)

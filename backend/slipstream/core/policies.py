@@ -35,14 +35,16 @@ def make_policy(name: str, aging_seconds: float = 5.0) -> PolicyKey:
     raise ValueError(f"unknown policy {name!r}")
 
 
-def pick_first(requests: list[Request], key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
+def pick_first(requests: list[Request], key: PolicyKey,
+               now: Optional[float] = None) -> Optional[Request]:
     if not requests:
         return None
     now = time.monotonic() if now is None else now
     return min(requests, key=lambda r: key(r, now))
 
 
-def pick_victim(requests: list[Request], key: PolicyKey, now: Optional[float] = None) -> Optional[Request]:
+def pick_victim(requests: list[Request], key: PolicyKey,
+                now: Optional[float] = None) -> Optional[Request]:
     """The running request to preempt: the one the policy would serve last."""
     if not requests:
         return None

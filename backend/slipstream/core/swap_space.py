@@ -38,7 +38,8 @@ class SwapStats:
 
 
 class SwapSpace:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, num_cpu_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 num_cpu_blocks: int) -> None:
         self.bm = block_manager
         self.num_cpu_blocks = max(num_cpu_blocks, 0)
         self.mode = config.preemption_mode

@@ -62,7 +62,8 @@ def bucketed_rows(rows: int) -> int:
     every prompt length its own shape, a server's heap grew by megabytes per wave of requests
     until the 1024-entry cache filled (~500 MB), and each new shape paid the build. Bucketed,
     a 2048-token budget has 40 shapes per layer; the padded rows are memory-bound work on
-    weights already read (200 mixed-length products of this model's layer shapes ran in 3.0 s against 3.5)."""
+    weights already read (200 mixed-length products of this model's layer shapes ran in 3.0 s
+    against 3.5)."""
     grain = max(16, 1 << max(0, rows.bit_length() - 4))
     return -(-rows // grain) * grain
 

@@ -34,8 +34,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.ops import cpu_kernels
 from slipstream.worker.cpu_linear import padded_product
+from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
 

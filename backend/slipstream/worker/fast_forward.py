@@ -6,7 +6,8 @@ gradient-checkpointing layers); on the 2-core CPU that Python and dispatch overh
 of a ~40 ms batch-8 decode step. This runs the same modules' weights through the same
 arithmetic in one flat loop: the same Linear weights in the same library (q, k, v and gate,
 up each as one GEMM where that is bit-identical: one call and one read of the input instead
-of three and two; vLLM fuses them the same way), the model's own embedding and rotary modules, the rotary formula and residual order of
+of three and two; vLLM fuses them the same way), the model's own embedding and rotary modules,
+the rotary formula and residual order of
 ``modeling_llama``, ``F.rms_norm`` where it is bit-identical to the model's RMSNorm (checked
 once per model; the module itself otherwise), the rotary formula in one compiled pass that
 rounds as torch's operators do (``ops/cpu_rotary.cpp``, fp32 with the CPU kernels loaded),

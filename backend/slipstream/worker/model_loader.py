@@ -93,7 +93,8 @@ def resolve_model_path(model: str) -> Path:
         return default_model_dir()
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"model must be 'default' or a local Hugging Face model directory: {model!r}")
+        raise ValueError("model must be 'default' or a local Hugging Face model directory: "
+                         f"{model!r}")
     return path
 
 

@@ -27,7 +27,8 @@ class SwapPool:
     def __init__(self, kv_cache: KVCache, num_blocks: int) -> None:
         self.kv = kv_cache
         self.num_blocks = num_blocks
-        self._data: Optional[torch.Tensor] = None  # allocated on first swap: most engines never swap
+        # allocated on first swap: most engines never swap
+        self._data: Optional[torch.Tensor] = None
 
     def _pool(self) -> torch.Tensor:
         if self._data is None:

@@ -9,9 +9,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
-from openai.types.chat import chat_completion as chat
-from openai.types.chat import chat_completion_chunk as chunk
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    chat_completion as chat,
+    chat_completion_chunk as chunk,
+)
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs
 

@@ -13,7 +13,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncGenerator, Optional, Sequence
 
 import numpy as np
 
