@@ -6,6 +6,7 @@
 Every request is sent immediately; responses interleave on the stream and are routed by
 request id. Prints each request's text, time to first token, total time and tokens/s.
 """
+
 import argparse
 import json
 import sys
@@ -44,8 +45,10 @@ def main():
     args = ap.parse_args()
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_requests)]
-    state = {str(i): {"prompt": p, "parts": [], "tokens": 0, "first": None, "end": None,
-                      "error": None} for i, p in enumerate(prompts)}
+    state = {
+        str(i): {"prompt": p, "parts": [], "tokens": 0, "first": None, "end": None, "error": None}
+        for i, p in enumerate(prompts)
+    }
     done = threading.Semaphore(0)
     start = time.monotonic()
 
@@ -72,13 +75,20 @@ def main():
     client.start_stream(callback=callback)
     sampling = json.dumps({"max_tokens": args.max_tokens, "temperature": args.temperature})
     for rid, s in state.items():
-        client.async_stream_infer(args.model, [
-            tensor("text_input", np.array([s["prompt"].encode()], dtype=np.object_), "BYTES"),
-            tensor("stream", np.array([True]), "BOOL"),
-            tensor("sampling_parameters", np.array([sampling.encode()], dtype=np.object_), "BYTES"),
-            tensor("apply_chat_template", np.array([not args.raw]), "BOOL"),
-            tensor("return_num_output_tokens", np.array([True]), "BOOL"),
-        ], request_id=rid, enable_empty_final_response=True)
+        client.async_stream_infer(
+            args.model,
+            [
+                tensor("text_input", np.array([s["prompt"].encode()], dtype=np.object_), "BYTES"),
+                tensor("stream", np.array([True]), "BOOL"),
+                tensor(
+                    "sampling_parameters", np.array([sampling.encode()], dtype=np.object_), "BYTES"
+                ),
+                tensor("apply_chat_template", np.array([not args.raw]), "BOOL"),
+                tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+            ],
+            request_id=rid,
+            enable_empty_final_response=True,
+        )
     for _ in state:
         if not done.acquire(timeout=900):
             print("timed out waiting for responses", file=sys.stderr)
@@ -93,8 +103,10 @@ def main():
         total += s["tokens"]
         first = f"{s['first'] * 1000:6.0f} ms" if s["first"] is not None else "   -    "
         end = f"{s['end']:6.2f} s" if s["end"] is not None else "   -   "
-        print(f"[{rid:>3}] first {first}  done {end}  {s['tokens']:4d} tok  "
-              f"{s['prompt']!r} -> {text[:100]!r}")
+        print(
+            f"[{rid:>3}] first {first}  done {end}  {s['tokens']:4d} tok  "
+            f"{s['prompt']!r} -> {text[:100]!r}"
+        )
     print(f"{len(state)} requests, {total} tokens in {wall:.2f} s = {total / wall:.1f} tokens/s")
     return 0
 

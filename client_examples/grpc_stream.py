@@ -6,6 +6,7 @@
 Responses arrive one per generated piece of text; the last one carries the parameter
 ``triton_final_response`` (asked for with ``enable_empty_final_response=True``).
 """
+
 import argparse
 import json
 import queue
@@ -36,8 +37,11 @@ def main():
     inputs = [
         tensor("text_input", np.array([args.prompt.encode()], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
-               "BYTES"),
+        tensor(
+            "sampling_parameters",
+            np.array([json.dumps(sampling).encode()], dtype=np.object_),
+            "BYTES",
+        ),
         tensor("apply_chat_template", np.array([not args.raw]), "BOOL"),
         tensor("return_finish_reason", np.array([True]), "BOOL"),
         tensor("return_num_output_tokens", np.array([True]), "BOOL"),
@@ -49,8 +53,7 @@ def main():
     first = None
     tokens = 0
     finish_reason = None
-    client.async_stream_infer(args.model, inputs, request_id="1",
-                              enable_empty_final_response=True)
+    client.async_stream_infer(args.model, inputs, request_id="1", enable_empty_final_response=True)
     try:
         while True:
             result, error = responses.get(timeout=600)
@@ -72,8 +75,10 @@ def main():
         client.stop_stream()
         client.close()
     elapsed = time.monotonic() - start
-    print(f"\n[{tokens} tokens in {elapsed:.2f} s, first after {(first or 0) * 1000:.0f} ms, "
-          f"finish_reason={finish_reason}]")
+    print(
+        f"\n[{tokens} tokens in {elapsed:.2f} s, first after {(first or 0) * 1000:.0f} ms, "
+        f"finish_reason={finish_reason}]"
+    )
     return 0
 
 

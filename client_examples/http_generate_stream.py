@@ -6,6 +6,7 @@
 Standard library only. Each event is ``data: {"text_output": "...", ...}``; an error arrives as
 ``data: {"error": "..."}``. ``--no-stream`` uses the one-shot ``generate`` endpoint instead.
 """
+
 import argparse
 import json
 import sys
@@ -27,15 +28,21 @@ def main():
     body = {
         "text_input": args.prompt,
         "stream": not args.no_stream,
-        "parameters": {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                       "apply_chat_template": not args.raw, "return_finish_reason": True},
+        "parameters": {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "apply_chat_template": not args.raw,
+            "return_finish_reason": True,
+        },
     }
     if args.no_stream:
         body["exclude_input_in_output"] = True
     endpoint = "generate" if args.no_stream else "generate_stream"
-    request = urllib.request.Request(f"{args.url}/v2/models/{args.model}/{endpoint}",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{args.url}/v2/models/{args.model}/{endpoint}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     finish_reason = None
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -48,7 +55,7 @@ def main():
                     line = line.decode("utf-8").strip()
                     if not line.startswith("data:"):
                         continue
-                    event = json.loads(line[len("data:"):])
+                    event = json.loads(line[len("data:") :])
                     if "error" in event:
                         print(f"\nerror: {event['error']}", file=sys.stderr)
                         return 1

@@ -10,6 +10,7 @@ with a batch dimension, unary `infer` (samples/trtllm_model_repository) or a gRP
 Several prompts go in ONE request of batch size B; each answer comes back with its
 ``batch_index``. ``--return-log-probs`` adds ``cum_log_probs`` and ``output_log_probs``.
 """
+
 import argparse
 import queue
 
@@ -44,8 +45,9 @@ def main():
         tensor("stream", np.full((b, 1), args.streaming)),
         tensor("return_log_probs", np.full((b, 1), args.return_log_probs)),
     ]
-    wanted = ["text_output", "batch_index"] + \
-        (["cum_log_probs", "output_log_probs"] if args.return_log_probs else [])
+    wanted = ["text_output", "batch_index"] + (
+        ["cum_log_probs", "output_log_probs"] if args.return_log_probs else []
+    )
     outputs = [grpcclient.InferRequestedOutput(n) for n in wanted]
     client = grpcclient.InferenceServerClient(args.url)
     texts = [""] * b
@@ -60,8 +62,9 @@ def main():
     for result in responses:
         if isinstance(result, Exception):
             raise result
-        for text, index in zip(result.as_numpy("text_output"),
-                               result.as_numpy("batch_index")[:, 0]):
+        for text, index in zip(
+            result.as_numpy("text_output"), result.as_numpy("batch_index")[:, 0]
+        ):
             texts[index] += text.decode()
         if args.return_log_probs and not args.streaming:
             print("cum_log_probs:", result.as_numpy("cum_log_probs")[:, 0])

@@ -7,6 +7,7 @@ A room is a folder under the package (a file at the top level is its own room). 
 is McCabe's: 1 + one per branch point (if/elif, loops, except, boolean operators, conditional
 expressions, comprehension filters, match cases, assert).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_BRANCHES = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler, ast.IfExp,
-             ast.Assert, ast.match_case)
+_BRANCHES = (
+    ast.If,
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.ExceptHandler,
+    ast.IfExp,
+    ast.Assert,
+    ast.match_case,
+)
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,12 @@ def measure(root: Path) -> dict:
         figures += functions(tree, str(path.relative_to(root)))
         for target in imported_rooms(tree, root.name, root) - {room}:
             arrows[(room, target)] += 1
-    return {"lines": dict(lines), "files": dict(files),
-            "arrows": {f"{a} -> {b}": n for (a, b), n in sorted(arrows.items())},
-            "functions": [asdict(f) for f in figures]}
+    return {
+        "lines": dict(lines),
+        "files": dict(files),
+        "arrows": {f"{a} -> {b}": n for (a, b), n in sorted(arrows.items())},
+        "functions": [asdict(f) for f in figures],
+    }
 
 
 def report(figures: dict, top: int) -> str:

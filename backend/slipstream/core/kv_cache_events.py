@@ -4,6 +4,7 @@ The same three events vLLM publishes (``vllm/distributed/kv_events.py``): a run 
 blocks entered the cache, blocks left it, everything left it. The wire format and the
 socket live outside ``core`` (``slipstream/kv_events/``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

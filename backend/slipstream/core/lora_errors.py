@@ -1,5 +1,6 @@
 """vLLM's (and Triton vllm_backend's) refusals of a request's ``lora_name``, word for word:
 clients match these texts. Shared by the engine and the Triton adapter."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence

@@ -14,6 +14,7 @@ limit; prompts always get at least ``MIN_PREFILL_TOKENS`` a step, so they still 
 the decodes alone take the whole target; until the model has seen steps of different sizes
 the budget is the hard limit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,8 +54,10 @@ class StepCostModel:
         """(fixed, per_token, per_row) seconds, or None before the model is ready."""
         if not self.ready:
             return None
-        a = [[self.xx[i][j] + (RIDGE * self.xx[0][0] if i == j else 0.0) for j in range(3)]
-             for i in range(3)]
+        a = [
+            [self.xx[i][j] + (RIDGE * self.xx[0][0] if i == j else 0.0) for j in range(3)]
+            for i in range(3)
+        ]
         return _solve3(a, self.xy)
 
     def predict(self, tokens: int, rows: int) -> Optional[float]:
@@ -64,10 +67,13 @@ class StepCostModel:
 
 def _solve3(a: list[list[float]], b: list[float]) -> Optional[tuple[float, float, float]]:
     """Cramer's rule for a 3 x 3 system (None when singular)."""
+
     def det(m: list[list[float]]) -> float:
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
 
     d = det(a)
     if abs(d) < 1e-300:

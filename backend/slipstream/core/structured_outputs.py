@@ -5,6 +5,7 @@ Exactly one constraint per request (``json`` schema, ``regex``, ``choice``, ``gr
 is checked here (pure Python); compiling it against the tokenizer, and refusing an invalid
 schema, regex or grammar, is ``worker.structured_output``'s job.
 """
+
 from __future__ import annotations
 
 import enum
@@ -41,11 +42,14 @@ class StructuredOutputsParams:
         if self.structural_tag is not None:
             raise ValueError("structured_outputs: 'structural_tag' is not supported")
         if len(constraints) > 1:  # vLLM's texts
-            raise ValueError("You can only use one kind of structured outputs constraint but "
-                             f"multiple are specified: {[k.value for k in constraints]}")
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but "
+                f"multiple are specified: {[k.value for k in constraints]}"
+            )
         if not constraints:
-            raise ValueError("You must use one kind of structured outputs constraint but none "
-                             "are specified")
+            raise ValueError(
+                "You must use one kind of structured outputs constraint but none are specified"
+            )
         self._check_types()
 
     def _check_types(self) -> None:
@@ -59,17 +63,22 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs: 'json_object' must be true when given")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError("structured_outputs: 'json' must be a JSON schema (an object or "
-                             "its text)")
+            raise ValueError(
+                "structured_outputs: 'json' must be a JSON schema (an object or its text)"
+            )
         if self.choice is not None:
             ok = isinstance(self.choice, (list, tuple)) and 0 < len(self.choice) <= MAX_CHOICES
             if not ok or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs: 'choice' must be a list of 1 to "
-                                 f"{MAX_CHOICES} non-empty strings")
+                raise ValueError(
+                    "structured_outputs: 'choice' must be a list of 1 to "
+                    f"{MAX_CHOICES} non-empty strings"
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         if len(self.spec_text) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs: the {self.kind.value} is longer than "
-                             f"{MAX_SPEC_CHARS} characters")
+            raise ValueError(
+                f"structured_outputs: the {self.kind.value} is longer than "
+                f"{MAX_SPEC_CHARS} characters"
+            )
 
     @property
     def kind(self) -> GuideKind:
@@ -95,8 +104,13 @@ class StructuredOutputsParams:
                 text = json.dumps(json.loads(text))
             except ValueError:
                 pass  # refused when compiled
-        return (self.kind.value, text, self.disable_any_whitespace,
-                self.disable_additional_properties, self.whitespace_pattern)
+        return (
+            self.kind.value,
+            text,
+            self.disable_any_whitespace,
+            self.disable_additional_properties,
+            self.whitespace_pattern,
+        )
 
     @classmethod
     def from_value(cls, value: Any) -> "StructuredOutputsParams":
@@ -109,8 +123,10 @@ class StructuredOutputsParams:
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError("structured_outputs must be an object with one of json, regex, "
-                             "choice, grammar, json_object")
+            raise ValueError(
+                "structured_outputs must be an object with one of json, regex, "
+                "choice, grammar, json_object"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in value if k not in known and k not in _IGNORED)
         if unknown:

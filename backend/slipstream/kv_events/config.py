@@ -1,5 +1,6 @@
 """``kv_events_config``: vLLM's ``KVEventsConfig`` fields, read from ``config.pbtxt``
 parameters or ``1/model.json`` (a JSON object either way)."""
+
 from __future__ import annotations
 
 import json
@@ -24,26 +25,28 @@ class KVEventsConfig:
 
     def __post_init__(self) -> None:
         if self.publisher is None:
-            object.__setattr__(self, "publisher",
-                               "zmq" if self.enable_kv_cache_events else "null")
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if self.publisher not in PUBLISHERS:
-            raise ValueError(f"kv_events_config: publisher must be one of {PUBLISHERS}, got "
-                             f"{self.publisher!r}")
+            raise ValueError(
+                f"kv_events_config: publisher must be one of {PUBLISHERS}, got {self.publisher!r}"
+            )
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError("kv_events_config: enable_kv_cache_events must be a boolean")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, "
-                                 f"got {value!r}")
+                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {value!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is None and name == "replay_endpoint":
                 continue
-            if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://",
-                                                                   "inproc://")):
-                raise ValueError(f"kv_events_config: {name} must be a tcp://, ipc:// or "
-                                 f"inproc:// address, got {value!r}")
+            if not isinstance(value, str) or not value.startswith(
+                ("tcp://", "ipc://", "inproc://")
+            ):
+                raise ValueError(
+                    f"kv_events_config: {name} must be a tcp://, ipc:// or "
+                    f"inproc:// address, got {value!r}"
+                )
         if not isinstance(self.topic, str):
             raise ValueError("kv_events_config: topic must be a string")
 
@@ -62,11 +65,13 @@ class KVEventsConfig:
             except ValueError as e:
                 raise ValueError(f"kv_events_config: not valid JSON: {e}") from None
         if not isinstance(value, Mapping):
-            raise ValueError("kv_events_config must be a JSON object of vLLM's KVEventsConfig "
-                             "fields")
+            raise ValueError(
+                "kv_events_config must be a JSON object of vLLM's KVEventsConfig fields"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(known)}")
+            raise ValueError(
+                f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}"
+            )
         return cls(**dict(value))

@@ -7,6 +7,7 @@ Off the step path: ``publish`` only puts the step's events on a bounded queue (f
 batch is dropped and counted, the engine never waits); one thread encodes and sends. The
 PUB socket never blocks either: a subscriber past the high-water mark loses batches.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,14 +35,22 @@ def is_bind_endpoint(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    def __init__(self, config: KVEventsConfig, *, lora_ids: Optional[dict[str, int]] = None,
-                 data_parallel_rank: int = 0, context: Optional[zmq.Context] = None) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        *,
+        lora_ids: Optional[dict[str, int]] = None,
+        data_parallel_rank: int = 0,
+        context: Optional[zmq.Context] = None,
+    ) -> None:
         self.config = config
         self.wire = WireFormat(use_int_hashes(), lora_ids, data_parallel_rank)
         self._queue: "queue.Queue[Optional[tuple[float, list[KVCacheEvent]]]]" = queue.Queue(
-            maxsize=config.max_queue_size)
+            maxsize=config.max_queue_size
+        )
         self._buffer: "collections.deque[tuple[int, bytes]]" = collections.deque(
-            maxlen=config.buffer_steps)
+            maxlen=config.buffer_steps
+        )
         self._topic = config.topic.encode()
         self._next_seq = 0
         self.dropped = 0  # batches lost because the queue was full
@@ -54,20 +63,26 @@ class KVEventPublisher:
             self.endpoint = self._attach(self._pub, config.endpoint)
             if config.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self.replay_endpoint: Optional[str] = self._bind(self._replay,
-                                                                 config.replay_endpoint)
+                self.replay_endpoint: Optional[str] = self._bind(
+                    self._replay, config.replay_endpoint
+                )
             else:
                 self.replay_endpoint = None
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} / "
-                             f"{config.replay_endpoint!r}: {e}") from None
+            raise ValueError(
+                f"kv_events_config: cannot open {config.endpoint!r} / "
+                f"{config.replay_endpoint!r}: {e}"
+            ) from None
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="slipstream-kv-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="slipstream-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s (replay %s, topic %r)", self.endpoint,
-                 self.replay_endpoint, config.topic)
+        log.info(
+            "KV events: publishing on %s (replay %s, topic %r)",
+            self.endpoint,
+            self.replay_endpoint,
+            config.topic,
+        )
 
     # -- the engine's side ------------------------------------------------------------------
     def publish(self, events: list[KVCacheEvent]) -> None:
@@ -152,6 +167,5 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
-                                             payload))
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", b"", END_SEQ, b""))

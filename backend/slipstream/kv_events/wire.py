@@ -2,6 +2,7 @@
 ``vllm/distributed/kv_events.py`` declares them (same fields, order, options and tags), so
 a consumer decoding with vLLM's own classes reads Slipstream's batches unchanged
 (tests/test_kv_events.py compares the bytes with batches vLLM encoded)."""
+
 from __future__ import annotations
 
 import os
@@ -68,39 +69,54 @@ def use_int_hashes() -> bool:
 class WireFormat:
     """Core events -> vLLM's structs."""
 
-    def __init__(self, int_hashes: bool, lora_ids: Optional[dict[str, int]] = None,
-                 data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self,
+        int_hashes: bool,
+        lora_ids: Optional[dict[str, int]] = None,
+        data_parallel_rank: int = 0,
+    ) -> None:
         self.int_hashes = int_hashes
         self.lora_ids = dict(lora_ids or {})
         self.data_parallel_rank = data_parallel_rank
 
     def batch(self, ts: float, events: list[core.KVCacheEvent]) -> KVEventBatch:
-        return KVEventBatch(ts=ts, events=[self.event(e) for e in events],
-                            data_parallel_rank=self.data_parallel_rank)
+        return KVEventBatch(
+            ts=ts,
+            events=[self.event(e) for e in events],
+            data_parallel_rank=self.data_parallel_rank,
+        )
 
-    def event(self, event: core.KVCacheEvent
-              ) -> Union[BlockStored, BlockRemoved, AllBlocksCleared]:
+    def event(self, event: core.KVCacheEvent) -> Union[BlockStored, BlockRemoved, AllBlocksCleared]:
         if isinstance(event, core.BlockStored):
             return BlockStored(
                 block_hashes=[self.block_hash(h) for h in event.block_hashes],
-                parent_block_hash=None if event.parent_block_hash is None
+                parent_block_hash=None
+                if event.parent_block_hash is None
                 else self.block_hash(event.parent_block_hash),
-                token_ids=list(event.token_ids), block_size=event.block_size,
+                token_ids=list(event.token_ids),
+                block_size=event.block_size,
                 lora_id=self.lora_ids.get(event.lora_name) if event.lora_name else None,
-                medium=MEDIUM_GPU, lora_name=event.lora_name,
+                medium=MEDIUM_GPU,
+                lora_name=event.lora_name,
                 extra_keys=list(event.extra_keys) if event.extra_keys else None,
-                group_idx=GROUP_IDX)
+                group_idx=GROUP_IDX,
+            )
         if isinstance(event, core.BlockRemoved):
-            return BlockRemoved(block_hashes=[self.block_hash(h) for h in event.block_hashes],
-                                medium=MEDIUM_GPU, group_idx=GROUP_IDX)
+            return BlockRemoved(
+                block_hashes=[self.block_hash(h) for h in event.block_hashes],
+                medium=MEDIUM_GPU,
+                group_idx=GROUP_IDX,
+            )
         if isinstance(event, core.AllBlocksCleared):
             return AllBlocksCleared()
         raise TypeError(f"not a KV cache event: {event!r}")
 
     def block_hash(self, value: Any) -> ExternalBlockHash:
         if not isinstance(value, bytes):
-            raise TypeError("KV events need vLLM's block hashes (prefix_caching_hash_algo "
-                            f"sha256_cbor), got {type(value).__name__}")
+            raise TypeError(
+                "KV events need vLLM's block hashes (prefix_caching_hash_algo "
+                f"sha256_cbor), got {type(value).__name__}"
+            )
         return int_block_hash(value) if self.int_hashes else value
 
 

@@ -1,4 +1,5 @@
 """KV-cache geometry and allocation, sized from the model's own shapes (GQA/MQA aware)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ def num_blocks_for_budget(geometry: KVGeometry, budget_bytes: int) -> int:
     return budget_bytes // geometry.bytes_per_block
 
 
-def kv_budget_bytes(memory_bytes: Optional[int], gpu_fraction: Optional[float],
-                    device: torch.device) -> int:
+def kv_budget_bytes(
+    memory_bytes: Optional[int], gpu_fraction: Optional[float], device: torch.device
+) -> int:
     """The byte budget: an explicit size, or (GPU) a fraction of the memory still free."""
     if gpu_fraction is not None and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -56,8 +58,16 @@ class KVCache:
         g = geometry
         self.geometry = g
         self.num_blocks = num_blocks
-        self.data = torch.zeros(2, g.num_layers, num_blocks, g.block_size, g.num_kv_heads,
-                                g.head_dim, dtype=g.dtype, device=device)
+        self.data = torch.zeros(
+            2,
+            g.num_layers,
+            num_blocks,
+            g.block_size,
+            g.num_kv_heads,
+            g.head_dim,
+            dtype=g.dtype,
+            device=device,
+        )
         self.key_caches = [self.data[0, i] for i in range(g.num_layers)]
         self.value_caches = [self.data[1, i] for i in range(g.num_layers)]
 

@@ -6,6 +6,7 @@ that a request never meets an adapter it cannot run: the attention and MLP proje
 (``TARGET_MODULES``) of the loaded model, with matching shapes, at most ``max_lora_rank``, and
 none of the PEFT variants that change the arithmetic (DoRA, trained biases, extra saved modules).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,19 @@ def _read_config(path: Path) -> dict:
     config = json.loads(file.read_text())
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"LoRA adapter {path}: peft_type {config.get('peft_type')!r} is not LORA")
-    refused = {"use_dora": config.get("use_dora"), "modules_to_save": config.get("modules_to_save"),
-               "alpha_pattern": config.get("alpha_pattern"),
-               "fan_in_fan_out": config.get("fan_in_fan_out")}
+    refused = {
+        "use_dora": config.get("use_dora"),
+        "modules_to_save": config.get("modules_to_save"),
+        "alpha_pattern": config.get("alpha_pattern"),
+        "fan_in_fan_out": config.get("fan_in_fan_out"),
+    }
     for key, value in refused.items():
         if value:
             raise ValueError(f"LoRA adapter {path}: {key}={value!r} is not supported")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"LoRA adapter {path}: bias={config['bias']!r} is not supported "
-                         "(only 'none')")
+        raise ValueError(
+            f"LoRA adapter {path}: bias={config['bias']!r} is not supported (only 'none')"
+        )
     return config
 
 
@@ -61,18 +66,23 @@ def _read_tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     for key, tensor in load_file(str(file)).items():
         suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
         if suffix is None or not key.startswith(_PEFT_PREFIX):
-            raise ValueError(f"LoRA adapter {path}: unsupported weight {key!r} (only lora_A / "
-                             f"lora_B of {', '.join(TARGET_MODULES)})")
-        module = key[len(_PEFT_PREFIX):-len(suffix)]
+            raise ValueError(
+                f"LoRA adapter {path}: unsupported weight {key!r} (only lora_A / "
+                f"lora_B of {', '.join(TARGET_MODULES)})"
+            )
+        module = key[len(_PEFT_PREFIX) : -len(suffix)]
         modules.setdefault(module, {})[_SUFFIXES[suffix]] = tensor
     return modules
 
 
-def _check_module(path: Path, model: torch.nn.Module, module: str, pair: dict,
-                  max_rank: int) -> int:
+def _check_module(
+    path: Path, model: torch.nn.Module, module: str, pair: dict, max_rank: int
+) -> int:
     if module.rsplit(".", 1)[-1] not in TARGET_MODULES:
-        raise ValueError(f"LoRA adapter {path}: target {module!r} is not supported (only "
-                         f"{', '.join(TARGET_MODULES)})")
+        raise ValueError(
+            f"LoRA adapter {path}: target {module!r} is not supported (only "
+            f"{', '.join(TARGET_MODULES)})"
+        )
     try:
         linear = model.get_submodule(module)
     except AttributeError:
@@ -81,19 +91,32 @@ def _check_module(path: Path, model: torch.nn.Module, module: str, pair: dict,
         raise ValueError(f"LoRA adapter {path}: {module} lacks lora_A or lora_B")
     a, b = pair["A"], pair["B"]
     rank = a.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != linear.in_features \
-            or b.shape != (linear.out_features, rank):
-        raise ValueError(f"LoRA adapter {path}: {module} has lora_A {list(a.shape)} and lora_B "
-                         f"{list(b.shape)}, which do not fit the model's "
-                         f"[{linear.out_features}, {linear.in_features}] weight")
+    if (
+        a.dim() != 2
+        or b.dim() != 2
+        or a.shape[1] != linear.in_features
+        or b.shape != (linear.out_features, rank)
+    ):
+        raise ValueError(
+            f"LoRA adapter {path}: {module} has lora_A {list(a.shape)} and lora_B "
+            f"{list(b.shape)}, which do not fit the model's "
+            f"[{linear.out_features}, {linear.in_features}] weight"
+        )
     if rank > max_rank:
-        raise ValueError(f"LoRA adapter {path}: rank {rank} is greater than max_lora_rank "
-                         f"{max_rank}")
+        raise ValueError(
+            f"LoRA adapter {path}: rank {rank} is greater than max_lora_rank {max_rank}"
+        )
     return rank
 
 
-def load_adapter(name: str, path: Path, model: torch.nn.Module, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+def load_adapter(
+    name: str,
+    path: Path,
+    model: torch.nn.Module,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
     """Read and check one adapter; its scale is folded into B (``lora_alpha / r``, or
     ``/ sqrt(r)`` with rsLoRA, per module, as PEFT computes it)."""
     path = Path(path)

@@ -16,6 +16,7 @@ Rows without an adapter cost nothing, and a step without any costs one Python ch
 Wrapping the modules (rather than the forward) serves both model paths: the lean Llama
 forward (``fast_forward.py``) and the transformers forward call the same modules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,8 @@ class _LoraLinear:
         for slot, pair in enumerate(pairs):
             if pair is not None:
                 r = pair[0].shape[1]
-                self.a_all[:, slot * rank:slot * rank + r] = pair[0]
-                self.b_all[slot * rank:slot * rank + r] = pair[1]
+                self.a_all[:, slot * rank : slot * rank + r] = pair[0]
+                self.b_all[slot * rank : slot * rank + r] = pair[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -83,9 +84,12 @@ class LoraLayers:
         self.mapping = LoraMapping()
         for name in sorted({m for a in adapters for m in a.weights}):
             module = model.get_submodule(name)
-            pairs = [None if name not in a.weights else
-                     (a.weights[name][0].t().contiguous(), a.weights[name][1].t().contiguous())
-                     for a in adapters]
+            pairs = [
+                None
+                if name not in a.weights
+                else (a.weights[name][0].t().contiguous(), a.weights[name][1].t().contiguous())
+                for a in adapters
+            ]
             # An instance attribute shadows Linear.forward (as cpu_linear's packing does);
             # the forward in place now (stock or packed) computes the base product.
             module.forward = _LoraLinear(self, module.forward, pairs, self.rank)
@@ -97,12 +101,14 @@ class LoraLayers:
     def slot_of(self, name: Optional[str]) -> Optional[int]:
         return None if name is None else self.slots[name]
 
-    def mapping_for(self, spans: list[tuple[Optional[int], int, int]],
-                    device: torch.device) -> LoraMapping:
+    def mapping_for(
+        self, spans: list[tuple[Optional[int], int, int]], device: torch.device
+    ) -> LoraMapping:
         """``spans``: (slot or None, first row, row count) per request, in batch order, the
         rows with adapters contiguous (the runner's layout)."""
-        used = [(slot, start, count) for slot, start, count in spans
-                if slot is not None and count > 0]
+        used = [
+            (slot, start, count) for slot, start, count in spans if slot is not None and count > 0
+        ]
         if not used:
             return LoraMapping()
         first, last = used[0][1], used[-1][1] + used[-1][2]
@@ -113,7 +119,9 @@ class LoraLayers:
             return LoraMapping(slice(first, last), slot=used[0][0])
         mask = torch.zeros(last - first, len(self.adapters) * self.rank, dtype=self.dtype)
         for slot, start, count in used:
-            mask[start - first:start - first + count, slot * self.rank:(slot + 1) * self.rank] = 1
+            mask[
+                start - first : start - first + count, slot * self.rank : (slot + 1) * self.rank
+            ] = 1
         return LoraMapping(slice(first, last), mask=mask.to(device))
 
     def activate(self, mapping: LoraMapping) -> None:
@@ -123,9 +131,16 @@ class LoraLayers:
         self.mapping = LoraMapping()
 
 
-def load_lora_layers(adapters: dict[str, str], model: torch.nn.Module, max_rank: int,
-                     dtype: torch.dtype, device: torch.device) -> LoraLayers:
+def load_lora_layers(
+    adapters: dict[str, str],
+    model: torch.nn.Module,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraLayers:
     """``adapters``: name -> PEFT directory (``lora_modules`` / ``multi_lora.json``)."""
-    loaded = [load_adapter(name, Path(path), model, max_rank, dtype, device)
-              for name, path in adapters.items()]
+    loaded = [
+        load_adapter(name, Path(path), model, max_rank, dtype, device)
+        for name, path in adapters.items()
+    ]
     return LoraLayers(model, loaded)

@@ -18,6 +18,7 @@ next token, exactly like an unconstrained request that chose EOS (its text exclu
 llguidance's parser limits bound the work of one mask (vLLM's "guidance" backend uses the same
 library with the same defaults).
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,18 +59,25 @@ class GrammarState:
         if num_out < self.consumed:  # tokens taken back (never without speculation)
             self.matcher.rollback(self.consumed - num_out)
             self.consumed = num_out
-        for token in req.all_token_ids[out_start + self.consumed:]:
+        for token in req.all_token_ids[out_start + self.consumed :]:
             if not self.matcher.consume_token(token):
-                raise ValueError(f"token {token} does not follow the request's grammar: "
-                                 f"{self.matcher.get_error()}")
+                raise ValueError(
+                    f"token {token} does not follow the request's grammar: "
+                    f"{self.matcher.get_error()}"
+                )
             self.consumed += 1
 
 
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer; safe to call from several threads."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_id: Optional[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_id = eos_token_id
@@ -119,7 +127,8 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 self._lltokenizer = llguidance.hf.from_tokenizer(
-                    self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_id)
+                    self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_id
+                )
             return self._lltokenizer
 
 
@@ -132,8 +141,9 @@ def _lowest_priority() -> None:
         pass
 
 
-_COMPILE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
-                                   initializer=_lowest_priority)
+_COMPILE_POOL = ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="grammar-compile", initializer=_lowest_priority
+)
 
 
 def grammar_definition(spec: StructuredOutputsParams) -> str:
@@ -167,8 +177,9 @@ def without_additional_properties(schema: Any) -> Any:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if (node.get("type") == "object" or "properties" in node) \
-                    and "additionalProperties" not in node:
+            if (
+                node.get("type") == "object" or "properties" in node
+            ) and "additionalProperties" not in node:
                 node["additionalProperties"] = False
             stack.extend(node.values())
         elif isinstance(node, list):
@@ -226,8 +237,13 @@ def _fill_bitmask(matchers: list, bitmask: np.ndarray) -> None:
 
 
 def _what(kind: GuideKind) -> str:
-    return {GuideKind.JSON: "JSON schema", GuideKind.REGEX: "regex", GuideKind.CHOICE: "choice",
-            GuideKind.GRAMMAR: "grammar", GuideKind.JSON_OBJECT: "JSON object"}[kind]
+    return {
+        GuideKind.JSON: "JSON schema",
+        GuideKind.REGEX: "regex",
+        GuideKind.CHOICE: "choice",
+        GuideKind.GRAMMAR: "grammar",
+        GuideKind.JSON_OBJECT: "JSON object",
+    }[kind]
 
 
 def _import_llguidance():
@@ -235,6 +251,6 @@ def _import_llguidance():
         import llguidance
     except ImportError:
         raise GrammarUnavailableError(
-            "structured outputs need the llguidance package (pip install "
-            "'slipstream[structured]')") from None
+            "structured outputs need the llguidance package (pip install 'slipstream[structured]')"
+        ) from None
     return llguidance

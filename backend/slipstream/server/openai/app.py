@@ -3,6 +3,7 @@
 server does towards clients and routers. Every generation goes through Triton
 (``triton_client``); a client that disconnects cancels its request there.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-async def merged(generator: TritonGenerator,
-                 requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, Step]]:
+async def merged(
+    generator: TritonGenerator, requests: list[GenerateRequest]
+) -> AsyncIterator[tuple[int, Step]]:
     """The steps of several generations (a completions request with a list of prompts) as
     they come, tagged with the request's position; the first error ends them all."""
     if len(requests) == 1:
@@ -96,6 +98,7 @@ async def _peeked(stream: AsyncIterator) -> tuple[Any, AsyncIterator]:
                 yield item
         finally:
             await stream.aclose()
+
     return first, rest()
 
 
@@ -106,12 +109,14 @@ def _close_later(pending: Optional[asyncio.Future], *gens) -> None:
     """Close async generators in a task of its own, once ``pending`` (a step of theirs) has
     ended: the caller may be a cancelled task, where an await would be cancelled again before
     the generators (and their Triton requests) are closed."""
+
     async def close() -> None:
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
         for gen in gens:
             with contextlib.suppress(Exception):
                 await gen.aclose()
+
     task = asyncio.ensure_future(close())
     _CLOSING.add(task)
     task.add_done_callback(_CLOSING.discard)
@@ -148,8 +153,7 @@ def _sse(payload: str) -> bytes:
 class OpenAIApp:
     """Owns the model table and the Triton connection; ``app`` is the ASGI application."""
 
-    def __init__(self, table: ModelTable, grpc_url: str,
-                 metrics_url: Optional[str] = None) -> None:
+    def __init__(self, table: ModelTable, grpc_url: str, metrics_url: Optional[str] = None) -> None:
         self.table = table
         self.generator = TritonGenerator(grpc_url)
         self.metrics_url = metrics_url
@@ -189,12 +193,14 @@ class OpenAIApp:
         return Response(status_code=200)
 
     def _model_card(self, target: Target) -> dict:
-        card = Model(id=target.id, object="model", created=target.model.created,
-                     owned_by=OWNER)
+        card = Model(id=target.id, object="model", created=target.model.created, owned_by=OWNER)
         body = card.model_dump(exclude_unset=True)
         # vLLM's extra fields, read by routers and benchmark clients
-        body.update(root=target.model.name, parent=target.model.name if target.lora_name
-                    else None, max_model_len=target.model.max_model_len)
+        body.update(
+            root=target.model.name,
+            parent=target.model.name if target.lora_name else None,
+            max_model_len=target.model.max_model_len,
+        )
         return body
 
     async def list_models(self) -> dict:
@@ -217,11 +223,13 @@ class OpenAIApp:
         def scrape() -> str:
             with urllib.request.urlopen(url, timeout=10) as r:
                 return r.read().decode()
+
         try:
             text = await asyncio.to_thread(scrape)
         except OSError as e:
-            return JSONResponse(error_body(503, f"Triton metrics unavailable: {e}"),
-                                status_code=503)
+            return JSONResponse(
+                error_body(503, f"Triton metrics unavailable: {e}"), status_code=503
+            )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ generation
@@ -231,15 +239,20 @@ class OpenAIApp:
             raise unknown_model(name)
         return target
 
-    def _requests(self, target: Target, prompts: list[str], sampling: dict,
-                  n: int, top_logprobs: Optional[int]) -> list[GenerateRequest]:
+    def _requests(
+        self,
+        target: Target,
+        prompts: list[str],
+        sampling: dict,
+        n: int,
+        top_logprobs: Optional[int],
+    ) -> list[GenerateRequest]:
         sampling = dict(sampling)
         # vLLM's default budget: up to max_model_len (the engine stops there with "length")
         sampling.setdefault("max_tokens", target.model.max_model_len)
         if target.lora_name is not None:
             sampling["lora_name"] = target.lora_name
-        return [GenerateRequest(target.model.name, p, sampling, n, top_logprobs)
-                for p in prompts]
+        return [GenerateRequest(target.model.name, p, sampling, n, top_logprobs) for p in prompts]
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body.check()
@@ -249,16 +262,18 @@ class OpenAIApp:
         reqs = self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
         rid = out.new_id("cmpl")
         if body.stream:
-            return await self._stream(request, reqs, self._completion_events(
-                rid, target.id, body, prompts, n))
+            return await self._stream(
+                request, reqs, self._completion_events(rid, target.id, body, prompts, n)
+            )
         answer = await self._answer(request, reqs, n)
         if answer is None:
             return Response(status_code=499)
         if body.echo:
             for index, choice in answer.choices.items():
                 choice.text = prompts[index // n] + choice.text
-        return JSONResponse(json.loads(out.dump(out.completion(
-            rid, target.id, answer, body.logprobs is not None))))
+        return JSONResponse(
+            json.loads(out.dump(out.completion(rid, target.id, answer, body.logprobs is not None)))
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
@@ -273,11 +288,13 @@ class OpenAIApp:
         answer = await self._answer(request, reqs, n)
         if answer is None:
             return Response(status_code=499)
-        return JSONResponse(json.loads(out.dump(out.chat_completion(
-            rid, target.id, answer, bool(body.logprobs)))))
+        return JSONResponse(
+            json.loads(out.dump(out.chat_completion(rid, target.id, answer, bool(body.logprobs))))
+        )
 
-    async def _answer(self, request: Request, reqs: list[GenerateRequest],
-                      n: int) -> Optional[out.Answer]:
+    async def _answer(
+        self, request: Request, reqs: list[GenerateRequest], n: int
+    ) -> Optional[out.Answer]:
         """Every choice of a non-streamed request, or None if the client left first (its
         generations are cancelled)."""
         answer = out.Answer()
@@ -285,6 +302,7 @@ class OpenAIApp:
         async def collect() -> None:
             async for i, step in merged(self.generator, reqs):
                 self._absorb(answer, i, n, step)
+
         try:
             await _unless_disconnected(request, collect())
         except _ClientGone:
@@ -307,27 +325,35 @@ class OpenAIApp:
         body.check()
         target = self._target(body.model)
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        return [{"request_id": out.new_id("render"),
-                 "token_ids": target.model.tokenizer(p, add_special_tokens=special)["input_ids"]}
-                for p in body.prompts()]
+        return [
+            {
+                "request_id": out.new_id("render"),
+                "token_ids": target.model.tokenizer(p, add_special_tokens=special)["input_ids"],
+            }
+            for p in body.prompts()
+        ]
 
     @staticmethod
     def _render(target: Target, body: ChatCompletionRequest) -> str:
         tokenizer = target.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise OpenAIError(400, f"model {target.model.name} has no chat template; use "
-                                   "/v1/completions")
+            raise OpenAIError(
+                400, f"model {target.model.name} has no chat template; use /v1/completions"
+            )
         try:
             return tokenizer.apply_chat_template(
-                body.conversation(), tokenize=False,
+                body.conversation(),
+                tokenize=False,
                 add_generation_prompt=bool(body.add_generation_prompt),
                 continue_final_message=bool(body.continue_final_message),
-                **(body.chat_template_kwargs or {}))
+                **(body.chat_template_kwargs or {}),
+            )
         except OpenAIError:
             raise
         except Exception as e:  # the template itself refused the conversation
-            raise OpenAIError(400, f"the chat template cannot render these messages: {e}",
-                              "messages") from None
+            raise OpenAIError(
+                400, f"the chat template cannot render these messages: {e}", "messages"
+            ) from None
 
     @staticmethod
     def _absorb(answer: out.Answer, i: int, n: int, step: Step) -> None:
@@ -371,10 +397,12 @@ class OpenAIApp:
                 if pending is not None and not pending.done():
                     pending.cancel()  # cancels the Triton requests (triton_client.generate)
                 _close_later(pending, payloads, steps)
+
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    def _completion_events(self, rid: str, model: str, body: CompletionRequest,
-                           prompts: list[str], n: int):
+    def _completion_events(
+        self, rid: str, model: str, body: CompletionRequest, prompts: list[str], n: int
+    ):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
@@ -392,14 +420,24 @@ class OpenAIApp:
                     started.add(index)
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = out.completion_logprobs(delta.logprobs or [],
-                                                           for_offsets.get(index, 0))
+                        logprobs = out.completion_logprobs(
+                            delta.logprobs or [], for_offsets.get(index, 0)
+                        )
                     for_offsets[index] = for_offsets.get(index, 0) + len(delta.text)
-                    yield out.dump(out.completion_chunk(
-                        rid, model, index, text, delta.finish_reason, logprobs,
-                        answer.usage() if continuous else None))
+                    yield out.dump(
+                        out.completion_chunk(
+                            rid,
+                            model,
+                            index,
+                            text,
+                            delta.finish_reason,
+                            logprobs,
+                            answer.usage() if continuous else None,
+                        )
+                    )
             if include_usage:
                 yield out.dump(out.completion_usage_chunk(rid, model, answer.usage()))
+
         return events
 
     def _chat_events(self, rid: str, model: str, body: ChatCompletionRequest, n: int):
@@ -409,20 +447,28 @@ class OpenAIApp:
         async def events(steps) -> AsyncIterator[str]:
             answer = out.Answer()
             for index in range(n):  # vLLM's first chunk per choice: the role
-                yield out.dump(out.chat_chunk(rid, model, index, role="assistant", content="",
-                                              logprobs=None))
+                yield out.dump(
+                    out.chat_chunk(rid, model, index, role="assistant", content="", logprobs=None)
+                )
             async for i, step in steps:
                 self._absorb(answer, i, n, step)
                 for delta in step.sequences:
-                    yield out.dump(out.chat_chunk(
-                        rid, model, delta.index, content=delta.text, reason=delta.finish_reason,
-                        logprobs=(delta.logprobs or []) if body.logprobs else None,
-                        usage=answer.usage() if continuous else None))
+                    yield out.dump(
+                        out.chat_chunk(
+                            rid,
+                            model,
+                            delta.index,
+                            content=delta.text,
+                            reason=delta.finish_reason,
+                            logprobs=(delta.logprobs or []) if body.logprobs else None,
+                            usage=answer.usage() if continuous else None,
+                        )
+                    )
             if include_usage:
                 yield out.dump(out.chat_usage_chunk(rid, model, answer.usage()))
+
         return events
 
 
 def build_app(table: ModelTable, grpc_url: str, metrics_url: Optional[str] = None) -> FastAPI:
     return OpenAIApp(table, grpc_url, metrics_url).app
-

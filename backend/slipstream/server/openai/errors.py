@@ -6,6 +6,7 @@ Slipstream adapter writes are matched here: a full queue is 429 (vLLM's clients 
 retry it elsewhere), an engine that cannot serve (dead, restarting, shutting down, unloaded)
 503, the adapter's internal errors 500, everything else the request's fault: 400.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,12 +17,23 @@ from typing import Optional
 # (pattern, status), first match wins; patterns are the adapter's and Triton's own texts.
 TRITON_ERROR_STATUS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"overloaded|queue is full|exceeds maximum queue size|retry later", re.I), 429),
-    (re.compile(r"unhealthy|not serving|shutting down|is not ready|unknown model|"
-                r"unavailable|server is stopping|failed to connect", re.I), 503),
+    (
+        re.compile(
+            r"unhealthy|not serving|shutting down|is not ready|unknown model|"
+            r"unavailable|server is stopping|failed to connect",
+            re.I,
+        ),
+        503,
+    ),
     (re.compile(r"internal error", re.I), 500),
 ]
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 @dataclass

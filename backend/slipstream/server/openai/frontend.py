@@ -1,5 +1,6 @@
 """Run the OpenAI-compatible API (uvicorn) on a thread of the launcher's process, beside the
 tritonserver it talks to; port 0 picks a free port (``port`` tells which)."""
+
 from __future__ import annotations
 
 import socket
@@ -16,9 +17,15 @@ class OpenAIFrontendError(RuntimeError):
 
 
 class OpenAIFrontend:
-    def __init__(self, models: Sequence[ServedModel], grpc_url: str, *,
-                 metrics_url: Optional[str] = None, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(
+        self,
+        models: Sequence[ServedModel],
+        grpc_url: str,
+        *,
+        metrics_url: Optional[str] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self.table = ModelTable(models)
         self.grpc_url, self.metrics_url = grpc_url, metrics_url
         self.host, self.port = host, port
@@ -26,8 +33,9 @@ class OpenAIFrontend:
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
-    def for_repository(cls, repo: Path, grpc_url: str, aliases: Sequence[str] = (),
-                       **kwargs) -> "OpenAIFrontend":
+    def for_repository(
+        cls, repo: Path, grpc_url: str, aliases: Sequence[str] = (), **kwargs
+    ) -> "OpenAIFrontend":
         return cls(served_models(Path(repo), aliases), grpc_url, **kwargs)
 
     @property
@@ -45,11 +53,13 @@ class OpenAIFrontend:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         app = build_app(self.table, self.grpc_url, self.metrics_url)
-        config = uvicorn.Config(app, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
         server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                                        name="slipstream-openai", daemon=True)
+        self._thread = threading.Thread(
+            target=server.run, kwargs={"sockets": [sock]}, name="slipstream-openai", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not server.started:

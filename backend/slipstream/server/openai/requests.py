@@ -9,6 +9,7 @@ settings, logprob counts), or refused when set to anything but its no-op value
 pydantic (``extra="forbid"``), so nothing is silently ignored. ``user`` is accepted and
 recorded nowhere, as in vLLM (an end-user id for abuse monitoring; it changes no output).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
@@ -18,15 +19,40 @@ from pydantic import BaseModel, ConfigDict
 from slipstream.server.openai.errors import bad_request
 
 # Passed to the engine under the same name (vLLM's SamplingParams names).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                   "presence_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "min_tokens", "n", "logit_bias", "allowed_token_ids",
-                   "bad_words", "include_stop_str_in_output", "skip_special_tokens",
-                   "spaces_between_special_tokens", "truncate_prompt_tokens",
-                   "response_format", "structured_outputs", "guided_json", "guided_regex",
-                   "guided_choice", "guided_grammar", "guided_json_object",
-                   "guided_whitespace_pattern", "guided_decoding_backend", "priority",
-                   "add_special_tokens", "cache_salt")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "n",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json_object",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+    "priority",
+    "add_special_tokens",
+    "cache_salt",
+)
 
 
 def _unset(value: Any) -> bool:
@@ -36,17 +62,24 @@ def _unset(value: Any) -> bool:
 # field -> (value is a no-op, message when it is not)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_unset, "suffix is not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported by the OpenAI "
-                                             "frontend (use the Triton generate endpoint)"),
+    "prompt_logprobs": (
+        lambda v: v is None,
+        "prompt_logprobs is not supported by the OpenAI "
+        "frontend (use the Triton generate endpoint)",
+    ),
     "use_beam_search": (_unset, "beam search is not supported"),
-    "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty applies to beam search, "
-                                                       "which is not supported"),
+    "length_penalty": (
+        lambda v: v in (None, 1, 1.0),
+        "length_penalty applies to beam search, which is not supported",
+    ),
     "tools": (_unset, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported (no tools)"),
     "functions": (_unset, "functions (function calling) are not supported"),
     "function_call": (lambda v: v in (None, "none"), "function_call is not supported"),
-    "parallel_tool_calls": (lambda v: v in (None, False, True),
-                            "parallel_tool_calls must be a boolean"),
+    "parallel_tool_calls": (
+        lambda v: v in (None, False, True),
+        "parallel_tool_calls must be a boolean",
+    ),
     "audio": (_unset, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
     "prediction": (_unset, "predicted outputs are not supported"),
@@ -54,11 +87,15 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_unset, "web search is not supported"),
     "store": (_unset, "store is not supported (nothing is stored)"),
     "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
-    "service_tier": (lambda v: v in (None, "auto", "default"),
-                     "service_tier must be 'auto' or 'default'"),
+    "service_tier": (
+        lambda v: v in (None, "auto", "default"),
+        "service_tier must be 'auto' or 'default'",
+    ),
     "verbosity": (_unset, "verbosity is not supported"),
-    "chat_template": (_unset, "a request's own chat_template is not supported: the model's "
-                              "is used"),
+    "chat_template": (
+        _unset,
+        "a request's own chat_template is not supported: the model's is used",
+    ),
     "documents": (_unset, "documents are not supported"),
 }
 
@@ -127,8 +164,9 @@ class _Sampling(BaseModel):
 
     def check_refused(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise bad_request("Stream options can only be defined when `stream=True`.",
-                              "stream_options")
+            raise bad_request(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
         for name, (ok, message) in REFUSED.items():
             if name in type(self).model_fields and not ok(getattr(self, name)):
                 raise bad_request(message, name)
@@ -136,8 +174,11 @@ class _Sampling(BaseModel):
     def sampling_parameters(self) -> dict[str, Any]:
         """What the engine gets in ``sampling_parameters``; unset fields keep its defaults
         (OpenAI's: temperature 1, top_p 1)."""
-        out = {name: getattr(self, name) for name in SAMPLING_FIELDS
-               if name in type(self).model_fields and getattr(self, name) is not None}
+        out = {
+            name: getattr(self, name)
+            for name in SAMPLING_FIELDS
+            if name in type(self).model_fields and getattr(self, name) is not None
+        }
         if self.max_tokens is not None:
             out["max_tokens"] = self.max_tokens
         if self.logit_bias:
@@ -149,8 +190,7 @@ def _token_id(key: str) -> int:
     try:
         return int(key)
     except ValueError:
-        raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                          "logit_bias") from None
+        raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
 
 
 class CompletionRequest(_Sampling):
@@ -170,8 +210,11 @@ class CompletionRequest(_Sampling):
     def check(self) -> None:
         self.check_refused()
         if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which the OpenAI "
-                              "frontend does not return", "echo")
+            raise bad_request(
+                "echo with logprobs needs prompt logprobs, which the OpenAI "
+                "frontend does not return",
+                "echo",
+            )
         if self.logprobs is not None and self.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
 
@@ -218,18 +261,24 @@ class ChatCompletionRequest(_Sampling):
     def check(self) -> None:
         self.check_refused()
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true",
-                              "top_logprobs")
+            raise bad_request(
+                "when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs"
+            )
         if self.top_logprobs is not None and self.top_logprobs < 0:
-            raise bad_request(f"top_logprobs must be >= 0, got {self.top_logprobs}",
-                              "top_logprobs")
-        if self.max_tokens is not None and self.max_completion_tokens is not None and \
-                self.max_tokens != self.max_completion_tokens:
-            raise bad_request("max_tokens and max_completion_tokens differ; send one",
-                              "max_completion_tokens")
+            raise bad_request(f"top_logprobs must be >= 0, got {self.top_logprobs}", "top_logprobs")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise bad_request(
+                "max_tokens and max_completion_tokens differ; send one", "max_completion_tokens"
+            )
         if self.add_generation_prompt and self.continue_final_message:
-            raise bad_request("Cannot set both `continue_final_message` and "
-                              "`add_generation_prompt` to True.", "continue_final_message")
+            raise bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
 
     def sampling_parameters(self) -> dict[str, Any]:
         out = super().sampling_parameters()
@@ -250,8 +299,10 @@ class ChatCompletionRequest(_Sampling):
                 raise bad_request(f"messages[{i}] has no role", "messages")
             unknown = set(message) - {"role", "content", "name"}
             if unknown:
-                raise bad_request(f"messages[{i}]: {sorted(unknown)} are not supported "
-                                  "(text messages only)", "messages")
+                raise bad_request(
+                    f"messages[{i}]: {sorted(unknown)} are not supported (text messages only)",
+                    "messages",
+                )
             entry = {"role": role, "content": _text_content(i, message.get("content"))}
             if "name" in message:
                 entry["name"] = message["name"]
@@ -270,13 +321,16 @@ def _text_content(i: int, content: Any) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"messages[{i}]: content part of type {kind!r} is not "
-                                  "supported (text only)", "messages")
+                raise bad_request(
+                    f"messages[{i}]: content part of type {kind!r} is not supported (text only)",
+                    "messages",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      "messages")
-
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")

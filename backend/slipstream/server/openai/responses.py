@@ -1,6 +1,7 @@
 """OpenAI response objects (the ``openai`` package's own types) from the steps a generation
 streams: whole completions, streamed chunks, usage and logprobs in the shapes OpenAI's (and
 vLLM's) clients parse."""
+
 from __future__ import annotations
 
 import time
@@ -65,9 +66,11 @@ class Answer:
         self.completion_tokens += delta.num_tokens
 
     def usage(self) -> CompletionUsage:
-        return CompletionUsage(prompt_tokens=self.prompt_tokens,
-                               completion_tokens=self.completion_tokens,
-                               total_tokens=self.prompt_tokens + self.completion_tokens)
+        return CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
 
 
 # ------------------------------------------------------------------------ logprobs
@@ -76,10 +79,17 @@ def _bytes(text: str) -> list[int]:
 
 
 def chat_logprobs(tokens: list[TokenLogprob]) -> list[ChatCompletionTokenLogprob]:
-    return [ChatCompletionTokenLogprob(
-        token=t.token, logprob=t.logprob, bytes=_bytes(t.token),
-        top_logprobs=[TopLogprob(token=tok, logprob=lp, bytes=_bytes(tok)) for tok, lp in t.top])
-        for t in tokens]
+    return [
+        ChatCompletionTokenLogprob(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=_bytes(t.token),
+            top_logprobs=[
+                TopLogprob(token=tok, logprob=lp, bytes=_bytes(tok)) for tok, lp in t.top
+            ],
+        )
+        for t in tokens
+    ]
 
 
 def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> Logprobs:
@@ -88,71 +98,131 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> Logprobs
     for t in tokens:
         offsets.append(offset)
         offset += len(t.token)
-    return Logprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
-                    top_logprobs=[{**{tok: lp for tok, lp in t.top}, t.token: t.logprob}
-                                  for t in tokens],
-                    text_offset=offsets)
+    return Logprobs(
+        tokens=[t.token for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[{**{tok: lp for tok, lp in t.top}, t.token: t.logprob} for t in tokens],
+        text_offset=offsets,
+    )
 
 
 # ------------------------------------------------------------------------ completions
 def completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> Completion:
-    choices = [CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason or "stop",
-                                logprobs=completion_logprobs(c.logprobs) if with_logprobs
-                                else None)
-               for i, c in sorted(answer.choices.items())]
-    return Completion(id=rid, object="text_completion", created=int(time.time()), model=model,
-                      choices=choices, usage=answer.usage())
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=c.text,
+            finish_reason=c.finish_reason or "stop",
+            logprobs=completion_logprobs(c.logprobs) if with_logprobs else None,
+        )
+        for i, c in sorted(answer.choices.items())
+    ]
+    return Completion(
+        id=rid,
+        object="text_completion",
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=answer.usage(),
+    )
 
 
-def completion_chunk(rid: str, model: str, index: int, text: str,
-                     reason: Optional[str], logprobs: Optional[Logprobs],
-                     usage: Optional[CompletionUsage] = None) -> Completion:
-    choice = CompletionChoice.model_construct(index=index, text=text,
-                                              finish_reason=finish_reason(reason),
-                                              logprobs=logprobs)
-    out = Completion.model_construct(id=rid, object="text_completion", created=int(time.time()),
-                                     model=model, choices=[choice])
+def completion_chunk(
+    rid: str,
+    model: str,
+    index: int,
+    text: str,
+    reason: Optional[str],
+    logprobs: Optional[Logprobs],
+    usage: Optional[CompletionUsage] = None,
+) -> Completion:
+    choice = CompletionChoice.model_construct(
+        index=index, text=text, finish_reason=finish_reason(reason), logprobs=logprobs
+    )
+    out = Completion.model_construct(
+        id=rid, object="text_completion", created=int(time.time()), model=model, choices=[choice]
+    )
     if usage is not None:
         out.usage = usage
     return out
 
 
 def completion_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> Completion:
-    return Completion.model_construct(id=rid, object="text_completion", created=int(time.time()),
-                                      model=model, choices=[], usage=usage)
+    return Completion.model_construct(
+        id=rid,
+        object="text_completion",
+        created=int(time.time()),
+        model=model,
+        choices=[],
+        usage=usage,
+    )
 
 
 # ------------------------------------------------------------------------ chat
 def chat_completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> ChatCompletion:
-    choices = [chat.Choice(
-        index=i, finish_reason=c.finish_reason or "stop",
-        message=ChatCompletionMessage(role="assistant", content=c.text),
-        logprobs=chat.ChoiceLogprobs(content=chat_logprobs(c.logprobs)) if with_logprobs
-        else None)
-        for i, c in sorted(answer.choices.items())]
-    return ChatCompletion(id=rid, object="chat.completion", created=int(time.time()),
-                          model=model, choices=choices, usage=answer.usage())
+    choices = [
+        chat.Choice(
+            index=i,
+            finish_reason=c.finish_reason or "stop",
+            message=ChatCompletionMessage(role="assistant", content=c.text),
+            logprobs=chat.ChoiceLogprobs(content=chat_logprobs(c.logprobs))
+            if with_logprobs
+            else None,
+        )
+        for i, c in sorted(answer.choices.items())
+    ]
+    return ChatCompletion(
+        id=rid,
+        object="chat.completion",
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=answer.usage(),
+    )
 
 
-def chat_chunk(rid: str, model: str, index: int, *, role: Optional[str] = None,
-               content: Optional[str] = None, reason: Optional[str] = None,
-               logprobs: Optional[list[TokenLogprob]] = None,
-               usage: Optional[CompletionUsage] = None) -> ChatCompletionChunk:
+def chat_chunk(
+    rid: str,
+    model: str,
+    index: int,
+    *,
+    role: Optional[str] = None,
+    content: Optional[str] = None,
+    reason: Optional[str] = None,
+    logprobs: Optional[list[TokenLogprob]] = None,
+    usage: Optional[CompletionUsage] = None,
+) -> ChatCompletionChunk:
     delta = chunk.ChoiceDelta()
     if role is not None:
         delta.role = role
     if content is not None:
         delta.content = content
-    choice = chunk.Choice(index=index, delta=delta, finish_reason=finish_reason(reason),
-                          logprobs=chunk.ChoiceLogprobs(content=chat_logprobs(logprobs))
-                          if logprobs is not None else None)
-    out = ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=int(time.time()),
-                              model=model, choices=[choice])
+    choice = chunk.Choice(
+        index=index,
+        delta=delta,
+        finish_reason=finish_reason(reason),
+        logprobs=chunk.ChoiceLogprobs(content=chat_logprobs(logprobs))
+        if logprobs is not None
+        else None,
+    )
+    out = ChatCompletionChunk(
+        id=rid,
+        object="chat.completion.chunk",
+        created=int(time.time()),
+        model=model,
+        choices=[choice],
+    )
     if usage is not None:
         out.usage = usage
     return out
 
 
 def chat_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> ChatCompletionChunk:
-    return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=int(time.time()),
-                               model=model, choices=[], usage=usage)
+    return ChatCompletionChunk(
+        id=rid,
+        object="chat.completion.chunk",
+        created=int(time.time()),
+        model=model,
+        choices=[],
+        usage=usage,
+    )

@@ -7,6 +7,7 @@ output; with ``n`` > 1 each output tensor holds one element per sequence (the on
 carries its delta, the others empty ones). Cancelling the gRPC call (the HTTP client went away)
 cancels the request in Triton, which the adapter polls and turns into an engine abort.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,11 +81,17 @@ def parse_logprobs(text: str, top_n: int) -> list[TokenLogprob]:
     for position in json.loads(text) or []:
         entries = list(position.values())
         sampled = entries[0]
-        ranked = sorted((e for e in entries if e.get("rank") is not None and e["rank"] <= top_n),
-                        key=lambda e: e["rank"])
-        out.append(TokenLogprob(sampled.get("decoded_token") or "", _logprob(sampled["logprob"]),
-                                [(e.get("decoded_token") or "", _logprob(e["logprob"]))
-                                 for e in ranked]))
+        ranked = sorted(
+            (e for e in entries if e.get("rank") is not None and e["rank"] <= top_n),
+            key=lambda e: e["rank"],
+        )
+        out.append(
+            TokenLogprob(
+                sampled.get("decoded_token") or "",
+                _logprob(sampled["logprob"]),
+                [(e.get("decoded_token") or "", _logprob(e["logprob"])) for e in ranked],
+            )
+        )
     return out
 
 
@@ -124,14 +131,21 @@ class TritonGenerator:
     def _inputs(self, req: GenerateRequest) -> list:
         import tritonclient.grpc as grpcclient
 
-        flags = {"stream": True, "return_finish_reason": True, "return_num_input_tokens": True,
-                 "return_num_output_tokens": True,
-                 "return_logprobs": req.top_logprobs is not None}
-        return [_tensor(grpcclient, "text_input", _bytes(req.prompt), "BYTES"),
-                _tensor(grpcclient, "sampling_parameters", _bytes(json.dumps(req.sampling)),
-                        "BYTES"),
-                *[_tensor(grpcclient, name, np.array([value]), "BOOL")
-                  for name, value in flags.items()]]
+        flags = {
+            "stream": True,
+            "return_finish_reason": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+            "return_logprobs": req.top_logprobs is not None,
+        }
+        return [
+            _tensor(grpcclient, "text_input", _bytes(req.prompt), "BYTES"),
+            _tensor(grpcclient, "sampling_parameters", _bytes(json.dumps(req.sampling)), "BYTES"),
+            *[
+                _tensor(grpcclient, name, np.array([value]), "BOOL")
+                for name, value in flags.items()
+            ],
+        ]
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[Step, None]:
         """The request's steps until every sequence has finished; an error raises
@@ -141,16 +155,18 @@ class TritonGenerator:
         inputs = self._inputs(req)
 
         async def one_request():
-            yield {"model_name": req.model, "inputs": inputs,
-                   "request_id": f"openai-{uuid.uuid4().hex[:16]}"}
+            yield {
+                "model_name": req.model,
+                "inputs": inputs,
+                "request_id": f"openai-{uuid.uuid4().hex[:16]}",
+            }
 
         finished: set[int] = set()
         stream = self.client().stream_infer(one_request())
         try:
             async for result, error in stream:
                 if error is not None:
-                    raise from_triton(error.message() if hasattr(error, "message")
-                                      else str(error))
+                    raise from_triton(error.message() if hasattr(error, "message") else str(error))
                 step = self._step(result, req, finished)
                 yield step
                 if len(finished) >= req.n:
@@ -158,8 +174,9 @@ class TritonGenerator:
             raise OpenAIError(500, "the model's response stream ended before it finished")
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
-            status = 503 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) \
-                else 500
+            status = (
+                503 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else 500
+            )
             raise OpenAIError(status, f"Triton: {e.details() if hasattr(e, 'details') else e}")
         finally:
             stream.cancel()  # a no-op once the call is over; an abort in the engine otherwise
@@ -170,8 +187,9 @@ class TritonGenerator:
             value = result.as_numpy(name)
             if value is None:
                 return []
-            return [v.decode("utf-8") if isinstance(v, bytes) else str(v)
-                    for v in value.reshape(-1)]
+            return [
+                v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in value.reshape(-1)
+            ]
 
         texts = strings("text_output")
         reasons = strings("finish_reason")
@@ -190,6 +208,7 @@ class TritonGenerator:
             lps = None
             if index < len(logprobs) and logprobs[index] != "null":
                 lps = parse_logprobs(logprobs[index], req.top_logprobs or 0)
-            sequences.append(SequenceDelta(index, text, counts[index], lps,
-                                           reason if ends else None))
+            sequences.append(
+                SequenceDelta(index, text, counts[index], lps, reason if ends else None)
+            )
         return Step(int(num_input.reshape(-1)[0]) if num_input is not None else 0, sequences)
