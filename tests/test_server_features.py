@@ -61,3 +61,9 @@ def test_priority_swap_and_speculation_through_triton(tiny_model, plain_texts, t
     events = json.loads(trace_file.read_text())["traceEvents"]
     ran = {e["name"] for e in events if e["ph"] == "X" and e["cat"] not in ("step", "padding")}
     assert len(ran) == len(plain_texts)
+    # The KV was swapped, not recomputed: the trace marks each preemption with its mode, and
+    # at least one victim's blocks went to the CPU pool (a preemption falls back to
+    # recompute only when the pool is full). Their outputs are checked above.
+    modes = [e["args"]["mode"] for e in events if e.get("cat") == "preemption"]
+    assert len(modes) == m["slipstream_preemptions_total"]
+    assert "swap" in modes, f"no preemption swapped its KV out: {modes}"
