@@ -11,8 +11,8 @@ import pytest
 from slipstream import SamplingParams
 from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.engine import merge_output
-from slipstream.engine_loop import EngineDeadError, EngineLoop, HealthState
-from slipstream.engine_supervisor import EngineSupervisor
+from slipstream.engine.loop import EngineDeadError, EngineLoop, HealthState
+from slipstream.engine.supervisor import EngineSupervisor
 from test_engine_loop import GREEDY, config  # the same tiny engine
 
 

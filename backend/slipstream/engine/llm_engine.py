@@ -27,7 +27,7 @@ from slipstream.core.scheduler_output import RequestUpdate, SampledTokens, Sched
 from slipstream.core.sequence_group import SequenceGroup
 from slipstream.core.stats import EngineStats, StatsSnapshot
 from slipstream.core.swap_space import SwapSpace
-from slipstream.detokenizer import IncrementalDetokenizer
+from slipstream.engine.detokenizer import IncrementalDetokenizer
 from slipstream.worker import model_loader
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
@@ -156,7 +156,7 @@ class LLMEngine:
     def _make_proposer(self):
         if self.config.speculative_method is None:
             return None
-        from slipstream.spec_decode import make_proposer
+        from slipstream.engine.spec_decode import make_proposer
         return make_proposer(self.config, self)
 
     # -- requests ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ The loop watches its own health. A step that raises, or in which every request t
 failed, is a failed step; ``failure_threshold`` of them in a row, or the loop thread dying,
 make the engine DEAD: every request still in it ends with the error, new ones are refused
 with ``EngineDeadError`` and ``health()`` says why (the server reports itself not ready and
-restarts the engine, see ``slipstream.engine_supervisor``).
+restarts the engine, see ``slipstream.engine.supervisor``).
 
 A step that never returns (a forward or kernel that hangs) is seen by the step watchdog, a
 thread that looks at the running step's age: past ``step_timeout_s`` (the first steps, which
@@ -34,7 +34,7 @@ from slipstream.core.config import EngineConfig
 from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine import LLMEngine, OverloadedError, Prompt
+from slipstream.engine.llm_engine import LLMEngine, OverloadedError, Prompt
 
 log = logging.getLogger("slipstream")
 
