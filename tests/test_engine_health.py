@@ -42,7 +42,7 @@ def test_text_prompt_is_refused_through_its_stream_after_tokenizing(loop):
 def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
     """The caller (Triton's execute) only queues a text prompt: a slow tokenization happens
     on the tokenizer thread while other requests are submitted and served."""
-    engine = loop.engine
+    engine = loop.engine.input_processor  # tokenizing is the input processor's
     original = engine._tokenize
     release = threading.Event()
 
@@ -63,7 +63,7 @@ def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
 
 
 def test_abort_before_the_engine_has_the_request(loop, monkeypatch):
-    engine = loop.engine
+    engine = loop.engine.input_processor  # tokenizing is the input processor's
     original = engine._tokenize
     gate = threading.Event()
     monkeypatch.setattr(engine, "_tokenize",
