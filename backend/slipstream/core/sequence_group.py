@@ -93,7 +93,8 @@ class SequenceGroup:
         """Running slots ``req`` takes when admitted: the parent brings its unforked children."""
         return len(self.sequences) if req is self.parent and not self.forked else 1
 
-    def forks_at(self, req: Request, computed_before: int, num_new: int, tokens_before: int) -> bool:
+    def forks_at(self, req: Request, computed_before: int, num_new: int,
+                 tokens_before: int) -> bool:
         """Whether this step of ``req`` completes the prompt and so forks the children."""
         return (req is self.parent and not self.forked
                 and computed_before + num_new == tokens_before == req.num_prompt_tokens)

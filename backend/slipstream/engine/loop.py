@@ -324,7 +324,8 @@ class EngineLoop:
         """The engine's counters as of its last step (immutable: safe to read anywhere)."""
         return self._stats
 
-    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                 **kw) -> RequestOutput:
         """Blocking convenience: the whole output of one request (n = 1; with n > 1 read the
         stream, each output names its sequence in ``index``)."""
         if params is not None and params.n > 1:

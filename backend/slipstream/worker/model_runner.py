@@ -32,7 +32,8 @@ class StepBatch:
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
     compatible = getattr(model, "is_backend_compatible", None)
-    ok = compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False)
+    ok = (compatible() if callable(compatible)
+          else getattr(model, "_supports_attention_backend", False))
     if not ok:
         raise ValueError(
             f"{type(model).__name__} does not support transformers' attention interface, so its "
@@ -76,7 +77,8 @@ class ModelRunner:
         """One token per sequence, built only from fixed-address tensors (graph-capturable)."""
         n = input_ids.shape[0]
         meta = AttentionMetadata(slot_mapping, self._cu_seqlens[:n + 1], seq_lens, block_tables,
-                                 max_seqlen_q=1, max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+                                 max_seqlen_q=1,
+                                 max_seqlen_k=self.max_blocks_per_seq * self.block_size,
                                  block_size=self.block_size, query_lens_host=[1] * n,
                                  seq_lens_host=[])
         return self._forward(input_ids, positions, meta, 0)

@@ -4,7 +4,8 @@ Three modules implement it, ``torch_ops`` (any device; the reference), ``cpu_ker
 compiled decode kernel plus the torch path's prefill; the CPU default) and ``triton_kernels``
 (OpenAI Triton, CUDA); ``dispatch.get_ops`` picks one per device. All work on the paged
 cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and on the
-step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it; slot -1 marks rows (padding) whose K/V is not stored.
+step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it; slot -1 marks rows
+(padding) whose K/V is not stored.
 """
 from __future__ import annotations
 
