@@ -35,7 +35,7 @@ def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefil
         want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
                           kw.get("softcap"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
-    plan = meta.scratch["cpu_plan"]
+    plan = meta.plan
     assert plan.decode.rows.tolist() == [0, 6, 7, 17]
     assert plan.prompts.chunks.tolist() == [[1, 5, 12], [8, 9, 9]]
     assert plan.torch_chunks is not None  # the softcapped layer's way
@@ -57,7 +57,7 @@ def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
     want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
                       kw.get("softcap"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    plan = meta.scratch["cpu_plan"]
+    plan = meta.plan
     assert plan.prompts.chunks.tolist() == [[9, 5, 70]]  # the prompt chunk
     assert plan.decode.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] + list(range(14, 23))
     assert plan.decode.seq_lens.tolist() == [36, 37, 38, 39, 40, 5, 6, 7, 19] + list(range(22, 31))
@@ -92,7 +92,7 @@ def test_prefill_kernel_equals_the_reference(d, window):
     got = cpu_kernels.paged_attention(q, kc, vc, meta, d ** -0.5, sliding_window=window)
     want = _reference(q, kc, vc, tables, q_lens, seq_lens, d ** -0.5, window)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    assert meta.scratch["cpu_plan"].torch_chunks is None  # all on the kernel
+    assert meta.plan.torch_chunks is None  # all on the kernel
 
 
 @pytest.mark.parametrize("window", [None, 11])
@@ -131,7 +131,7 @@ def test_a_nan_prompt_row_stays_nan_and_harms_no_other_row():
     q = torch.randn(32, h, d)
     clean = cpu_kernels.paged_attention(q, kc, vc, meta, 0.125)
     q[25, 4] = float("nan")  # one query head of row 5 of the second chunk
-    meta.scratch.clear()
+    meta.plan = None
     got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.125)
     assert torch.isnan(got[25, 4]).all()
     others = torch.ones(32, h, dtype=torch.bool)
@@ -145,4 +145,4 @@ def test_other_dtypes_use_the_torch_path():
     kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
     q = torch.randn(2, 2, 8, dtype=torch.bfloat16)
     got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.3)
-    assert got.dtype == torch.bfloat16 and "cpu_plan" not in meta.scratch
+    assert got.dtype == torch.bfloat16 and isinstance(meta.plan, torch_ops.StepPlan)

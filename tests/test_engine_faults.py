@@ -12,7 +12,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import SamplingParams  # noqa: E402
-from slipstream.engine_loop import EngineLoop, HealthState  # noqa: E402
+from slipstream.engine.loop import EngineLoop, HealthState  # noqa: E402
 from fault_support import faulty_server  # noqa: E402
 from test_engine_loop import GREEDY, config  # noqa: E402
 from test_server import OVERRIDES, REPO, run_stream, text_inputs, tiny_model  # noqa: E402,F401

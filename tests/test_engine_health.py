@@ -11,8 +11,8 @@ import pytest
 from slipstream import SamplingParams
 from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.engine import merge_output
-from slipstream.engine_loop import EngineDeadError, EngineLoop, HealthState
-from slipstream.engine_supervisor import EngineSupervisor
+from slipstream.engine.loop import EngineDeadError, EngineLoop, HealthState
+from slipstream.engine.supervisor import EngineSupervisor
 from test_engine_loop import GREEDY, config  # the same tiny engine
 
 
@@ -42,7 +42,7 @@ def test_text_prompt_is_refused_through_its_stream_after_tokenizing(loop):
 def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
     """The caller (Triton's execute) only queues a text prompt: a slow tokenization happens
     on the tokenizer thread while other requests are submitted and served."""
-    engine = loop.engine
+    engine = loop.engine.input_processor  # tokenizing is the input processor's
     original = engine._tokenize
     release = threading.Event()
 
@@ -63,7 +63,7 @@ def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
 
 
 def test_abort_before_the_engine_has_the_request(loop, monkeypatch):
-    engine = loop.engine
+    engine = loop.engine.input_processor  # tokenizing is the input processor's
     original = engine._tokenize
     gate = threading.Event()
     monkeypatch.setattr(engine, "_tokenize",

@@ -8,7 +8,7 @@ import pytest
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import RequestOutput
 from slipstream.engine import LLMEngine, merge_output
-from slipstream.engine_loop import EngineLoop, OverloadedError
+from slipstream.engine.loop import EngineLoop, OverloadedError
 from support import tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -168,7 +168,7 @@ def test_start_raises_what_building_the_engine_raised(tmp_path):
 
 def test_engine_is_built_on_the_loop_thread(monkeypatch):
     """All of the engine's torch work (model loading first) happens on the loop thread."""
-    import slipstream.engine_loop as engine_loop
+    import slipstream.engine.loop as engine_loop
 
     built_on = []
 

@@ -49,3 +49,7 @@ def test_layer_checker_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from slipstream.server.protocol import parse_request\n")
     assert "slipstream.server.protocol" in _imported_modules(bad)
+
+
+def test_engine_package_imports_no_server_or_benchmark():
+    assert _violations("engine", FORBIDDEN_FOR_LOWER_LAYERS) == []

@@ -120,7 +120,7 @@ def test_unknown_lora_name_gets_vllms_error_and_lora_off_refuses_any():
 
 
 def test_engine_loop_refuses_an_unknown_adapter_in_the_callers_thread_and_serves_a_known_one():
-    from slipstream.engine_loop import EngineLoop
+    from slipstream.engine.loop import EngineLoop
 
     jobs, reference = workload()
     settings = dict(model=str(tiny_model_dir()), block_size=4, max_model_len=512,

@@ -11,7 +11,7 @@ import pytest
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import RequestOutput
 from slipstream.engine import LLMEngine, merge_output
-from slipstream.engine_loop import EngineLoop, OverloadedError
+from slipstream.engine.loop import EngineLoop, OverloadedError
 from support import hf_greedy, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)

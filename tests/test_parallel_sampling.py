@@ -164,7 +164,7 @@ def test_invalid_n_and_best_of_are_refused_with_vllm_messages():
 
 
 def test_engine_loop_streams_every_sequence_and_ends_once():
-    from slipstream.engine_loop import EngineLoop
+    from slipstream.engine.loop import EngineLoop
 
     engine = make_engine()
     with EngineLoop(engine) as loop:

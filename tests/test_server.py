@@ -21,7 +21,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
-from slipstream.engine_loop import EngineLoop  # noqa: E402
+from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.protocol import split_parameters  # noqa: E402
 from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
 from slipstream.server.launcher import (TritonServer, find_tritonserver,  # noqa: E402

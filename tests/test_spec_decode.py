@@ -9,7 +9,7 @@ import torch
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.spec_decode import NgramProposer, max_drafts, ngram_lookup
+from slipstream.engine.spec_decode import NgramProposer, max_drafts, ngram_lookup
 from support import reference_model, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)

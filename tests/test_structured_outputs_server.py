@@ -13,7 +13,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("llguidance")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
-from slipstream.engine_loop import EngineLoop  # noqa: E402
+from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.protocol import split_parameters  # noqa: E402
 from slipstream.server.launcher import read_parameters  # noqa: E402
 from test_server import (MODEL, PROMPTS, StreamClient, http_post, repo,  # noqa: E402,F401

@@ -125,5 +125,5 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
         want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
                           kw.get("softcap"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"layer {layer} {kw}")
-    plan = meta.scratch["torch_plan"]
+    plan = meta.plan
     assert len(plan.decode) > 1 and len(plan.prefill) == 2

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.engine_loop import EngineLoop
+from slipstream.engine.loop import EngineLoop
 from slipstream.trace import StepTracer
 from support import random_workload, tiny_model_dir
 

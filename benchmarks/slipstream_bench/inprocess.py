@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Sequence
 from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine_loop import EngineLoop
+from slipstream.engine.loop import EngineLoop
 from slipstream_bench import timeline
 from slipstream_bench.driver import Progress, send_on_schedule
 from slipstream_bench.metrics import RequestRecord, records_to_json, summarize

@@ -24,8 +24,8 @@ from slipstream.core.config import EngineConfig
 from slipstream.core.lora_limit import admissible
 from slipstream.core.policies import make_policy, pick_first, pick_victim
 from slipstream.core.request import FinishReason, Request, RequestStatus
-from slipstream.core.scheduler_output import (RequestUpdate, SampledTokens, ScheduledRequest,
-                                              SchedulerOutput)
+from slipstream.core.scheduler_output import (ModelRunnerOutput, RequestUpdate,
+                                              ScheduledRequest, SchedulerOutput)
 from slipstream.core.step_budget import StepBudget
 from slipstream.core.swap_space import SwapSpace
 
@@ -88,7 +88,7 @@ class SchedulerBase(ABC):
         """A step's measured wall time (schedule to outputs), for schedulers that plan by it."""
 
     # -- applying a step's results -----------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, sampled: SampledTokens,
+    def update_from_output(self, sched: SchedulerOutput, sampled: ModelRunnerOutput,
                            stop_string: StopStringCheck) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled; finish
         those that stopped. Returns one update per request that sampled or ended. A

@@ -1,7 +1,8 @@
 """What crosses the seams of one engine step.
 
-scheduler --SchedulerOutput--> worker (runs the forward, samples) --SampledTokens-->
-scheduler.update_from_output --RequestUpdate--> engine (detokenizes, reports outputs).
+scheduler --SchedulerOutput--> model executor (runs the forward, samples)
+--ModelRunnerOutput--> scheduler.update_from_output --RequestUpdate--> output processor
+(detokenizes, reports outputs).
 """
 from __future__ import annotations
 
@@ -112,8 +113,8 @@ class SchedulerOutput:
 
 
 @dataclass
-class SampledTokens:
-    """The worker's answer for one step: per scheduled request, in batch order, the tokens
+class ModelRunnerOutput:
+    """The model executor's answer for one step: per scheduled request, in batch order, the tokens
     it sampled (none for a prefill chunk that does not reach the prompt's end; one per
     verified draft plus one otherwise) and their logprobs. ``errors`` names the requests
     whose own rows failed (the step is fail-soft: the others' tokens are still good)."""
@@ -125,8 +126,18 @@ class SampledTokens:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, n: int) -> "SampledTokens":
+    def empty(cls, n: int) -> "ModelRunnerOutput":
         return cls([[] for _ in range(n)], [[] for _ in range(n)])
+
+    def extend(self, other: "ModelRunnerOutput") -> None:
+        """Append another batch's answer (the fail-soft retry runs requests one by one)."""
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.errors.update(other.errors)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+
+
+SampledTokens = ModelRunnerOutput  # its earlier name, which the scheduler's tests use
 
 
 @dataclass

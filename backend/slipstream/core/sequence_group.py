@@ -9,16 +9,17 @@ there). From then on every sequence is an ordinary running request.
 
 Seeds: child ``i`` samples with ``seed + i`` (vLLM's rule), so a seeded request gives the same
 ``n`` sequences whatever else shares the batch. ``best_of`` > ``n``: all ``best_of`` run and
-the ``n`` with the highest cumulative logprob are returned when the last one finishes.
+the ``n`` with the highest cumulative logprob are returned when the last one finishes
+(the engine's ``ParentRequest`` collects the outputs).
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from slipstream.core.beam_search import BeamSearch
-from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
+from slipstream.core.request import Request
 from slipstream.core.sampling_params import SEED_RANGE, SamplingParams
 
 
@@ -44,10 +45,6 @@ class SequenceGroup:
     n: int  # sequences returned
     sequences: list[Request]  # in index order; [0] is the parent
     forked: bool = False
-    closed: bool = False  # its last output (finished=True) has been made
-    ended: set = field(default_factory=set)  # indices of the sequences that have ended
-    # best_of > n: each sequence's whole output, kept until the group is ranked at the end.
-    held: dict[int, RequestOutput] = field(default_factory=dict)
     # Beam search (beam_width > 1): the sequences are its beam slots (core/beam_search.py).
     beam: Optional[BeamSearch] = None
 
@@ -96,7 +93,8 @@ class SequenceGroup:
         """Running slots ``req`` takes when admitted: the parent brings its unforked children."""
         return len(self.sequences) if req is self.parent and not self.forked else 1
 
-    def forks_at(self, req: Request, computed_before: int, num_new: int, tokens_before: int) -> bool:
+    def forks_at(self, req: Request, computed_before: int, num_new: int,
+                 tokens_before: int) -> bool:
         """Whether this step of ``req`` completes the prompt and so forks the children."""
         return (req is self.parent and not self.forked
                 and computed_before + num_new == tokens_before == req.num_prompt_tokens)
@@ -105,41 +103,3 @@ class SequenceGroup:
         """The ``n`` sequences to return, most likely first (cumulative logprob)."""
         ranked = sorted(self.sequences, key=lambda s: s.cumulative_logprob, reverse=True)
         return ranked[:self.n]
-
-    # -- outputs -----------------------------------------------------------------------
-    def collect(self, out: RequestOutput) -> list[RequestOutput]:
-        """The client's outputs for one sequence's output: passed on (n sequences), or held
-        until every sequence has ended and then the best n, re-indexed by rank (best_of)."""
-        out.request_id = self.request_id
-        if out.finish_reason is not None:
-            self.ended.add(out.index)
-        done = len(self.ended) == len(self.sequences)
-        self.closed = done
-        if not self.selects_best:
-            out.finished = done  # only the request's very last output ends its stream
-            return [out]
-        total = self.held.setdefault(out.index, RequestOutput(self.request_id, index=out.index))
-        merge_output(total, out)
-        return self._ranked() if done else []
-
-    def _ranked(self) -> list[RequestOutput]:
-        prompt_logprobs = self.held[0].prompt_logprobs
-        outputs = []
-        for rank, seq in enumerate(self.best()):
-            out = self.held[seq.index]
-            out.index, out.finished, out.prompt_logprobs = rank, False, None
-            outputs.append(out)
-        outputs[0].prompt_logprobs = prompt_logprobs
-        outputs[-1].finished = True
-        return outputs
-
-    def close(self, reason: Optional[FinishReason], error: Optional[str]) -> RequestOutput:
-        """The one final output of a request ended as a whole (abort, a failed sequence)."""
-        self.closed = True
-        parent = self.parent
-        return RequestOutput(self.request_id, finished=True, finish_reason=reason, error=error,
-                             num_prompt_tokens=parent.num_prompt_tokens,
-                             num_output_tokens=parent.num_output_tokens,
-                             num_cached_tokens=parent.num_cached_tokens,
-                             cumulative_logprob=parent.cumulative_logprob,
-                             timing=parent.timing())

@@ -4,7 +4,7 @@ model directory's ``1/model.py`` re-exports. Imported only inside the Python-bac
 Kept thin: request parsing and the response wire format are ``slipstream.server.protocol``,
 the model config (auto-completed inputs/outputs, ``1/model.json``, parameters)
 ``slipstream.server.model_config``, metrics ``slipstream.server.metrics``; the engine
-(``slipstream.engine_supervisor.EngineSupervisor``, which restarts a dead engine) runs its own
+(``slipstream.engine.supervisor.EngineSupervisor``, which restarts a dead engine) runs its own
 threads. The same class serves the Python backend layout
 (``model_repository/slipstream/1/model.py``) and the Python-based backend
 ``backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
@@ -30,8 +30,8 @@ import triton_python_backend_utils as pb_utils
 
 from slipstream import EngineConfig
 from slipstream.core.request import FinishReason
-from slipstream.engine_loop import EngineDeadError, OverloadedError
-from slipstream.engine_supervisor import EngineSupervisor
+from slipstream.engine.loop import EngineDeadError, OverloadedError
+from slipstream.engine.supervisor import EngineSupervisor
 from slipstream.server import model_config
 from slipstream.server.cancel_polls import CancelPolls
 from slipstream.server.deadlines import request_deadline

@@ -2,13 +2,15 @@
 K/V into the paged cache and attends over each sequence's blocks (block-diagonal causal).
 
 transformers passes no per-call state we can use, so the model runner publishes the
-step's metadata and cache tensors in a ``StepContext`` before calling the model.
+step's metadata (with its attention plan) and cache tensors in a ``StepContext`` for the
+length of the forward: ``with step_context(...): model(...)``.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,8 +29,15 @@ class StepContext:
     ops: AttentionOps  # torch_ops, cpu_kernels or triton_kernels
 
 
-def set_context(ctx: Optional[StepContext]) -> None:
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    """Publish ``ctx`` to the attention hook of the forward run inside the block; it is
+    withdrawn however the forward ends, so no later call can see a finished step's state."""
     _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = None
 
 
 def get_context() -> StepContext:

@@ -32,7 +32,8 @@ class StepBatch:
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
     compatible = getattr(model, "is_backend_compatible", None)
-    ok = compatible() if callable(compatible) else getattr(model, "_supports_attention_backend", False)
+    ok = (compatible() if callable(compatible)
+          else getattr(model, "_supports_attention_backend", False))
     if not ok:
         raise ValueError(
             f"{type(model).__name__} does not support transformers' attention interface, so its "
@@ -52,6 +53,7 @@ class ModelRunner:
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.ops = get_ops(device, attention_ops)
+        self.num_query_heads = model.config.get_text_config().num_attention_heads
         model.set_attn_implementation(attention.register())
         self.fast = (FastForward.for_model(model, fuse=lora is None)
                      if fast_forward and device.type == "cpu" else None)
@@ -75,7 +77,8 @@ class ModelRunner:
         """One token per sequence, built only from fixed-address tensors (graph-capturable)."""
         n = input_ids.shape[0]
         meta = AttentionMetadata(slot_mapping, self._cu_seqlens[:n + 1], seq_lens, block_tables,
-                                 max_seqlen_q=1, max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+                                 max_seqlen_q=1,
+                                 max_seqlen_k=self.max_blocks_per_seq * self.block_size,
                                  block_size=self.block_size, query_lens_host=[1] * n,
                                  seq_lens_host=[])
         return self._forward(input_ids, positions, meta, 0)
@@ -171,15 +174,14 @@ class ModelRunner:
                          torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)
 
     def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
+        # Every layer shares the step's layout: the ops work it out once, here.
+        meta.plan = self.ops.plan(meta, self.kv.key_caches[0], self.num_query_heads)
         if self.fast is not None:
             return self.fast(input_ids, positions, keep, self._attention_step(meta))
-        attention.set_context(attention.StepContext(
-            meta, self.kv.key_caches, self.kv.value_caches, self.ops))
-        try:
+        context = attention.StepContext(meta, self.kv.key_caches, self.kv.value_caches, self.ops)
+        with attention.step_context(context):
             out = self.model(input_ids=input_ids[None], position_ids=positions[None],
                              use_cache=False, logits_to_keep=keep)
-        finally:
-            attention.set_context(None)
         return out.logits[0]
 
     def _attention_step(self, meta: AttentionMetadata):

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from slipstream.worker.ops import torch_ops
-from slipstream.worker.ops.metadata import AttentionMetadata
+from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 
 log = logging.getLogger("slipstream")
 
@@ -188,12 +188,14 @@ class _PromptChunks:
 
 
 @dataclass
-class _Plan:
+class _Plan(AttentionPlan):
     decode: Optional[_DecodeRows]
     prompts: Optional[_PromptChunks]
     prompt_indices: list[int]  # the sequences whose new tokens are a prompt chunk
     starts: list[int]  # sequence i's first row
     torch_chunks: Optional[list] = None  # the same chunks for the torch path, made on demand
+    # The whole step on the torch path (a dtype the kernel lacks), made on demand.
+    torch_plan: Optional[torch_ops.StepPlan] = None
 
 
 # The prefill kernel's head sizes (ops/cpu_prefill_attention.cpp); others, and softcapped
@@ -244,8 +246,28 @@ def _build_plan(meta: AttentionMetadata) -> _Plan:
     for n in meta.query_lens_host:
         starts.append(starts[-1] + n)
     indices = [i for i in range(len(meta.query_lens_host)) if not _on_kernel(meta, i)]
-    return _Plan(_kernel_rows(meta, starts), _prompt_chunks(meta, starts, indices), indices,
-                 starts)
+    store_rows, store_slots = torch_ops.stored_rows(meta)
+    return _Plan(store_rows, store_slots, _kernel_rows(meta, starts),
+                 _prompt_chunks(meta, starts, indices), indices, starts)
+
+
+def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int) -> _Plan:
+    """``AttentionOps.plan``: the kernel rows, prompt chunks and stored rows of the step."""
+    return _build_plan(meta)
+
+
+def _plan_for(meta: AttentionMetadata) -> _Plan:
+    """The runner's plan, or for a caller that planned none one made now and kept."""
+    if meta.plan is None:
+        meta.plan = _build_plan(meta)
+    return meta.plan if isinstance(meta.plan, _Plan) else _build_plan(meta)
+
+
+def _torch_plan(plan: _Plan, meta: AttentionMetadata, key_cache: torch.Tensor,
+                group: int) -> torch_ops.StepPlan:
+    if plan.torch_plan is None:
+        plan.torch_plan = torch_ops.build_plan(meta, key_cache, group)
+    return plan.torch_plan
 
 
 def _torch_chunks(plan: _Plan, meta: AttentionMetadata, group: int, block_size: int) -> list:
@@ -264,11 +286,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """``AttentionOps.paged_attention``: decode rows and verification chunks by the decode
     kernel, prompt chunks by the prefill kernel (by torch with a softcap or an odd head size)."""
     if not supports(query.dtype) or key_cache.dtype != torch.float32:
-        return torch_ops.paged_attention(query, key_cache, value_cache, meta, scale,
-                                         sliding_window, softcap)
-    plan = meta.scratch.get("cpu_plan")
-    if plan is None:
-        plan = meta.scratch["cpu_plan"] = _build_plan(meta)
+        if not isinstance(meta.plan, _Plan):
+            return torch_ops.paged_attention(query, key_cache, value_cache, meta, scale,
+                                             sliding_window, softcap)
+        group = query.shape[1] // key_cache.shape[2]  # the runner planned for the kernel
+        return torch_ops.run_plan(query, key_cache, value_cache,
+                                  _torch_plan(meta.plan, meta, key_cache, group), scale,
+                                  sliding_window, softcap)
+    plan = _plan_for(meta)
     out = torch.empty_like(query)
     if plan.decode is not None:
         d = plan.decode

@@ -2,8 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+
+
+@dataclass
+class AttentionPlan:
+    """What an ops module works out once per step from its metadata (each module extends
+    it with its own layout: length groups, masks, kernel rows)."""
+
+    store_rows: Optional[torch.Tensor]  # the rows whose K/V is stored (None: every row)
+    store_slots: torch.Tensor  # their slots
 
 
 @dataclass
@@ -23,18 +33,18 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_size: int
     # Host copies used by the torch path to split work without device syncs.
-    query_lens_host: list
-    seq_lens_host: list
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
     # verify_host[i]: sequence i's new tokens are its last decoded token and its drafts
     # (speculative verification), not a prompt chunk; empty = none are.
-    verify_host: list = field(default_factory=list)
+    verify_host: list[bool] = field(default_factory=list)
     # prompt_host[i]: sequence i's new tokens start inside its prompt (a prompt chunk, of any
     # length, one token included); empty = unknown: chunks of more than one token that are
     # not verification chunks count as prompt chunks.
-    prompt_host: list = field(default_factory=list)
-    # Per-step values an operator derives once and reuses in every layer (the torch path's
-    # length groups and masks); a new metadata object comes with every step.
-    scratch: dict = field(default_factory=dict, repr=False, compare=False)
+    prompt_host: list[bool] = field(default_factory=list)
+    # What the ops module worked out for this step (``AttentionOps.plan``, called once per
+    # step by the model runner) and every layer reuses; a new metadata comes with every step.
+    plan: Optional[AttentionPlan] = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

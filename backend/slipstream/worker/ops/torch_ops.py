@@ -5,8 +5,8 @@ Cache layout, per layer: ``key_cache`` and ``value_cache`` of shape
 
 A step's layout (which rows decode, how decode sequences group by length, each prefill
 chunk's causal mask) is the same in every layer, so it is worked out once per step as a
-``StepPlan`` kept on the step's metadata; each layer then only gathers its K/V and runs the
-fused attention.
+``StepPlan`` (``plan``, which the model runner calls) kept on the step's metadata; each
+layer then only gathers its K/V and runs the fused attention.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.ops.metadata import AttentionMetadata
+from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 
 
 # ---------------------------------------------------------------------------- the step plan
@@ -74,7 +74,7 @@ class _PrefillChunk:
 
 
 @dataclass
-class StepPlan:
+class StepPlan(AttentionPlan):
     decode: list[_DecodeGroup]
     prefill: list[_PrefillChunk]
 
@@ -164,8 +164,10 @@ def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> 
     """``group``: query heads per KV head."""
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     block_size, block_bytes = key_cache.shape[1], _block_bytes(key_cache)
+    store_rows, store_slots = _valid_rows(meta.slot_mapping)
     if meta.decode_only:
-        return StepPlan(_decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size,
+        return StepPlan(store_rows, store_slots,
+                        _decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size,
                                        block_bytes), [])
     starts = [0]
     for n in q_lens:
@@ -180,15 +182,29 @@ def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> 
     prefill = [_prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i:i + 1], group,
                               block_size)
                for i, n in enumerate(q_lens) if n > 1]
-    return StepPlan(decode, prefill)
+    return StepPlan(store_rows, store_slots, decode, prefill)
+
+
+def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int) -> StepPlan:
+    """``AttentionOps.plan``: the decode length groups, prefill chunks and stored rows."""
+    return build_plan(meta, key_cache, num_query_heads // key_cache.shape[2])
 
 
 def plan_for(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> StepPlan:
-    """The step's plan, built by its first layer and reused by the others."""
-    plan = meta.scratch.get("torch_plan")
-    if plan is None:
-        plan = meta.scratch["torch_plan"] = build_plan(meta, key_cache, group)
-    return plan
+    """The step's plan: the runner's, or for a caller that planned none (tests, tools) one
+    made now and kept for the step's other layers."""
+    if meta.plan is None:
+        meta.plan = build_plan(meta, key_cache, group)
+    if isinstance(meta.plan, StepPlan):
+        return meta.plan
+    return build_plan(meta, key_cache, group)  # another module's plan: not ours to replace
+
+
+def stored_rows(meta: AttentionMetadata) -> tuple:
+    """(rows with a slot or None for all, their slots): from the step's plan when made."""
+    if meta.plan is not None:
+        return meta.plan.store_rows, meta.plan.store_slots
+    return _valid_rows(meta.slot_mapping)
 
 
 # ---------------------------------------------------------------------------- the operators
@@ -327,10 +343,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     softcap: Optional[float] = None) -> torch.Tensor:
     """A ragged step: the single-token (decode) sequences run batched, in length groups;
     each multi-token (prefill) chunk runs on its own."""
-    plan = plan_for(meta, key_cache, query.shape[1] // key_cache.shape[2])
+    step_plan = plan_for(meta, key_cache, query.shape[1] // key_cache.shape[2])
+    return run_plan(query, key_cache, value_cache, step_plan, scale, sliding_window, softcap)
+
+
+def run_plan(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             step_plan: StepPlan, scale: float, sliding_window: Optional[int] = None,
+             softcap: Optional[float] = None) -> torch.Tensor:
+    """``paged_attention`` with the step's plan in hand."""
     out = torch.empty_like(query)
-    _run_decode(query, key_cache, value_cache, plan.decode, scale, sliding_window, softcap, out)
-    for chunk in plan.prefill:
+    _run_decode(query, key_cache, value_cache, step_plan.decode, scale, sliding_window,
+                softcap, out)
+    for chunk in step_plan.prefill:
         _run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
     return out
 
@@ -338,8 +362,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def store_step_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """``store_kv`` with the step's valid rows (slot != -1) worked out once for all layers."""
-    rows_and_slots = meta.scratch.get("torch_store")
-    if rows_and_slots is None:
-        rows_and_slots = meta.scratch["torch_store"] = _valid_rows(meta.slot_mapping)
-    rows, slots = rows_and_slots
+    rows, slots = stored_rows(meta)
     store_kv(key, value, key_cache, value_cache, slots, rows)

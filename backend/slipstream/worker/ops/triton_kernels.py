@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.worker.ops.metadata import AttentionMetadata
+from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max start: all-masked rows give exp2(0)*0, not NaN
@@ -501,6 +501,12 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         **cfg,
     )
     return out
+
+
+def plan(meta: AttentionMetadata, key_cache: torch.Tensor,
+         num_query_heads: int) -> AttentionPlan:
+    """``AttentionOps.plan``: nothing to work out; the kernels skip slot -1 themselves."""
+    return AttentionPlan(None, meta.slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

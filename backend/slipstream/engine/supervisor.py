@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 from slipstream.core.config import EngineConfig
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine_loop import (DEFAULT_FAILURE_THRESHOLD, DEFAULT_STEP_TIMEOUT_S,
+from slipstream.engine.loop import (DEFAULT_FAILURE_THRESHOLD, DEFAULT_STEP_TIMEOUT_S,
                                     EngineDeadError, EngineLoop, Health, HealthState,
                                     OutputStream)
 

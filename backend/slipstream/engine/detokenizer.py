@@ -92,7 +92,8 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool) -> str:
         """The text delta safe to send now (everything that is left when ``final``)."""
-        end = len(self.text) if final or self.stopped_on else max(len(self.text) - self.hold, self.emitted)
+        end = (len(self.text) if final or self.stopped_on
+               else max(len(self.text) - self.hold, self.emitted))
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta

@@ -2,7 +2,7 @@
 
 After a request samples a token, a proposer guesses the next ``k`` tokens. The next step
 feeds the target the real last token plus the ``k`` drafts; the runner returns logits
-for those ``1 + k`` rows and the sampler draws one target token per row. ``LLMEngine._accept``
+for those ``1 + k`` rows and the sampler draws one target token per row. the scheduler
 keeps draft ``i`` while it equals the target's token at row ``i``, then appends the first
 disagreeing target token (or, when every draft survived, the bonus token of the last row).
 
@@ -19,7 +19,7 @@ general ``p/q`` rule, which is why the draft model proposes greedily.
 
 What the sampler cannot do per draft row: penalties (repetition/presence/frequency) and
 ``min_tokens`` are evaluated once per step from the tokens before it, so the engine does
-not speculate for requests that use them (see ``LLMEngine._speculates``).
+not speculate for requests that use them (see ``speculates``).
 
 Methods:
 
@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request, RequestStatus
+from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from slipstream.engine.factory import ModelStack
 
 log = logging.getLogger("slipstream")
 
@@ -50,10 +52,37 @@ log = logging.getLogger("slipstream")
 def max_drafts(req: Request, config: EngineConfig, cap: Optional[int] = None) -> int:
     """How many drafts are worth proposing: a step appends at most ``drafts + 1`` tokens,
     which must fit both ``max_tokens`` and ``max_model_len``; at most ``cap`` (the step's
-    share of the draft rows, ``LLMEngine._draft_cap``)."""
+    share of the draft rows, ``draft_cap``)."""
     k = min(config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
             config.max_model_len - req.num_tokens - 1)
     return max(k if cap is None else min(k, cap), 0)
+
+
+def draft_cap(config: EngineConfig, running: int) -> Optional[int]:
+    """Drafts each request may add to the next step (None: no cap): none past
+    ``speculative_disable_by_batch_size`` requests, and within
+    ``speculative_row_budget`` rows, one per request plus its drafts (a step of a few
+    rows is bound by reading the weights, so its extra rows cost little)."""
+    c = config
+    if c.speculative_disable_by_batch_size and running > c.speculative_disable_by_batch_size:
+        return 0
+    if c.speculative_row_budget:
+        return max(c.speculative_row_budget - running, 0) // max(running, 1)
+    return None
+
+
+def speculates(req: Request) -> bool:
+    """Whether drafts for ``req`` would be verified exactly (see the module)."""
+    # Penalties and min_tokens are applied once per step from the tokens before it,
+    # not per draft row, so such requests would not match plain decoding; a grammar's
+    # mask is computed for the next token only, so constrained requests never draft.
+    # min_tokens blocks nothing when EOS is ignored and there are no stop tokens.
+    p = req.params
+    min_tokens_inert = p.ignore_eos and not p.stop_token_ids
+    return (req.grammar is None and req.group is None and p.use_speculation
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty
+            and (req.num_output_tokens >= p.min_tokens or min_tokens_inert))
 
 
 class Proposer:
@@ -68,6 +97,22 @@ class Proposer:
 
     def discard(self, request_id: str) -> None:
         """Forget per-request state (no-op for stateless proposers)."""
+
+    def draft_for_step(self, reqs: list[Request], num_running: int) -> None:
+        """Draft tokens for every request that just sampled and may speculate, in one
+        batch; they go to each request's ``spec_token_ids``."""
+        cap = draft_cap(self.config, num_running)
+        if cap == 0:
+            return
+        eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and speculates(r)
+                    and r.num_tokens - r.num_computed_tokens == 1]
+        if cap is not None:
+            # A seeded sampled request draws one number per row, so its text would depend on
+            # how many requests it shared steps with: it drafts only while that is fixed.
+            eligible = [r for r in eligible if r.params.seed is None or r.params.greedy]
+        if eligible:
+            for req, drafts in zip(eligible, self.propose_batch(eligible, cap)):
+                req.spec_token_ids = list(drafts)
 
 
 class NgramProposer(Proposer):
@@ -114,6 +159,7 @@ class _Shadow:
     """A request's state in the draft model's cache. ``seq.all_token_ids[:synced]`` equals
     the request's tokens as of the last proposal; after it come that proposal's drafts."""
 
+    source: Request  # the request being drafted for
     seq: Request
     synced: int
     k: int = 0
@@ -121,46 +167,24 @@ class _Shadow:
 
 
 class DraftModelProposer(Proposer):
-    """Greedy proposals from a small model running on its own paged KV cache."""
+    """Greedy proposals from a small model running on its own paged KV cache (built by the
+    engine's ``ModelFactory``, like the target's)."""
 
-    def __init__(self, config: EngineConfig, engine) -> None:
+    def __init__(self, config: EngineConfig, stack: ModelStack, target_vocab: int,
+                 tokenizer_size: int) -> None:
         super().__init__(config)
-        from slipstream.worker import model_loader
-        from slipstream.worker.kv_cache import KVCache, KVGeometry
-        from slipstream.worker.cpu_linear import prepare_linears
-        from slipstream.worker.cpu_norm import prepare_norms
-        from slipstream.worker.model_runner import ModelRunner
-
-        self.engine = engine
-        if config.speculative_model == config.model and engine.model is not None:
-            self.model = engine.model  # draft == target: share the weights
-        else:
-            path = model_loader.resolve_model_path(config.speculative_model)
-            self.model = model_loader.load_model(path, engine.dtype, engine.device)
-            if engine.device.type == "cpu":
-                prepare_linears(self.model, config.cpu_linear)
-                prepare_norms(self.model)
+        self.model = stack.model
         self.draft_vocab = self.model.get_input_embeddings().num_embeddings
-        target_vocab = engine.model.get_input_embeddings().num_embeddings
-        if self.draft_vocab < len(engine.tokenizer):
+        if self.draft_vocab < tokenizer_size:
             raise ValueError(
                 f"the draft model's vocabulary ({self.draft_vocab}) is smaller than the target "
-                f"tokenizer's ({len(engine.tokenizer)}): they must share a tokenizer")
+                f"tokenizer's ({tokenizer_size}): they must share a tokenizer")
         self.vocab = min(self.draft_vocab, target_vocab)
-        bs = config.block_size
-        geometry = KVGeometry.from_model_config(self.model.config, bs, engine.dtype)
-        # Room for everything the target cache can hold plus each sequence's drafts.
-        per_seq = -(-(config.num_speculative_tokens + 1) // bs) + 1
-        num_blocks = engine.block_manager.num_blocks + config.max_num_seqs * per_seq
-        self.kv = KVCache(geometry, num_blocks, engine.device)
-        self.bm = BlockManager(num_blocks, bs, enable_prefix_caching=False)
-        self.runner = ModelRunner(
-            self.model, self.kv, engine.device, config.max_model_len + config.num_speculative_tokens,
-            config.max_num_seqs, config.cuda_graph_batch_sizes if config.enable_cuda_graphs else None,
-            config.attention_ops, config.fast_forward)
+        self.kv = stack.kv_cache
+        self.bm = BlockManager(self.kv.num_blocks, config.block_size, enable_prefix_caching=False)
+        self.runner = stack.runner
         self.shadows: dict[str, _Shadow] = {}
         self.num_forwards = 0
-        log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, self.kv.nbytes / 2**20)
 
     # -- per-request state ---------------------------------------------------------------
     def discard(self, request_id: str) -> None:
@@ -170,10 +194,8 @@ class DraftModelProposer(Proposer):
 
     def _collect_garbage(self) -> None:
         """Free the draft cache of requests that finished or left the GPU (preempted)."""
-        requests = self.engine.requests
-        for rid in list(self.shadows):
-            req = requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
+        for rid, shadow in list(self.shadows.items()):
+            if shadow.source.status is not RequestStatus.RUNNING:
                 self.discard(rid)
 
     def _map(self, tokens: list[int]) -> list[int]:
@@ -187,7 +209,7 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.get(req.request_id)
         if shadow is None:
             seq = Request(req.request_id, self._map(tokens), req.params)
-            shadow = self.shadows[req.request_id] = _Shadow(seq, len(tokens))
+            shadow = self.shadows[req.request_id] = _Shadow(req, seq, len(tokens))
             return shadow
         seq, base = shadow.seq, shadow.synced
         new = self._map(tokens[base:])
@@ -204,8 +226,6 @@ class DraftModelProposer(Proposer):
 
     # -- proposing ------------------------------------------------------------------------
     def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
-        from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
-
         self._collect_garbage()
         out = [[] for _ in reqs]
         active: list = []
@@ -252,11 +272,13 @@ class DraftModelProposer(Proposer):
         return out
 
 
-def make_proposer(config: EngineConfig, engine) -> Optional[Proposer]:
+def make_proposer(config: EngineConfig, draft_stack: Callable[[], ModelStack],
+                  target_vocab: int, tokenizer_size: int) -> Optional[Proposer]:
+    """``draft_stack`` builds the draft model's stack, only when the method needs one."""
     if config.speculative_method is None:
         return None
     if config.speculative_method == "ngram":
         return NgramProposer(config)
     if config.speculative_method == "draft":
-        return DraftModelProposer(config, engine)
+        return DraftModelProposer(config, draft_stack(), target_vocab, tokenizer_size)
     raise ValueError(f"unknown speculative_method {config.speculative_method!r}")

@@ -10,7 +10,7 @@ The loop watches its own health. A step that raises, or in which every request t
 failed, is a failed step; ``failure_threshold`` of them in a row, or the loop thread dying,
 make the engine DEAD: every request still in it ends with the error, new ones are refused
 with ``EngineDeadError`` and ``health()`` says why (the server reports itself not ready and
-restarts the engine, see ``slipstream.engine_supervisor``).
+restarts the engine, see ``slipstream.engine.supervisor``).
 
 A step that never returns (a forward or kernel that hangs) is seen by the step watchdog, a
 thread that looks at the running step's age: past ``step_timeout_s`` (the first steps, which
@@ -28,13 +28,16 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 from slipstream.core.config import EngineConfig
-from slipstream.core.request import FinishReason, RequestOutput
+from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine import LLMEngine, OverloadedError, Prompt
+from slipstream.engine.admission import OverloadedError
+from slipstream.engine.input_processor import (InputProcessor, Prompt, PromptOptions,
+                                               needs_tokenizer)
+from slipstream.engine.llm_engine import LLMEngine, StepResult
 
 log = logging.getLogger("slipstream")
 
@@ -98,20 +101,32 @@ class OutputStream:
             yield self.get()
 
 
+class EngineSurface(Protocol):
+    """All the loop asks of its engine (``LLMEngine`` has it; so may a test's fake)."""
+
+    tokenizer: object
+    input_processor: InputProcessor
+
+    def add(self, req: Request, check_queue: bool = True) -> None: ...
+    def abort(self, request_id: str) -> Optional[RequestOutput]: ...
+    def step(self) -> StepResult: ...
+    def has_unfinished(self) -> bool: ...
+    def num_waiting(self) -> int: ...
+    def next_wakeup(self) -> Optional[float]: ...
+    def check_queue_room(self, num_queued: int) -> None: ...
+    def fail_running(self, message: str) -> list[RequestOutput]: ...
+    def abort_all(self) -> list[RequestOutput]: ...
+    def save_trace(self) -> Optional[str]: ...
+    def get_stats(self) -> StatsSnapshot: ...
+
+
 @dataclass
 class _TokenizeJob:
     stream: OutputStream
     prompt: Prompt
     params: SamplingParams
     priority: int
-    apply_chat_template: bool
-    add_special_tokens: bool = True
-
-
-def _is_text(prompt: Prompt) -> bool:
-    """Prompts that need the tokenizer (text or chat messages), as opposed to token ids."""
-    return isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and bool(prompt)
-                                       and all(isinstance(m, dict) for m in prompt))
+    options: PromptOptions
 
 
 def _error_output(request_id: str, message: str,
@@ -133,7 +148,7 @@ class EngineLoop:
         has been ended). ``step_timeout_s`` <= 0: no step watchdog."""
         if isinstance(config_or_engine, EngineConfig):
             self._build = lambda: LLMEngine(config_or_engine, **engine_kwargs)
-            self.engine: Optional[LLMEngine] = None
+            self.engine: Optional[EngineSurface] = None
         else:
             self._build = lambda: config_or_engine
             self.engine = config_or_engine
@@ -237,17 +252,16 @@ class EngineLoop:
     def _save_trace(self, loop_alive: bool) -> None:
         if self.engine is None:
             return
-        path = self.engine.config.trace_file
-        if not path or self.engine.tracer is None:
-            return
         if loop_alive:  # the records may still be changing under us
             log.warning("engine loop did not stop in time; step trace not written")
             return
         try:
-            self.engine.tracer.save(path)
-            log.info("step trace written to %s", path)
+            path = self.engine.save_trace()
         except OSError as exc:  # a bad path must not break shutdown
-            log.error("cannot write the step trace to %s: %s", path, exc)
+            log.error("cannot write the step trace: %s", exc)
+            return
+        if path is not None:
+            log.info("step trace written to %s", path)
 
     def __enter__(self) -> "EngineLoop":
         return self.start()
@@ -268,26 +282,18 @@ class EngineLoop:
         if self._thread is None or self._stop.is_set():
             raise RuntimeError("the engine loop is not running")
         self._refuse_if_dead()
-        engine = self.engine
+        inputs = self.engine.input_processor
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        text = _is_text(prompt)
-        if text:
-            if prompt == "":
-                raise ValueError("the prompt is empty")
-            params.check_vocab(engine.logits_vocab_size)
-            engine.check_lora(params.lora_name)
-            engine.check_prompt_size(prompt)
-            req = None
-        else:
-            req = engine.make_request(prompt, params, rid, priority, apply_chat_template,
-                                      add_special_tokens)
+        options = PromptOptions(apply_chat_template, add_special_tokens)
+        if needs_tokenizer(prompt):
+            inputs.check(prompt, params)  # the rest on the tokenizer thread
+            stream = self._admit(rid)
+            self._jobs.put(_TokenizeJob(stream, prompt, params, priority, options))
+            return stream
+        req = inputs.process(prompt, params, rid, priority, options)
         stream = self._admit(rid)
-        if text:
-            self._jobs.put(_TokenizeJob(stream, prompt, params, priority, apply_chat_template,
-                                        add_special_tokens))
-        else:
-            self._commands.put(("add", req))
+        self._commands.put(("add", req))
         return stream
 
     def _refuse_if_dead(self) -> None:
@@ -302,9 +308,7 @@ class EngineLoop:
             self._refuse_if_dead()  # again, under the lock a dying loop sweeps streams with
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            limit = self.engine.config.max_queue_size
-            if limit and self._num_waiting + self._pending >= limit:
-                raise OverloadedError.queue_full(limit)
+            self.engine.check_queue_room(self._num_waiting + self._pending)
             stream = OutputStream(request_id)
             self._streams[request_id] = stream
             self._pending += 1
@@ -320,11 +324,10 @@ class EngineLoop:
         """The engine's counters as of its last step (immutable: safe to read anywhere)."""
         return self._stats
 
-    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw) -> RequestOutput:
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                 **kw) -> RequestOutput:
         """Blocking convenience: the whole output of one request (n = 1; with n > 1 read the
         stream, each output names its sequence in ``index``)."""
-        from slipstream.engine import merge_output
-
         if params is not None and params.n > 1:
             raise ValueError("generate returns one sequence: submit n > 1 requests and read "
                              "each output's index")
@@ -349,9 +352,8 @@ class EngineLoop:
                 self._reject(job.stream, None)
                 continue
             try:
-                req = self.engine.make_request(job.prompt, job.params, job.stream.request_id,
-                                               job.priority, job.apply_chat_template,
-                                               job.add_special_tokens)
+                req = self.engine.input_processor.process(
+                    job.prompt, job.params, job.stream.request_id, job.priority, job.options)
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
                 self._reject(job.stream, exc)
                 continue
@@ -383,26 +385,24 @@ class EngineLoop:
             self._drain_commands(block=not engine.has_unfinished())
             if self._stop.is_set():
                 break
-            steps_before = engine.stats.steps
             self._steps_started += 1
             self._step_started = time.monotonic()
             try:
-                outputs = engine.step()
+                result = engine.step()
                 error = None
             except Exception as exc:  # one bad batch must not kill the server
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 error = f"internal error: {exc}"
-                outputs = self._fail_scheduled(error)
+                result = StepResult(engine.fail_running(error), ran=False)
             finally:
                 self._step_started = None
             if self._health.state is HealthState.DEAD:  # declared hung while it ran
                 return
-            self._deliver(outputs)
-            if self._record_step(outputs, error):
+            self._deliver(result.outputs)
+            if self._record_step(result.outputs, error):
                 return
-            ran = engine.stats.steps != steps_before
             self._refresh_stats()
-            if not ran and engine.has_unfinished():
+            if not result.ran and engine.has_unfinished():
                 self._idle_wait()
         self._abort_all()
 
@@ -462,7 +462,7 @@ class EngineLoop:
 
     def _idle_wait(self) -> None:
         # Dynamic batching holds requests for its delay window: sleep until then or a command.
-        deadline = self.engine.scheduler.next_wakeup()
+        deadline = self.engine.next_wakeup()
         delay = 0.001 if deadline is None else max(min(deadline - time.monotonic(), 0.05), 0.0005)
         try:
             self._handle(self._commands.get(timeout=delay))
@@ -503,7 +503,7 @@ class EngineLoop:
                 out = _error_output(req.request_id, str(exc))
         with self._lock:
             self._pending -= 1
-            self._num_waiting = len(self.engine.scheduler.waiting)
+            self._num_waiting = self.engine.num_waiting()
         if out is not None:
             self._deliver([out])
 
@@ -511,11 +511,6 @@ class EngineLoop:
         self._stats = self.engine.get_stats()
         with self._lock:
             self._num_waiting = self._stats.num_waiting
-
-    def _fail_scheduled(self, message: str) -> list[RequestOutput]:
-        engine = self.engine
-        victims = list(engine.scheduler.running)
-        return [o for o in (engine.fail(r.request_id, message) for r in victims) if o is not None]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -530,10 +525,8 @@ class EngineLoop:
             self._on_output()
 
     def _abort_all(self) -> None:
-        for rid in list(self.engine.requests):
-            out = self.engine.abort(rid)
-            if out is not None:
-                self._deliver([out])
+        for out in self.engine.abort_all():
+            self._deliver([out])
         while True:  # requests submitted but never added
             try:
                 command = self._commands.get_nowait()

@@ -1,0 +1,130 @@
+"""Builds what runs a model: the model itself, its paged KV cache and the runner that packs
+steps for it. The engine builds its target model here, and the draft-model proposer its
+draft model, with the same device, dtype and runner rules."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from slipstream.core.config import EngineConfig
+from slipstream.worker import model_loader
+from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.cpu_norm import prepare_norms
+from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
+from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
+from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
+from slipstream.worker.model_runner import ModelRunner
+
+log = logging.getLogger("slipstream")
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """Where and in which formats the models run, resolved once from the config."""
+
+    device: torch.device
+    dtype: torch.dtype  # the activations'
+    weight_format: str  # how a CPU model holds its linear weights
+    kv_dtype: torch.dtype
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> "DeviceSettings":
+        device = model_loader.resolve_device(config.device)
+        dtype = model_loader.resolve_compute_dtype(config, device)
+        return cls(device, dtype, model_loader.resolve_weight_format(config, device),
+                   model_loader.resolve_kv_cache_dtype(config, dtype))
+
+
+@dataclass
+class TargetModel:
+    """The served model as loaded, with the config fitted to it (``max_model_len``)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    config: EngineConfig
+    lora: Optional[LoraLayers]
+
+
+@dataclass
+class ModelStack:
+    model: torch.nn.Module
+    kv_cache: KVCache
+    runner: ModelRunner
+
+
+class ModelFactory:
+    def __init__(self, config: EngineConfig, settings: DeviceSettings) -> None:
+        self.config = config
+        self.settings = settings
+
+    # -- the target model --------------------------------------------------------------------
+    def load_target(self, model: Optional[torch.nn.Module] = None,
+                    tokenizer: object = None) -> TargetModel:
+        """The served model (``model`` / ``tokenizer`` given: used as they are), its CPU
+        layers packed and its LoRA adapters loaded."""
+        s = self.settings
+        path = None if model is not None else model_loader.resolve_model_path(self.config.model)
+        if model is None:
+            model = model_loader.load_model(path, s.dtype, s.device)
+        if tokenizer is None:
+            tokenizer = model_loader.load_tokenizer(path, self.config.tokenizer)
+        config = self.config = model_loader.fit_max_model_len(self.config, model.config)
+        if s.device.type == "cpu":
+            prepare_cpu_model(model, s.weight_format, config.cpu_linear)
+        lora = None
+        if config.enable_lora:  # after packing: adapters wrap the packed linears
+            lora = load_lora_layers(config.lora_modules, model, config.max_lora_rank, s.dtype,
+                                    s.device)
+        return TargetModel(model, tokenizer, config, lora)
+
+    def allocate_kv_cache(self, model: torch.nn.Module) -> KVCache:
+        """The target's cache: ``num_gpu_blocks_override`` blocks, or what the budget holds."""
+        c = self.config
+        geometry = KVGeometry.from_model_config(model.config, c.block_size, self.settings.kv_dtype)
+        if c.num_gpu_blocks_override is not None:
+            num_blocks = c.num_gpu_blocks_override + 1  # + the scratch block
+        else:
+            budget = kv_budget_bytes(c.kv_cache_memory_bytes, c.gpu_memory_utilization,
+                                     self.settings.device)
+            num_blocks = num_blocks_for_budget(geometry, budget)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget holds {num_blocks} blocks of {geometry.bytes_per_block} bytes; raise "
+                "kv_cache_memory_bytes")
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)", num_blocks,
+                 geometry.block_size, num_blocks * geometry.bytes_per_block / 2**20,
+                 geometry.bytes_per_token)
+        return KVCache(geometry, num_blocks, self.settings.device)
+
+    def build_runner(self, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int,
+                     lora: Optional[LoraLayers] = None) -> ModelRunner:
+        c = self.config
+        return ModelRunner(
+            model, kv_cache, self.settings.device, max_model_len, c.max_num_seqs,
+            c.cuda_graph_batch_sizes if c.enable_cuda_graphs else None, c.attention_ops,
+            c.fast_forward, lora)
+
+    # -- the draft model ---------------------------------------------------------------------
+    def draft_stack(self, target: torch.nn.Module, target_num_blocks: int) -> ModelStack:
+        """The draft-model proposer's model (the target's weights when they are the same
+        model), on its own cache: room for everything the target cache can hold plus each
+        sequence's drafts."""
+        c, s = self.config, self.settings
+        model = target
+        if c.speculative_model != c.model or target is None:
+            path = model_loader.resolve_model_path(c.speculative_model)
+            model = model_loader.load_model(path, s.dtype, s.device)
+            if s.device.type == "cpu":
+                prepare_linears(model, c.cpu_linear)
+                prepare_norms(model)
+        geometry = KVGeometry.from_model_config(model.config, c.block_size, s.dtype)
+        per_seq = -(-(c.num_speculative_tokens + 1) // c.block_size) + 1
+        num_blocks = target_num_blocks + c.max_num_seqs * per_seq
+        kv = KVCache(geometry, num_blocks, s.device)
+        runner = self.build_runner(model, kv, c.max_model_len + c.num_speculative_tokens)
+        log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, kv.nbytes / 2**20)
+        return ModelStack(model, kv, runner)
+

@@ -1,0 +1,333 @@
+"""The synchronous engine: add requests, abort them, and advance everything one step at a time.
+
+The engine composes its rooms and runs the step; the work is theirs:
+
+* ``InputProcessor`` -- a client's prompt and parameters become a checked ``Request``;
+* the scheduler (core) -- which requests run this step, and what their sampled tokens mean;
+* ``ModelExecutor`` -- runs the batch through the model and samples it, in one call;
+* ``OutputProcessor`` -- detokenizes and turns each request's update into client outputs.
+
+A step: schedule -> execute + sample -> update -> outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+
+from slipstream.core.batch_scheduler import BatchScheduler
+from slipstream.core.block_hash import make_hasher
+from slipstream.core.block_manager import BlockManager
+from slipstream.core.config import EngineConfig
+from slipstream.core.kv_cache_events import KVCacheEvent
+from slipstream.core.lora_limit import adapters_of
+from slipstream.core.request import Request, RequestOutput, RequestStatus, merge_output
+from slipstream.core.sampling_params import SamplingParams
+from slipstream.core.scheduler import Scheduler, SchedulerBase
+from slipstream.core.sequence_group import SequenceGroup
+from slipstream.core.stats import EngineStats, StatsSnapshot
+from slipstream.core.swap_space import SwapSpace
+from slipstream.engine.admission import OVERLOADED, RETRY_AFTER_S, OverloadedError, QueueLimit
+from slipstream.engine.factory import DeviceSettings, ModelFactory
+from slipstream.engine.input_processor import InputLimits, InputProcessor, Prompt, PromptOptions
+from slipstream.engine.model_executor import ModelExecutor
+from slipstream.engine.output_processor import OutputProcessor
+from slipstream.engine.spec_decode import Proposer, make_proposer
+from slipstream.trace import StepTracer
+from slipstream.worker.sampler import Sampler
+from slipstream.worker.structured_output import GrammarCompiler
+from slipstream.worker.swap import SwapPool, num_cpu_blocks
+
+log = logging.getLogger("slipstream")
+
+__all__ = ["LLMEngine", "OVERLOADED", "OverloadedError", "Prompt", "RETRY_AFTER_S",
+           "StepResult"]
+
+KVEventSink = Callable[[list[KVCacheEvent]], None]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: the outputs it made, and whether a batch ran (False: nothing was
+    scheduled, e.g. dynamic batching holding requests). Iterates over its outputs."""
+
+    outputs: list[RequestOutput]
+    ran: bool
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None,
+                 tokenizer: object = None, kv_event_sink: Optional[KVEventSink] = None) -> None:
+        """``kv_event_sink`` receives the prefix cache's events after each step that made
+        any, on the engine thread: it must return at once (a queue, not I/O)."""
+        settings = DeviceSettings.resolve(config)
+        self.device, self.dtype = settings.device, settings.dtype
+        self.weight_format, self.kv_dtype = settings.weight_format, settings.kv_dtype
+        factory = ModelFactory(config, settings)
+        target = factory.load_target(model, tokenizer)
+        self.config = config = target.config
+        self.model, self.tokenizer, self.lora = target.model, target.tokenizer, target.lora
+        self.eos_token_id = self._eos_token_id()
+        self.kv_cache = factory.allocate_kv_cache(self.model)
+        self.block_manager = BlockManager(
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+            hasher=make_hasher(config.prefix_caching_hash_algo),
+            lora_paths=config.lora_modules if config.enable_lora else None,
+            emit_events=kv_event_sink is not None)
+        self.kv_event_sink = kv_event_sink
+        self._flush_kv_events()  # a fresh cache: AllBlocksCleared
+        self.swap_pool: Optional[SwapPool] = None
+        self.scheduler = self._make_scheduler()
+        self._warn_short_capacity()
+        self.runner = factory.build_runner(self.model, self.kv_cache, config.max_model_len,
+                                           self.lora)
+        self.executor = ModelExecutor(self.runner, Sampler(config.seed))
+        self.proposer: Optional[Proposer] = make_proposer(
+            config, lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
+            self.model.get_input_embeddings().num_embeddings, len(self.tokenizer))
+        self.stats = EngineStats()
+        self.queue_limit = QueueLimit(config.max_queue_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self._input_limits(), self.eos_token_id,
+            GrammarCompiler(self.tokenizer, self.logits_vocab_size, self.eos_token_id))
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.input_processor.tokenizer_lock, self.scheduler, self.stats,
+            config.block_size, self._forget)
+        self.tracer: Optional[StepTracer] = (
+            StepTracer() if config.trace_steps or config.trace_file else None)
+
+    # -- construction helpers ------------------------------------------------------------
+    def _eos_token_id(self) -> Optional[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+    def _warn_short_capacity(self) -> None:
+        if self.scheduler.max_seq_len < self.config.max_model_len:
+            log.warning("the KV cache holds %d tokens, less than max_model_len %d: sequences "
+                        "end at %d tokens", self.scheduler.max_seq_len, self.config.max_model_len,
+                        self.scheduler.max_seq_len)
+
+    def _make_scheduler(self) -> SchedulerBase:
+        """Chosen once: the continuous scheduler, or a request-level batching baseline
+        (which never preempts, so it has no swap space)."""
+        if self.config.batching != "continuous":
+            return BatchScheduler(self.config, self.block_manager)
+        swap = None
+        if self.config.preemption_mode != "recompute":
+            blocks = num_cpu_blocks(self.kv_cache, self.config.swap_space_bytes)
+            swap = SwapSpace(self.config, self.block_manager, blocks)
+            self.swap_pool = SwapPool(self.kv_cache, blocks)
+        return Scheduler(self.config, self.block_manager, swap)
+
+    def _input_limits(self) -> InputLimits:
+        c = self.config
+        return InputLimits(
+            max_model_len=c.max_model_len, block_size=c.block_size,
+            num_usable_blocks=self.block_manager.num_usable_blocks,
+            logits_vocab_size=self.logits_vocab_size,
+            input_vocab_size=self.model.get_input_embeddings().num_embeddings,
+            max_num_seqs=c.max_num_seqs, continuous_batching=c.batching == "continuous",
+            lora_names=None if self.lora is None else tuple(self.lora.names))
+
+    @functools.cached_property
+    def logits_vocab_size(self) -> int:
+        """How many token ids the model scores (what stop and blocked ids index)."""
+        head = self.model.get_output_embeddings()
+        size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        return int(size or self.model.config.get_text_config().vocab_size)
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.executor.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:  # benchmarks compare samplers in place
+        self.executor.sampler = sampler
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every sequence being served, by its id."""
+        return self.output_processor.requests
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None, priority: int = 0,
+                     apply_chat_template: bool = False,
+                     add_special_tokens: bool = True) -> Request:
+        """Tokenize and validate (``InputProcessor.process``); raises ``ValueError`` with a
+        message fit for the client."""
+        return self.input_processor.process(
+            prompt, params, request_id, priority,
+            PromptOptions(apply_chat_template, add_special_tokens))
+
+    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False,
+                 add_special_tokens: bool = True) -> list[int]:
+        return self.input_processor.tokenize(
+            prompt, PromptOptions(apply_chat_template, add_special_tokens))
+
+    def add(self, req: Request, check_queue: bool = True) -> None:
+        """``check_queue=False``: the caller has already admitted the request against
+        ``max_queue_size`` (EngineLoop does so at submit time)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if check_queue:
+            self.check_queue_room(self.num_waiting())
+        group = SequenceGroup.create(req)
+        sequences = group.sequences if group is not None else [req]
+        taken = [s.request_id for s in sequences if s.request_id in self.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        for seq in sequences[1:]:
+            if req.grammar is not None:  # each sequence is constrained on its own
+                seq.grammar = req.grammar.copy()
+        self.output_processor.add(sequences)
+        self.scheduler.add(req)  # only the parent is queued: the children fork from it
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, priority: int = 0,
+                    apply_chat_template: bool = False) -> Request:
+        req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        return self.output_processor.end(request_id, RequestStatus.FINISHED_ABORTED, None)
+
+    def fail(self, request_id: str, message: str) -> Optional[RequestOutput]:
+        return self.output_processor.end(request_id, RequestStatus.FINISHED_ERROR, message)
+
+    def _forget(self, request_id: str) -> None:
+        """A finished sequence's state outside the output processor and the scheduler."""
+        self.sampler.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.discard(request_id)
+
+    # -- what the engine loop uses -------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def next_wakeup(self) -> Optional[float]:
+        """When a held-back batch may form (monotonic seconds), or None."""
+        return self.scheduler.next_wakeup()
+
+    def check_queue_room(self, num_queued: int) -> None:
+        """The one admission rule: ``OverloadedError`` when ``max_queue_size`` requests are
+        already queued (safe on any thread: it reads only the config)."""
+        self.queue_limit.check(num_queued)
+
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """End every running request with ``message`` (a step raised under them)."""
+        victims = [r.request_id for r in self.scheduler.running]
+        return [o for o in (self.fail(rid, message) for rid in victims) if o is not None]
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request being served; their final outputs."""
+        return [o for o in (self.abort(rid) for rid in list(self.requests)) if o is not None]
+
+    def save_trace(self) -> Optional[str]:
+        """Write the step trace to ``trace_file``; the path, or None when there is none to
+        write. Raises ``OSError`` when it cannot be written."""
+        path = self.config.trace_file
+        if not path or self.tracer is None:
+            return None
+        self.tracer.save(path)
+        return path
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> StepResult:
+        """Schedule -> execute + sample -> update -> outputs, for every request that moved."""
+        step_start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if self.swap_pool is not None:
+            self.swap_pool.apply(sched)
+        if sched.is_empty:
+            if self.tracer is not None and sched.preempted:  # a step that only preempted
+                now = time.perf_counter()
+                self.tracer.record(sched, now, now, self)
+            self._flush_kv_events()
+            return StepResult([], ran=False)
+        started = time.perf_counter()
+        sampled = self.executor.execute_model(sched)
+        updates = self.scheduler.update_from_output(sched, sampled,
+                                                    self.output_processor.stop_string)
+        self.kv_cache.copy_blocks(sched.block_copies)  # before any later step reuses a block
+        self.stats.record_step(sched, time.perf_counter() - started)
+        if self.proposer is not None:
+            self._propose([item.request for item in sched.scheduled])
+        outputs = [out for u in updates for out in self.output_processor.process(u)]
+        self.scheduler.observe_step(sched, time.perf_counter() - step_start)
+        self._flush_kv_events()
+        if self.tracer is not None:
+            self.tracer.record(sched, started, time.perf_counter(), self)
+        return StepResult(outputs, ran=True)
+
+    def _propose(self, reqs: list[Request]) -> None:
+        self.proposer.draft_for_step(reqs, len(self.scheduler.running))
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_event_sink is not None:
+            events = self.block_manager.take_events()
+            if events:
+                self.kv_event_sink(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (KV events: ``AllBlocksCleared``); False while any
+        request holds blocks (nothing is then changed), as vLLM's reset."""
+        done = self.block_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return done
+
+    # -- offline use --------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt],
+                 params: Union[None, SamplingParams, list[SamplingParams]] = None,
+                 apply_chat_template: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order
+        (``generate_sequences`` returns all ``n`` of each)."""
+        results = self.generate_sequences(prompts, params, apply_chat_template)
+        if any(len(seqs) > 1 for seqs in results):
+            raise ValueError("a request asks for n > 1 sequences: use generate_sequences")
+        return [seqs[0] for seqs in results]
+
+    def generate_sequences(self, prompts: list[Prompt],
+                           params: Union[None, SamplingParams, list[SamplingParams]] = None,
+                           apply_chat_template: bool = False) -> list[list[RequestOutput]]:
+        """Run prompts to completion; per prompt, its ``n`` aggregated outputs by index."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp, apply_chat_template=apply_chat_template)
+                for p, sp in zip(prompts, params_list)]
+        merged: dict[str, dict[int, RequestOutput]] = {r.request_id: {} for r in reqs}
+        while self.has_unfinished():
+            for out in self.step():
+                total = merged[out.request_id].setdefault(out.index, RequestOutput(out.request_id))
+                merge_output(total, out)
+        return [[seqs[i] for i in sorted(seqs)] or [RequestOutput(r.request_id)]
+                for r, seqs in ((r, merged[r.request_id]) for r in reqs)]
+
+    def get_stats(self) -> StatsSnapshot:
+        s = self.scheduler
+        snapshot = self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
+                                       self.block_manager)
+        if self.lora is None:
+            return snapshot
+        return dataclasses.replace(
+            snapshot, max_loras=self.config.max_loras,
+            running_lora_adapters=tuple(sorted(adapters_of(s.running))),
+            waiting_lora_adapters=tuple(sorted(adapters_of(s.waiting))))

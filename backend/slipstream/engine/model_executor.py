@@ -1,0 +1,157 @@
+"""The engine's one call into the worker per step: run the scheduled batch through the model
+AND sample it, returning a typed ``ModelRunnerOutput``.
+
+Around the runner's forward it does what turns logits into tokens: parallel sampling's
+fan-out (the step that completes a group's prompt samples its last row once per sequence),
+beam search's candidate offers (beam slots are ranked by their group, not sampled), the
+sampler, prompt logprobs, and the fail-soft rule: if the batch raises, each request runs
+alone (its KV writes are idempotent), so only requests that fail by themselves end.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from slipstream.core.request import Request
+from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from slipstream.worker.model_runner import ModelRunner
+from slipstream.worker.sampler import PerRequestError, Sampler, SampleResult
+from slipstream.worker.sampler import prompt_logprobs as score_prompt
+
+log = logging.getLogger("slipstream")
+
+
+@dataclass
+class _Rows:
+    """The logits of one step's sampled rows and who owns them."""
+
+    logits: torch.Tensor  # [rows, V]
+    per_request: list[list[int]]  # per scheduled request: its rows
+    owners: list[Request]  # per row: the request (sequence) that samples it
+
+
+class ModelExecutor:
+    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run and sample the step (fail-soft, see the module)."""
+        try:
+            return self._execute_batch(sched)
+        except Exception as exc:
+            if len(sched.scheduled) == 1:
+                return _failed_alone(sched, exc)
+            log.warning("engine step failed (%s); retrying its %d requests one by one",
+                        exc, len(sched.scheduled))
+        merged = ModelRunnerOutput.empty(0)
+        for item in sched.scheduled:
+            alone = SchedulerOutput(scheduled=[item])
+            try:
+                merged.extend(self._execute_batch(alone))
+            except Exception as exc:
+                merged.extend(_failed_alone(alone, exc))
+        return merged
+
+    def _execute_batch(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if any(item.request.params.prompt_logprobs is not None for item in sched.scheduled):
+            logits, sample_rows, prompt_logits = self.runner.execute_with_prompt_logits(sched)
+        else:
+            logits, sample_rows = self.runner.execute(sched)
+            prompt_logits = []
+        rows = _fan_out(sched, logits, sample_rows)
+        beams = [_in_beam_search(item.request) for item in sched.scheduled]
+        if any(beams):  # beam slots are ranked by their group, not sampled
+            rows = _offer_beams(rows)
+            rows.per_request = [[] if beam else r for r, beam in zip(rows.per_request, beams)]
+        failed: dict[str, str] = {}
+        result: Optional[SampleResult] = None
+        try:
+            result = self.sampler(rows.logits, rows.owners) if rows.owners else None
+        except PerRequestError as err:  # only these requests' own rows failed: keep the rest
+            result, failed = err.result, err.failures
+        out = _split(result, rows.per_request)
+        out.errors.update(failed)
+        for item, prompt_rows in zip(sched.scheduled, prompt_logits):
+            if prompt_rows is not None:
+                req = item.request
+                out.prompt_logprobs[req.request_id] = score_prompt(
+                    prompt_rows, req.prompt_token_ids, len(req.prompt_logprobs) + 1,
+                    req.params.prompt_logprobs)
+        return out
+
+
+def _split(result: Optional[SampleResult], per_request: list[list[int]]) -> ModelRunnerOutput:
+    """The sampler's flat rows, handed back per scheduled request."""
+    out = ModelRunnerOutput.empty(0)
+    cursor = 0
+    for rows in per_request:
+        out.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
+        out.logprobs.append(result.logprobs[cursor:cursor + len(rows)] if rows else [])
+        cursor += len(rows)
+    return out
+
+
+def _fan_out(sched: SchedulerOutput, logits: torch.Tensor,
+             sample_rows: list[list[int]]) -> _Rows:
+    """Parallel sampling: the step that completes a group's prompt samples the prompt's last
+    row once per sequence (the parent's row first, then its children's)."""
+    forking = [item.forks if rows else [] for item, rows in zip(sched.scheduled, sample_rows)]
+    if not any(forking):  # every step but a fork: no copy of the logits
+        return _Rows(logits, sample_rows, [item.request for item, rows
+                                           in zip(sched.scheduled, sample_rows) for _ in rows])
+    picks: list[int] = []
+    rows_out: list[list[int]] = []
+    owners: list[Request] = []
+    cursor = 0  # the first logits row of this request
+    for item, rows, forks in zip(sched.scheduled, sample_rows, forking):
+        picks += list(range(cursor, cursor + len(rows))) + [cursor + len(rows) - 1] * len(forks)
+        owners += [item.request] * len(rows) + forks
+        rows_out.append(list(rows) + [rows[-1]] * len(forks) if rows else [])
+        cursor += len(rows)
+    index = torch.tensor(picks, dtype=torch.long, device=logits.device)
+    return _Rows(logits[index], rows_out, owners)
+
+
+def _offer_beams(rows: _Rows) -> _Rows:
+    """Each beam slot's row offers its group the best continuations (log-probabilities of the
+    raw distribution; stop tokens masked before ``min_tokens``), all beam rows of the step
+    in one log-softmax and top-k. Returns the other rows, to be sampled."""
+    logits, owners = rows.logits, rows.owners
+    picks = [i for i, r in enumerate(owners) if _in_beam_search(r)]
+    rest = [i for i, r in enumerate(owners) if not _in_beam_search(r)]
+    if not picks:  # the beam slots of this step are prefill chunks short of their end
+        return rows
+    index = torch.tensor(picks, dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    for row, i in enumerate(picks):
+        req = owners[i]
+        if req.num_output_tokens < req.params.min_tokens and req.group.beam.stop_ids:
+            logprobs[row, sorted(req.group.beam.stop_ids)] = float("-inf")
+    width = max(owners[i].group.beam.num_candidates for i in picks)
+    values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for row, i in enumerate(picks):
+        req = owners[i]
+        k = req.group.beam.num_candidates
+        req.group.beam.offer(req.index, values[row][:k], ids[row][:k])
+    if not rest:
+        return _Rows(logits[:0], rows.per_request, [])
+    keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
+    return _Rows(logits.index_select(0, keep), rows.per_request, [owners[i] for i in rest])
+
+
+def _in_beam_search(req: Request) -> bool:
+    return req.group is not None and req.group.beam is not None
+
+
+def _failed_alone(sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+    rid = sched.scheduled[0].request.request_id
+    log.error("request %s failed in the engine step:\n%s", rid, traceback.format_exc())
+    failed = ModelRunnerOutput.empty(1)
+    failed.errors[rid] = f"internal error: {exc}"
+    return failed
