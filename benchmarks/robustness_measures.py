@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from slipstream.server.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, free_port,
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, free_port,
                                         render_model_repository)
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from slipstream.server import llmapi_interface
+from slipstream.server.trtllm import llmapi
 from slipstream.kv_events.config import KVEventsConfig
-from slipstream.server.engine_args import read_model_json, resolve_model, translate
-from slipstream.server.multi_lora import read_multi_lora
+from slipstream.server.stub.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.stub.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
-from slipstream.server.protocol import split_parameters
+from slipstream.server.stub.request_parser import DEFAULT_MAX_TOKENS
 
 METRIC_FAMILIES = ("slipstream", "vllm", "trtllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
@@ -60,7 +60,7 @@ INPUTS = [
                                          "presence_penalty", "frequency_penalty")],
     _io("seed", "TYPE_UINT64", [1]),
     _io("stop_words", "TYPE_STRING", [-1]),
-    # TensorRT-LLM ensemble inputs (trtllm_inputs.py maps them; "refused" = only when set).
+    # TensorRT-LLM ensemble inputs (trtllm/inputs.py maps them; "refused" = only when set).
     _io("bad_words", "TYPE_STRING", [-1]),
     *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
                                           "num_return_sequences")],
@@ -72,7 +72,7 @@ INPUTS = [
     _io("embedding_bias_weights", "TYPE_FP32", [-1]),
     _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
     _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
-    # Declared so that they are refused by name (trtllm_inputs.check_unsupported) rather
+    # Declared so that they are refused by name (trtllm.inputs.check_unsupported) rather
     # than as unexpected inputs: p-tuning, LoRA weights in the request, the core model's
     # token ids, in-band stop.
     _io("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
@@ -84,7 +84,7 @@ INPUTS = [
     _io("input_lengths", "TYPE_INT32", [1]),
     _io("request_output_len", "TYPE_INT32", [1]),
     _io("stop", "TYPE_BOOL", [1]),
-    # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
+    # TensorRT-LLM's guided decoding (structured outputs; server/stub/guided_decoding.py)
     _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
     _io("guided_decoding_guide", "TYPE_STRING", [1]),
 ]
@@ -98,7 +98,7 @@ OUTPUTS = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
-# TensorRT-LLM ensemble outputs (trtllm_outputs.py); the logits are never produced. Not
+# TensorRT-LLM ensemble outputs (trtllm/outputs.py); the logits are never produced. Not
 # declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
 TRTLLM_OUTPUTS = [
     {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
@@ -120,6 +120,42 @@ TRTLLM_OUTPUTS = [
 ]
 
 
+# Settings of model.py that are not engine settings (everything else in config.pbtxt
+# ``parameters`` goes to EngineConfig.from_dict).
+SERVER_PARAMETERS = {
+    "default_max_tokens": str(DEFAULT_MAX_TOKENS),
+    "apply_chat_template": "false",
+    "metrics_interval_ms": "1000",
+    # Triton vLLM backend's switches; "" = the default of the model's backend (model_config.py).
+    "REPORT_CUSTOM_METRICS": "",
+    "ENABLE_VLLM_HEALTH_CHECK": "false",
+    "metric_families": "",
+    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    # Engine restarts inside the stub within 10 minutes before the server is taken down. 0:
+    # a dead engine takes the server down at once, as a crash does (Triton 2.51 cannot make a
+    # model not ready otherwise; its supervisor then restarts it).
+    "max_engine_restarts": "0",
+    "step_timeout_s": "120",  # a step running longer is hung: the engine dies (0 = no watchdog)
+    "max_request_seconds": "0",  # a request running longer ends with an error (0 = no limit)
+    "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
+    "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
+    "interface": "",  # "llmapi": TensorRT-LLM's LLM-API model's inputs and outputs
+    "kv_events_config": "",  # vLLM's KVEventsConfig as JSON (slipstream/kv_events/config.py)
+}
+
+
+def split_parameters(params: Mapping[str, str]) -> tuple:
+    """(engine settings, server settings) from a model config's parameters."""
+    server = dict(SERVER_PARAMETERS)
+    engine = {}
+    for key, value in params.items():
+        if key in SERVER_PARAMETERS:
+            server[key] = value
+        else:
+            engine[key] = value
+    return engine, server
+
+
 DEFAULT_MAX_QUEUE_SIZE = 256  # waiting requests beyond which a server refuses new ones
 
 
@@ -138,7 +174,7 @@ class ModelSettings:
     step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
-    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (llmapi_interface.py)
+    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (trtllm/llmapi.py)
     kv_events: Optional[KVEventsConfig] = None  # set when KV events are published
 
 
@@ -148,9 +184,9 @@ def auto_complete(config):
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
     trtllm = _trtllm_outputs(declared)
-    llmapi = _parameter(declared, "interface") == "llmapi"
-    if llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
-        inputs, outputs = INPUTS + llmapi_interface.INPUTS, llmapi_interface.OUTPUTS
+    is_llmapi = _parameter(declared, "interface") == "llmapi"
+    if is_llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
+        inputs, outputs = INPUTS + llmapi.INPUTS, llmapi.OUTPUTS
     else:
         inputs, outputs = INPUTS, OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
     for entry in inputs:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from slipstream.server.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, TritonServer,
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, TritonServer,
                             TritonServerError, render_model_repository)
 
 DEMO_PROMPT = "What is the capital of France?"
@@ -175,7 +175,7 @@ def _raise_stop(signum, frame):
 def _validate(repo: Path, aliases=()) -> dict:
     """Check every Slipstream model of the rendered repository (config.pbtxt parameters and
     1/model.json) in-process, before a server is started: name -> engine settings."""
-    from slipstream.server.repository import check_models, find_models
+    from slipstream.server.launch.repository import check_models, find_models
 
     try:
         checked = check_models(find_models(repo, aliases))
@@ -339,7 +339,7 @@ def add_install_backend_args(p: argparse.ArgumentParser) -> None:
 def run_install_backend(args: argparse.Namespace) -> int:
     """Write <dir>/slipstream/model.py (and one per alias): what a Triton installation needs
     for ``backend: "slipstream"`` models, besides this package importable by its Python."""
-    from slipstream.server.launcher import BACKEND_NAME, backend_model_py
+    from slipstream.server.launch.launcher import BACKEND_NAME, backend_model_py
 
     for name in [BACKEND_NAME, *args.alias]:
         target = Path(args.backend_directory) / name

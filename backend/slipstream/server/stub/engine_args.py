@@ -148,7 +148,7 @@ MAPPED: dict = {
     "preemption_mode": _same("preemption_mode"),
     "scheduling_policy": _scheduling_policy,
     "speculative_config": _speculative_config,
-    # the adapters themselves come from 1/multi_lora.json (server/multi_lora.py)
+    # the adapters themselves come from 1/multi_lora.json (server/stub/multi_lora.py)
     "enable_lora": lambda v: {"enable_lora": _flag(v, "enable_lora")},
     "max_loras": _same("max_loras"),
     "max_lora_rank": _same("max_lora_rank"),

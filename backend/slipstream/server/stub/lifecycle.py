@@ -1,5 +1,5 @@
 """What the Triton adapter needs to know about the processes it lives in, and the watchdog
-it leaves beside them (``slipstream.server.watchdog``). Standard library only.
+it leaves beside them (``slipstream.server.stub.watchdog``). Standard library only.
 
 The stub is started by ``tritonserver`` (its parent) with the shared-memory region name as
 its second argument; Triton's own ``--exit-timeout-secs`` bounds how long a graceful stop
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slipstream.server import watchdog
+from slipstream.server.stub import watchdog
 
 log = logging.getLogger("slipstream")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.protocol import BadRequestError, _scalar
+from slipstream.server.stub.request_parser import BadRequestError, _scalar
 
 # Inputs read here and never passed on to parse_request.
 TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_seed",

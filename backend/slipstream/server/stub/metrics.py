@@ -1,7 +1,7 @@
 """Custom Triton metrics of a Slipstream model, built on ``pb_utils.MetricFamily``.
 
 Sets of families, chosen per model (``metric_families``; ``trtllm``: TensorRT-LLM's
-``nv_trt_llm_*`` families, ``trtllm_metrics.py``):
+``nv_trt_llm_*`` families, ``trtllm/metrics.py``):
 
 * ``slipstream_*``: engine gauges and counters refreshed from ``EngineLoop.stats()`` (a
   ``StatsSnapshot``), and
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.core.stats import StatsSnapshot
-from slipstream.server.trtllm_metrics import TrtllmFamilies
+from slipstream.server.trtllm.metrics import TrtllmFamilies
 
 # ---------------------------------------------------------------------------- the families
 PREFIX = "slipstream_"

@@ -12,7 +12,7 @@ Two installations are supported:
   ``bin/`` first on ``PATH`` (so the stub's embedded Python sees the same site-packages).
 
 Either way the backend directory holds the Python-based backend ``slipstream/model.py``
-(``backends/slipstream`` of this repository), so ``backend: "slipstream"`` models load; a
+(``triton_backends/slipstream`` of this repository), so ``backend: "slipstream"`` models load; a
 container that lacks it gets a cache directory linking its own backends plus this one. Aliases
 (``vllm``) install the same backend under another name, for repositories written for Triton's
 vLLM backend and for tools that look at a model's backend name.
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 # An unloading model with nothing in flight for this long will not finalize (see unload_models).
 STUCK_UNLOAD_S = 3.0
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -66,9 +66,9 @@ DEFAULT_MODEL_NAME = "slipstream"
 # unload, index) when it is restricted: its value is a random key only the launcher knows.
 MODEL_CONTROL_HEADER = "slipstream-model-control-key"
 BACKEND_NAME = "slipstream"
-BACKEND_SOURCE = REPO_ROOT / "backends" / BACKEND_NAME / "model.py"
-# What backends/slipstream/model.py says, for installs without the repository's files.
-BACKEND_MODEL_PY = ("from slipstream.server.triton_model import TritonPythonModel  "
+BACKEND_SOURCE = REPO_ROOT / "triton_backends" / BACKEND_NAME / "model.py"
+# What triton_backends/slipstream/model.py says, for installs without the repository's files.
+BACKEND_MODEL_PY = ("from slipstream.server.stub.triton_model import TritonPythonModel  "
                     "# noqa: F401\n")
 
 

@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.protocol import BadRequestError, _scalar
-from slipstream.server.trtllm_inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
-from slipstream.server.trtllm_outputs import _ns
+from slipstream.server.stub.request_parser import BadRequestError, _scalar
+from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
+from slipstream.server.trtllm.outputs import _ns
 
 
 def _io(name: str, data_type: str, dims: list) -> dict:

@@ -1,18 +1,19 @@
 """Triton Python backend (decoupled) for the Slipstream engine: the ``TritonPythonModel`` that a
 model directory's ``1/model.py`` re-exports. Imported only inside the Python-backend stub.
 
-Kept thin: request parsing and the response wire format are ``slipstream.server.protocol``,
+Kept thin: request parsing is ``slipstream.server.stub.request_parser``, the response wire
+format ``slipstream.server.stub.responses``,
 the model config (auto-completed inputs/outputs, ``1/model.json``, parameters)
-``slipstream.server.model_config``, metrics ``slipstream.server.metrics``; the engine
+``slipstream.server.stub.model_config``, metrics ``slipstream.server.stub.metrics``; the engine
 (``slipstream.engine_supervisor.EngineSupervisor``, which restarts a dead engine) runs its own
 threads. The same class serves the Python backend layout
 (``model_repository/slipstream/1/model.py``) and the Python-based backend
-``backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
+``triton_backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
 backend does. ``execute`` only parses and submits, then returns; ONE sender thread drains
 every request's output stream and sends responses through that request's response sender,
 ending each with the FINAL flag once.
 
-Lifecycle (``slipstream.server.lifecycle``): a watchdog process takes the server down if this
+Lifecycle (``slipstream.server.stub.lifecycle``): a watchdog process takes the server down if this
 stub dies, since Triton 2.51 cannot restart it. While requests are in flight the sender checks
 every ``READY_POLL_S`` that Triton still serves (its HTTP frontend answers, this model is
 ready): once it is stopping or unloading the model, new requests are refused and those in
@@ -32,20 +33,21 @@ from slipstream import EngineConfig
 from slipstream.core.request import FinishReason
 from slipstream.engine_loop import EngineDeadError, OverloadedError
 from slipstream.engine_supervisor import EngineSupervisor
-from slipstream.server import model_config
-from slipstream.server.cancel_polls import CancelPolls
-from slipstream.server.deadlines import request_deadline
-from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
-from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
-from slipstream.server.metrics import ModelMetrics, NoMetrics
-from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
-                                        lora_error, parse_request)
-from slipstream.server.row_sender import RowGroup
-from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
+from slipstream.server.stub import model_config
+from slipstream.server.stub.cancel_polls import CancelPolls
+from slipstream.server.stub.deadlines import request_deadline
+from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
+from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
+from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
+from slipstream.server.stub.request_parser import (BadRequestError, _parameters_dict,
+                                                   lora_error, parse_request)
+from slipstream.server.stub.responses import ResponseBuilder
+from slipstream.server.trtllm.row_sender import RowGroup
+from slipstream.server.trtllm.inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
                                              STREAMING_NOT_DECOUPLED, check_unsupported,
                                              split_rows, translate, trtllm_queue_full)
-from slipstream.server.trtllm_outputs import TrtllmResponses
-from slipstream.server import llmapi_interface
+from slipstream.server.trtllm.outputs import TrtllmResponses
+from slipstream.server.trtllm import llmapi
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -179,7 +181,7 @@ class TritonPythonModel:
                 continue
             try:
                 inputs = {}
-                for name in model_config.INPUT_NAMES + llmapi_interface.INPUT_NAMES:
+                for name in model_config.INPUT_NAMES + llmapi.INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -209,7 +211,7 @@ class TritonPythonModel:
                 raise BadRequestError(
                     f"Model {self.model_name} does not support 'embed' request")
             if self.settings.interface == "llmapi":
-                row = llmapi_interface.translate(inputs)
+                row = llmapi.translate(inputs)
             else:
                 row = translate(inputs, self._encode, batch_index=batch_index,
                                 with_indices=self.batched,
@@ -244,7 +246,7 @@ class TritonPythonModel:
             return
         inner = ResponseBuilder(parsed, self.loop.tokenizer)
         if self.settings.interface == "llmapi":
-            builder = llmapi_interface.LlmapiResponses(inner, row.options)
+            builder = llmapi.LlmapiResponses(inner, row.options)
         else:
             builder = TrtllmResponses(inner, row.options, self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
