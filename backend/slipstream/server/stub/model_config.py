@@ -1,7 +1,8 @@
 """A Triton model's configuration as the Slipstream backend reads it.
 
-* ``auto_complete``: the inputs and outputs Triton's vLLM backend declares (so a model
-  directory needs only ``backend: "slipstream"``), plus Slipstream's typed sampling inputs;
+* ``auto_complete``: the inputs of ``input_table`` (Triton's vLLM backend's, Slipstream's typed
+  sampling inputs, TensorRT-LLM's), so a model directory needs only ``backend: "slipstream"``
+  and the shipped ``config.pbtxt`` lists none, and the outputs;
   decoupled unless the ``decoupled`` parameter is "false"; ``max_batch_size`` is the config's
   (0 when it sets none: no batch dimension), and Triton never batches requests itself.
 * ``load_settings``: engine and server settings from config.pbtxt ``parameters`` and
@@ -20,75 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from slipstream.server.trtllm import llmapi
-from slipstream.kv_events.config import KVEventsConfig
-from slipstream.server.stub.engine_args import read_model_json, resolve_model, translate
-from slipstream.server.stub.multi_lora import read_multi_lora
 from slipstream.core.sampling_params import MAX_LOGPROBS
+from slipstream.kv_events.config import KVEventsConfig
+from slipstream.server.stub import input_table
+from slipstream.server.stub.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.stub.input_table import Reading, RequestInput
+from slipstream.server.stub.multi_lora import read_multi_lora
 from slipstream.server.stub.request_parser import DEFAULT_MAX_TOKENS
+from slipstream.server.trtllm import llmapi
 
 METRIC_FAMILIES = ("slipstream", "vllm", "trtllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
 
 
-def _io(name: str, data_type: str, dims: list, optional: bool = True) -> dict:
-    entry = {"name": name, "data_type": data_type, "dims": dims}
-    if optional:
-        entry["optional"] = True
-    return entry
-
-
-# Triton's vLLM backend's inputs, in its order, then Slipstream's typed inputs: the one list
-# of the model's inputs (auto-completed into its config, read by the adapter).
-INPUTS = [
-    _io("text_input", "TYPE_STRING", [1], optional=False),
-    _io("image", "TYPE_STRING", [-1]),  # refused per request: text-only models
-    _io("stream", "TYPE_BOOL", [1]),
-    _io("sampling_parameters", "TYPE_STRING", [1]),
-    _io("exclude_input_in_output", "TYPE_BOOL", [1]),
-    _io("return_finish_reason", "TYPE_BOOL", [1]),
-    _io("return_cumulative_logprob", "TYPE_BOOL", [1]),
-    _io("return_logprobs", "TYPE_BOOL", [1]),
-    _io("return_prompt_logprobs", "TYPE_BOOL", [1]),
-    _io("return_num_input_tokens", "TYPE_BOOL", [1]),
-    _io("return_num_output_tokens", "TYPE_BOOL", [1]),
-    _io("embedding_request", "TYPE_STRING", [1]),  # refused per request: no embedding task
-    _io("apply_chat_template", "TYPE_BOOL", [1]),
-    *[_io(n, "TYPE_INT32", [1]) for n in ("max_tokens", "min_tokens", "top_k", "end_id",
-                                          "priority")],
-    *[_io(n, "TYPE_FP32", [1]) for n in ("temperature", "top_p", "repetition_penalty",
-                                         "presence_penalty", "frequency_penalty")],
-    _io("seed", "TYPE_UINT64", [1]),
-    _io("stop_words", "TYPE_STRING", [-1]),
-    # TensorRT-LLM ensemble inputs (trtllm/inputs.py maps them; "refused" = only when set).
-    _io("bad_words", "TYPE_STRING", [-1]),
-    *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
-                                          "num_return_sequences")],
-    _io("length_penalty", "TYPE_FP32", [1]),  # beam search's (no effect at beam_width 1)
-    _io("random_seed", "TYPE_UINT64", [1]),
-    *[_io(n, "TYPE_BOOL", [1]) for n in ("return_log_probs", "return_context_logits",
-                                         "return_generation_logits", "return_perf_metrics")],
-    _io("embedding_bias_words", "TYPE_STRING", [-1]),
-    _io("embedding_bias_weights", "TYPE_FP32", [-1]),
-    _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
-    _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
-    # Declared so that they are refused by name (trtllm.inputs.check_unsupported) rather
-    # than as unexpected inputs: p-tuning, LoRA weights in the request, the core model's
-    # token ids, in-band stop.
-    _io("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
-    _io("prompt_table_extra_id", "TYPE_UINT64", [1]),
-    _io("prompt_vocab_size", "TYPE_INT32", [1]),
-    _io("lora_weights", "TYPE_FP16", [-1, -1]),
-    _io("lora_config", "TYPE_INT32", [-1, 3]),
-    _io("input_ids", "TYPE_INT32", [-1]),
-    _io("input_lengths", "TYPE_INT32", [1]),
-    _io("request_output_len", "TYPE_INT32", [1]),
-    _io("stop", "TYPE_BOOL", [1]),
-    # TensorRT-LLM's guided decoding (structured outputs; server/stub/guided_decoding.py)
-    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
-    _io("guided_decoding_guide", "TYPE_STRING", [1]),
-]
-INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
+# The model's inputs are input_table.INPUTS (what the parser reads, auto-completed here).
+INPUT_NAMES = input_table.INPUT_NAMES
 OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -185,17 +132,15 @@ def auto_complete(config):
     have_outputs = {o["name"] for o in declared.get("output", [])}
     trtllm = _trtllm_outputs(declared)
     is_llmapi = _parameter(declared, "interface") == "llmapi"
+    inputs: tuple[RequestInput, ...] = input_table.INPUTS
     if is_llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
-        inputs, outputs = INPUTS + llmapi.INPUTS, llmapi.OUTPUTS
+        inputs, outputs = inputs + llmapi.INPUTS, llmapi.OUTPUTS
     else:
-        inputs, outputs = INPUTS, OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
-    for entry in inputs:
-        if entry["name"] not in have_inputs:
-            if trtllm and entry["name"] == "text_input":
-                # optional, so that a token-id request reaches the adapter and is refused
-                # by name (the adapter requires text_input itself)
-                entry = {**entry, "optional": True}
-            config.add_input(entry)
+        outputs = OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
+    optional_prompt = _trtllm_style(declared)
+    for row in inputs:
+        if row.name not in have_inputs:
+            config.add_input(_input_entry(row, optional_prompt))
     for entry in outputs:
         if entry["name"] not in have_outputs:
             config.add_output(entry)
@@ -209,17 +154,30 @@ def auto_complete(config):
     return config
 
 
+def _input_entry(row: RequestInput, optional_prompt: bool) -> dict[str, object]:
+    entry = row.config_entry()
+    if optional_prompt and row.reading is Reading.PROMPT:
+        # optional, so that a token-id request reaches the adapter and is refused by name
+        # (the adapter requires text_input itself)
+        entry["optional"] = True
+    return entry
+
+
 def _parameter(declared: dict, key: str) -> str:
     value = (declared.get("parameters") or {}).get(key) or {}
     return str(value.get("string_value", "")).strip().lower()
 
 
+def _trtllm_style(declared: dict) -> bool:
+    """A config written for TensorRT-LLM's clients: its compatibility, or a batch dimension."""
+    return _parameter(declared, "compatibility") == "trtllm" or \
+        int(declared.get("max_batch_size") or 0) > 0
+
+
 def _trtllm_outputs(declared: dict) -> bool:
     """Slipstream's own layout (``backend: "python"``) and TRT-LLM-style configs declare the
     TRT-LLM outputs; vLLM backend's layout keeps exactly vLLM's."""
-    return declared.get("backend", "python") == "python" or \
-        _parameter(declared, "compatibility") == "trtllm" or \
-        int(declared.get("max_batch_size") or 0) > 0
+    return declared.get("backend", "python") == "python" or _trtllm_style(declared)
 
 
 def _wants_unary(declared: dict) -> bool:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
-from slipstream.server.stub.guided_decoding import REQUEST_KEYS, TRTLLM_INPUTS, gather_structured_outputs
+from slipstream.server.stub.guided_decoding import REQUEST_KEYS, gather_structured_outputs
+from slipstream.server.stub.input_table import BY_NAME as INPUT_BY_NAME
+from slipstream.server.stub.input_table import INPUTS, Reading, RequestInput, TritonType
 
 DEFAULT_MAX_TOKENS = 16
 # Largest sampling_parameters / request parameters JSON: far above any valid request (stop
@@ -56,23 +58,16 @@ class ParsedRequest:
     options: RequestOptions
 
 
-# input name -> (kind, SamplingParams field or option name)
-_BOOL_OPTIONS = ("stream", "exclude_input_in_output", "return_finish_reason",
-                 "return_num_input_tokens", "return_num_output_tokens",
-                 "return_cumulative_logprob", "return_logprobs", "return_prompt_logprobs",
-                 "apply_chat_template", "add_special_tokens")
-_TYPED_INT = {"max_tokens": "max_tokens", "min_tokens": "min_tokens", "top_k": "top_k",
-              "seed": "seed", "end_id": "stop_token_ids"}
-_TYPED_FLOAT = {"temperature": "temperature", "top_p": "top_p",
-                "repetition_penalty": "repetition_penalty",
-                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
-# The declared Triton types (config.pbtxt) of the typed inputs, for error messages.
-INPUT_TYPES = {"text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES",
-               **{k: "BOOL" for k in _BOOL_OPTIONS if k != "stream"},
-               "max_tokens": "INT32", "min_tokens": "INT32", "top_k": "INT32", "end_id": "INT32",
-               "priority": "INT32", "seed": "UINT64",
-               **{k: "FP32" for k in _TYPED_FLOAT}, "stop_words": "BYTES",
-               **{k: "BYTES" for k in TRTLLM_INPUTS}}
+# RequestOptions' flags: typed inputs (input_table) or names in the JSON / request parameters
+_BOOL_OPTIONS = tuple(f.name for f in fields(RequestOptions) if f.type == "bool")
+# The declared Triton types of the inputs, for error messages.
+INPUT_TYPES = {row.name: row.data_type.wire_name for row in INPUTS}
+# Typed inputs whose one value becomes a one-element list of the SamplingParams field.
+_LIST_TARGETS = ("stop_token_ids",)
+# Read before (prompt, JSON) or after (structured outputs, refusals) the other tensors.
+_READ_APART = (Reading.PROMPT, Reading.JSON, Reading.GUIDED, Reading.REFUSED)
+# Other request-parameter names kept as settings (ids, timeouts... are not).
+_PARAMETER_SETTINGS = ("priority", "stop_words")
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # vLLM's names for structured (guided) decoding (server/stub/guided_decoding.py reads them).
 STRUCTURED_OUTPUT_KEYS = REQUEST_KEYS
@@ -178,8 +173,22 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     """Validate one request. Raises ``BadRequestError`` (a ValueError) with a client-facing text."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     request_params = _parameters_dict(parameters)
+    prompt = _read_prompt(inputs)
+    sampling_json = _read_sampling_json(inputs)
+    values = _merged_settings(request_params, sampling_json)
+    for name, value in inputs.items():
+        _read_tensor(name, np.asarray(value), values)
+    _refuse_inputs(inputs)
+    if "stop_words" in values:  # from JSON / parameters: a string or a list of strings
+        values.setdefault("stop", values.pop("stop_words"))
+    explicit_exclude = any("exclude_input_in_output" in source
+                           for source in (inputs, sampling_json, request_params))
+    options = _read_options(values, default_apply_chat_template, explicit_exclude)
+    params = _sampling_params(values, inputs, default_max_tokens, max_logprobs)
+    return ParsedRequest(prompt, params, options)
 
-    # --- text_input
+
+def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str:
     if "text_input" not in inputs:
         raise BadRequestError("missing required input 'text_input'")
     arr = np.asarray(inputs["text_input"])
@@ -187,77 +196,114 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     prompt = _decode("text_input", _scalar("text_input", arr))
     if not prompt:
         raise BadRequestError("input 'text_input' is empty")
+    return prompt
 
-    # --- sampling_parameters JSON
-    sp: dict = {}
-    if "sampling_parameters" in inputs:
-        arr = np.asarray(inputs["sampling_parameters"])
-        _check_dtype("sampling_parameters", arr, _is_bytes_dtype(arr))
-        text = _decode("sampling_parameters", _scalar("sampling_parameters", arr))
-        if text.strip():
-            sp = _load_json("input 'sampling_parameters' is", text)
-            if not isinstance(sp, dict):
-                raise BadRequestError("input 'sampling_parameters' must be a JSON object, got "
-                                      f"{type(sp).__name__}")
 
-    # Lowest precedence first: request parameters, then sampling_parameters, then tensors.
-    values: dict = {}
-    for source in (request_params, sp):
-        for key, value in source.items():
-            if source is request_params and key not in _SAMPLING_FIELDS and key not in _REFUSED \
-                    and key not in _BOOL_OPTIONS and key not in ("priority", "stop_words"):
-                continue  # request parameters carry other things too (ids, timeouts...)
-            values[key] = value
+def _read_sampling_json(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    if "sampling_parameters" not in inputs:
+        return {}
+    arr = np.asarray(inputs["sampling_parameters"])
+    _check_dtype("sampling_parameters", arr, _is_bytes_dtype(arr))
+    text = _decode("sampling_parameters", _scalar("sampling_parameters", arr))
+    if not text.strip():
+        return {}
+    loaded = _load_json("input 'sampling_parameters' is", text)
+    if not isinstance(loaded, dict):
+        raise BadRequestError("input 'sampling_parameters' must be a JSON object, got "
+                              f"{type(loaded).__name__}")
+    return loaded
 
-    for name, value in inputs.items():
-        arr = np.asarray(value)
-        if name in ("text_input", "sampling_parameters", "image", *TRTLLM_INPUTS):
-            continue
-        if name in _BOOL_OPTIONS:
-            _check_dtype(name, arr, arr.dtype.kind == "b")
-            values[name] = bool(_scalar(name, arr))
-        elif name in _TYPED_INT or name == "priority":
-            _check_dtype(name, arr, _is_int_dtype(arr))
-            v = int(_scalar(name, arr))
-            values[_TYPED_INT.get(name, name)] = [v] if name == "end_id" else v
-        elif name in _TYPED_FLOAT:
-            _check_dtype(name, arr, _is_float_dtype(arr))
-            v = float(_scalar(name, arr))
-            if not math.isfinite(v):
-                raise BadRequestError(f"input '{name}' must be finite, got {v}")
-            values[_TYPED_FLOAT[name]] = v
-        elif name == "stop_words":
-            _check_dtype(name, arr, _is_bytes_dtype(arr))
-            if arr.size > MAX_STOP_STRINGS:  # before decoding every element
-                raise BadRequestError(f"input 'stop_words' has {arr.size} strings; at most "
-                                      f"{MAX_STOP_STRINGS} are allowed")
-            values["stop"] = [_decode(name, x) for x in arr.reshape(-1)]
-        else:
-            raise BadRequestError(f"unknown input '{name}'")
 
-    if "image" in inputs:
-        raise BadRequestError("input 'image' is not supported: this backend serves text-only "
-                              "models")
-    if "stop_words" in values:  # from JSON / parameters: a string or a list of strings
-        values.setdefault("stop", values.pop("stop_words"))
-        values.pop("stop_words", None)
+def _is_setting(key: str) -> bool:
+    """Whether a request parameter is a setting: they carry other things too."""
+    return key in _SAMPLING_FIELDS or key in _REFUSED or key in _BOOL_OPTIONS \
+        or key in _PARAMETER_SETTINGS
 
-    # --- options
-    opts = RequestOptions(apply_chat_template=default_apply_chat_template)
+
+def _merged_settings(request_params: Mapping[str, Any],
+                     sampling_json: Mapping[str, Any]) -> dict[str, Any]:
+    """Lowest precedence first: request parameters, then sampling_parameters (the typed
+    tensors, read next, override both)."""
+    values = {key: value for key, value in request_params.items() if _is_setting(key)}
+    values.update(sampling_json)
+    return values
+
+
+def _read_tensor(name: str, arr: np.ndarray, values: dict[str, Any]) -> None:
+    """One typed input into ``values`` under its target's name."""
+    row = INPUT_BY_NAME.get(name)
+    if row is not None and row.reading in _READ_APART:
+        return
+    reader = _TENSOR_READERS.get(row.reading) if row is not None else None
+    if reader is None:  # TensorRT-LLM's inputs are translated away before parsing
+        raise BadRequestError(f"unknown input '{name}'")
+    reader(row, arr, values)
+
+
+def _read_option(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
+    if row.data_type is TritonType.BOOL:
+        _check_dtype(row.name, arr, arr.dtype.kind == "b")
+        values[row.target] = bool(_scalar(row.name, arr))
+    else:
+        _read_int(row, arr, values)
+
+
+def _read_int(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
+    _check_dtype(row.name, arr, _is_int_dtype(arr))
+    value = int(_scalar(row.name, arr))
+    values[row.target] = [value] if row.target in _LIST_TARGETS else value
+
+
+def _read_float(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
+    _check_dtype(row.name, arr, _is_float_dtype(arr))
+    value = float(_scalar(row.name, arr))
+    if not math.isfinite(value):
+        raise BadRequestError(f"input '{row.name}' must be finite, got {value}")
+    values[row.target] = value
+
+
+def _read_stop_words(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
+    _check_dtype(row.name, arr, _is_bytes_dtype(arr))
+    if arr.size > MAX_STOP_STRINGS:  # before decoding every element
+        raise BadRequestError(f"input '{row.name}' has {arr.size} strings; at most "
+                              f"{MAX_STOP_STRINGS} are allowed")
+    values[row.target] = [_decode(row.name, x) for x in arr.reshape(-1)]
+
+
+_TENSOR_READERS: dict[Reading, Callable[[RequestInput, np.ndarray, dict[str, Any]], None]] = {
+    Reading.OPTION: _read_option,
+    Reading.SAMPLING_INT: _read_int,
+    Reading.SAMPLING_FLOAT: _read_float,
+    Reading.STOP_WORDS: _read_stop_words,
+}
+
+
+def _refuse_inputs(inputs: Mapping[str, np.ndarray]) -> None:
+    for name in inputs:
+        row = INPUT_BY_NAME.get(name)
+        if row is not None and row.reading is Reading.REFUSED:
+            raise BadRequestError(f"input '{name}' is not supported: {row.refusal}")
+
+
+def _read_options(values: dict[str, Any], default_apply_chat_template: bool,
+                  explicit_exclude: bool) -> RequestOptions:
+    """Take the options out of ``values`` (what stays is sampling settings)."""
+    options = RequestOptions(apply_chat_template=default_apply_chat_template)
     for name in _BOOL_OPTIONS:
         if name in values:
-            setattr(opts, name, _as_bool(name, values.pop(name)))
+            setattr(options, name, _as_bool(name, values.pop(name)))
     if "priority" in values:
-        opts.priority = _as_int("priority", values.pop("priority"))
-    explicit_exclude = any(n == "exclude_input_in_output" for n in inputs) or \
-        "exclude_input_in_output" in sp or "exclude_input_in_output" in request_params
-    if opts.stream:
-        if explicit_exclude and not opts.exclude_input_in_output:
+        options.priority = _as_int("priority", values.pop("priority"))
+    if options.stream:
+        if explicit_exclude and not options.exclude_input_in_output:
             raise BadRequestError(  # vLLM's text: its clients match it
                 "When streaming, `exclude_input_in_output` = False is not allowed.")
-        opts.exclude_input_in_output = True
+        options.exclude_input_in_output = True
+    return options
 
-    # --- sampling parameters
+
+def _sampling_params(values: dict[str, Any], inputs: Mapping[str, np.ndarray],
+                     default_max_tokens: int, max_logprobs: int) -> SamplingParams:
     try:
         gather_structured_outputs(values, inputs)
     except ValueError as e:
@@ -266,14 +312,13 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     values.setdefault("max_tokens", default_max_tokens)
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
-    if isinstance(values.get("stop_token_ids"), (int, np.integer)) and \
-            not isinstance(values.get("stop_token_ids"), bool):
-        values["stop_token_ids"] = [int(values["stop_token_ids"])]
+    stop_ids = values.get("stop_token_ids")
+    if isinstance(stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool):
+        values["stop_token_ids"] = [int(stop_ids)]
     try:
-        params = SamplingParams.from_dict(values)
+        return SamplingParams.from_dict(values)
     except (ValueError, TypeError) as e:
         raise BadRequestError(f"invalid sampling parameters: {e}") from None
-    return ParsedRequest(prompt, params, opts)
 
 
 def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:

@@ -18,35 +18,40 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from slipstream.server.stub.input_table import Reading, RequestInput, TritonType
 from slipstream.server.stub.request_parser import BadRequestError, _scalar
 from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
 from slipstream.server.trtllm.outputs import _ns
 
 
-def _io(name: str, data_type: str, dims: list) -> dict:
-    return {"name": name, "data_type": data_type, "dims": dims, "optional": True}
+def _llmapi(name: str, data_type: TritonType, description: str,
+            dims: tuple[int, ...] = (1,)) -> RequestInput:
+    return RequestInput(name, data_type, dims, Reading.TRTLLM, description)
 
 
 # sampling_param_<name> -> (Triton type, the input parse_request reads)
-SAMPLING_INPUTS = {
-    "max_tokens": ("TYPE_INT32", "max_tokens"),
-    "temperature": ("TYPE_FP32", "temperature"),
-    "top_k": ("TYPE_INT32", "top_k"),
-    "top_p": ("TYPE_FP32", "top_p"),
-    "frequency_penalty": ("TYPE_FP32", "frequency_penalty"),
-    "presence_penalty": ("TYPE_FP32", "presence_penalty"),
-    "seed": ("TYPE_UINT64", "seed"),
-    "exclude_input_from_output": ("TYPE_BOOL", "exclude_input_in_output"),
+SAMPLING_INPUTS: dict[str, tuple[TritonType, str]] = {
+    "max_tokens": (TritonType.INT32, "max_tokens"),
+    "temperature": (TritonType.FP32, "temperature"),
+    "top_k": (TritonType.INT32, "top_k"),
+    "top_p": (TritonType.FP32, "top_p"),
+    "frequency_penalty": (TritonType.FP32, "frequency_penalty"),
+    "presence_penalty": (TritonType.FP32, "presence_penalty"),
+    "seed": (TritonType.UINT64, "seed"),
+    "exclude_input_from_output": (TritonType.BOOL, "exclude_input_in_output"),
 }
-INPUTS = [
-    _io("streaming", "TYPE_BOOL", [1]),
-    *[_io(f"sampling_param_{name}", t, [1]) for name, (t, _) in SAMPLING_INPUTS.items()],
-    _io("sampling_param_best_of", "TYPE_INT32", [1]),
-    _io("sampling_param_return_perf_metrics", "TYPE_BOOL", [1]),
-    _io("sampling_param_stop", "TYPE_STRING", [-1]),
-    _io("return_stop_reason", "TYPE_BOOL", [1]),
-]
-INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
+# The LLM-API model's own inputs, added to input_table.INPUTS by its auto-complete.
+INPUTS: tuple[RequestInput, ...] = (
+    _llmapi("streaming", TritonType.BOOL, "stream the answer"),
+    *[_llmapi(f"sampling_param_{name}", data_type, f"becomes `{target}`")
+      for name, (data_type, target) in SAMPLING_INPUTS.items()],
+    _llmapi("sampling_param_best_of", TritonType.INT32, "sequences generated"),
+    _llmapi("sampling_param_return_perf_metrics", TritonType.BOOL,
+            "add the per-request metrics"),
+    _llmapi("sampling_param_stop", TritonType.STRING, "stop strings", dims=(-1,)),
+    _llmapi("return_stop_reason", TritonType.BOOL, "add `stop_reason`"),
+)
+INPUT_NAMES: tuple[str, ...] = tuple(row.name for row in INPUTS)
 PERF_METRICS = ("acceptance_rate", "arrival_time_ns", "first_scheduled_time_ns",
                 "first_token_time_ns", "kv_cache_alloc_new_blocks",
                 "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "kv_cache_missed_block",
