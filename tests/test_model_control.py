@@ -13,7 +13,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.server.launch.launcher import (MODEL_CONTROL_HEADER, TritonServer,  # noqa: E402
-                                        render_model_repository)
+                                               render_model_repository)
 from test_server import OVERRIDES, REPO, run_stream, text_inputs, texts  # noqa: E402
 from test_server import tiny_model  # noqa: E402,F401 - a fixture
 

@@ -8,8 +8,7 @@ from pydantic import ValidationError
 
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE
 from slipstream.server.openai.errors import OpenAIError, error_body, status_of_triton_error
-from slipstream.server.openai.requests import (REFUSED, ChatCompletionRequest,
-                                               CompletionRequest)
+from slipstream.server.openai.requests import REFUSED, ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

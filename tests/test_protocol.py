@@ -11,7 +11,7 @@ from slipstream.server.stub.request_parser import (BadRequestError, RequestOptio
                                                    parse_request)
 from slipstream.server.stub.responses import build_outputs, logprobs_entries, output_names
 from slipstream.server.launch.launcher import (read_parameters, render_model_repository,
-                                      set_parameters)
+                                               set_parameters)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 

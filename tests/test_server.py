@@ -26,7 +26,7 @@ from slipstream.engine_loop import EngineLoop  # noqa: E402
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
 from slipstream.server.launch.launcher import (TritonServer, find_tritonserver,  # noqa: E402
-                                      read_parameters, render_model_repository)
+                                               read_parameters, render_model_repository)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODEL = "slipstream"

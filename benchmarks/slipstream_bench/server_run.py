@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from slipstream.server.stub.model_config import SERVER_PARAMETERS, split_parameters
-from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, read_parameters,
-                             render_model_repository)
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer,
+                                               read_parameters, render_model_repository)
 from slipstream_bench import loadgen
 from slipstream_bench import timeline
 from slipstream_bench.metrics import records_to_json, summarize

@@ -1,4 +1,5 @@
-"""Triton loads this file; the adapter lives in the package (``slipstream.server.stub.triton_model``)."""
+"""Triton loads this file; the adapter lives in the package
+(``slipstream.server.stub.triton_model``)."""
 import os
 import sys
 

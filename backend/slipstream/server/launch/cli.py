@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from slipstream.server.launch.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY, TritonServer,
-                            TritonServerError, render_model_repository)
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY,
+                                               TritonServer, TritonServerError,
+                                               render_model_repository)
 
 DEMO_PROMPT = "What is the capital of France?"
 # tritonserver options `serve` sets from its own flags: --server-arg may not repeat them.

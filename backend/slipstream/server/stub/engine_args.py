@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
+from slipstream.core.boolean_text import JSON_FLAG, parse_bool
 
 MODEL_JSON = "model.json"
 log = logging.getLogger("slipstream")
@@ -75,10 +76,10 @@ def _kv_cache_dtype(value: Any) -> dict:
 
 
 def _flag(value: Any, name: str) -> bool:
-    text = str(value).strip().lower()
-    if text not in ("true", "false", "1", "0"):
+    parsed = parse_bool(str(value), JSON_FLAG)
+    if parsed is None:
         raise ValueError(f"{name} must be true or false, got {value!r}")
-    return text in ("true", "1")
+    return parsed
 
 
 def _scheduling_policy(value: Any) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from slipstream.core.boolean_text import EXACT, JSON_FLAG, parse_bool
 from slipstream.core.sampling_params import MAX_LOGPROBS
 from slipstream.kv_events.config import KVEventsConfig
 from slipstream.server.stub import input_table
@@ -183,16 +184,16 @@ def _trtllm_outputs(declared: dict) -> bool:
 def _wants_unary(declared: dict) -> bool:
     """Triton's config JSON reads ``decoupled: false`` whether the file said so or said
     nothing (and our own configs leave it out), so the ``decoupled`` parameter decides."""
-    return _parameter(declared, "decoupled") == "false"
+    return parse_bool(_parameter(declared, "decoupled"), EXACT) is False
 
 
 def _bool(name: str, value: str, default: bool) -> bool:
-    text = value.strip().lower()
-    if text == "":
+    if value.strip() == "":
         return default
-    if text not in ("true", "false"):
+    parsed = parse_bool(value, EXACT)
+    if parsed is None:
         raise ValueError(f"config parameter {name} must be \"true\" or \"false\", got {value!r}")
-    return text == "true"
+    return parsed
 
 
 def _families(value: str, default: tuple) -> tuple:
@@ -217,7 +218,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     for key in PATH_SETTINGS:
         if isinstance(engine.get(key), str) and engine[key]:
             engine[key] = resolve_model(engine[key], search)
-    if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
+    if parse_bool(str(engine.get("enable_lora", "")), JSON_FLAG) \
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
     # A server refuses work it cannot start soon instead of queueing without bound

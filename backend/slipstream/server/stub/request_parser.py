@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from slipstream.core.boolean_text import REQUEST, parse_bool
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
 from slipstream.server.stub.guided_decoding import REQUEST_KEYS, gather_structured_outputs
@@ -118,12 +119,8 @@ def _as_bool(name: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, (int, np.integer)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
+    if isinstance(value, str) and parse_bool(value, REQUEST) is not None:
+        return bool(parse_bool(value, REQUEST))
     raise BadRequestError(f"'{name}' must be a boolean, got {show(value)}")
 
 

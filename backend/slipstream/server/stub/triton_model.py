@@ -39,13 +39,13 @@ from slipstream.server.stub.deadlines import request_deadline
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
-from slipstream.server.stub.request_parser import (BadRequestError, _parameters_dict,
-                                                   lora_error, parse_request)
+from slipstream.server.stub.request_parser import (BadRequestError, _parameters_dict, lora_error,
+                                                   parse_request)
 from slipstream.server.stub.responses import ResponseBuilder
 from slipstream.server.trtllm.row_sender import RowGroup
-from slipstream.server.trtllm.inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
-                                             STREAMING_NOT_DECOUPLED, check_unsupported,
-                                             split_rows, translate, trtllm_queue_full)
+from slipstream.server.trtllm.inputs import (PER_SEQUENCE_NEEDS_DECOUPLED, STREAMING_NOT_DECOUPLED,
+                                             check_unsupported, split_rows, translate,
+                                             trtllm_queue_full)
 from slipstream.server.trtllm.outputs import TrtllmResponses
 from slipstream.server.trtllm import llmapi
 
