@@ -86,7 +86,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    # keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None  # None = off; N = each prompt token's logprob + top-N
     n: int = 1  # sequences returned for the prompt (parallel sampling)
     best_of: Optional[int] = None  # sequences generated (>= n); the n most likely are returned
@@ -214,12 +215,14 @@ class SamplingParams:
         if self.best_of is None:
             return
         if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
-            raise ValueError(f"best_of must be an int, but is of type {type(self.best_of).__name__}")
+            raise ValueError(
+                f"best_of must be an int, but is of type {type(self.best_of).__name__}")
         if self.best_of < self.n:
             raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
                              f"best_of={self.best_of}.")
         if self.best_of > MAX_PARALLEL_SEQUENCES:
-            raise ValueError(f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
+            raise ValueError(
+                f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
 
     @property
     def num_sequences(self) -> int:
@@ -250,8 +253,11 @@ class SamplingParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError("early_stopping must be true, false or \"never\", got "
                              f"{show(self.early_stopping)}")
-        if w == 1:
-            return
+        if w > 1:
+            self._validate_beams(w)
+
+    def _validate_beams(self, w: int) -> None:
+        """What may come with more than one beam."""
         if self.n > w:
             raise ValueError(f"n must be <= beam_width with beam search, got n={self.n} and "
                              f"beam_width={w}")
@@ -270,7 +276,8 @@ class SamplingParams:
         low, high = SEED_RANGE
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not low <= self.seed <= high:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
 
     def _validate_stops(self) -> None:
         # Counted before looking at elements: a list of 100,000 stops is refused at once.
@@ -359,23 +366,38 @@ def _request_bool(text: str) -> bool:
 
 
 def _coerce(key: str, raw: Any) -> Any:
+    """A value of a JSON request in the field's own type (numbers and booleans may come as
+    strings, token-id lists as "1 2 3", logit_bias as a JSON text)."""
     if raw is None:
         return None
     try:
-        if key in _INT_FIELDS and isinstance(raw, str):
-            return int(raw.strip())
-        if key in _INT_FIELDS and isinstance(raw, float) and raw.is_integer():
-            return int(raw)
+        if key in _INT_FIELDS:
+            return _coerce_int(raw)
         if key in _FLOAT_FIELDS and isinstance(raw, str):
             return float(raw.strip())
         if key in _BOOL_FIELDS and isinstance(raw, str):
             return _request_bool(raw)
-        if key in ("stop_token_ids", "allowed_token_ids") and isinstance(raw, str):
-            return [int(x) for x in raw.replace(",", " ").split()]
-        if key == "early_stopping" and isinstance(raw, str) and raw.strip().lower() != "never":
-            return _coerce("ignore_eos", raw)  # a boolean's spelling
-        if key == "logit_bias" and isinstance(raw, str):
-            return json.loads(raw)
+        if isinstance(raw, str):
+            return _coerce_text(key, raw)
     except ValueError:  # json.JSONDecodeError is one too
         raise ValueError(f"{key}: cannot parse {show(raw)}") from None
+    return raw
+
+
+def _coerce_int(raw: Any) -> Any:
+    if isinstance(raw, str):
+        return int(raw.strip())
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    return raw
+
+
+def _coerce_text(key: str, raw: str) -> Any:
+    """The other fields a string may stand for."""
+    if key in ("stop_token_ids", "allowed_token_ids"):
+        return [int(x) for x in raw.replace(",", " ").split()]
+    if key == "early_stopping" and raw.strip().lower() != "never":
+        return _request_bool(raw)  # a boolean's spelling
+    if key == "logit_bias":
+        return json.loads(raw)
     return raw

@@ -15,12 +15,16 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from slipstream.server.launch.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY,
                                                TritonServer, TritonServerError,
                                                render_model_repository)
+
+if TYPE_CHECKING:
+    from slipstream.server.openai.frontend import OpenAIFrontend
 
 DEMO_PROMPT = "What is the capital of France?"
 # tritonserver options `serve` sets from its own flags: --server-arg may not repeat them.
@@ -31,11 +35,41 @@ OWNED_SERVER_OPTIONS = ("--model-repository", "--model-store", "--http-address",
 
 
 # --------------------------------------------------------------------------- streaming client
-def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME,
-                  max_tokens: int = 128, temperature: float = 0.0, chat: bool = True,
-                  on_text: Optional[Callable[[str], None]] = None, timeout: float = 600.0) -> dict:
-    """Stream one answer over gRPC; returns {"text", "finish_reason", "ttft_s", "seconds",
-    "num_output_tokens"}. Raises RuntimeError with the server's message on an error."""
+@dataclass
+class _StreamedAnswer:
+    """What the responses of one streamed prompt added up to so far."""
+
+    start: float  # time.monotonic() when the request went out
+    parts: list[str] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_output_tokens: int = 0
+    ttft_s: Optional[float] = None
+
+    def take(self, result, on_text: Optional[Callable[[str], None]]) -> bool:
+        """Add one response; True when it was the final one."""
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            piece = text.reshape(-1)[0].decode("utf-8")
+            if piece and self.ttft_s is None:
+                self.ttft_s = time.monotonic() - self.start
+            self.parts.append(piece)
+            if on_text:
+                on_text(piece)
+        reason = result.as_numpy("finish_reason")
+        if reason is not None and reason.size and reason.reshape(-1)[0]:
+            self.finish_reason = reason.reshape(-1)[0].decode()
+        count = result.as_numpy("num_output_tokens")
+        if count is not None and count.size:
+            self.num_output_tokens += int(count.reshape(-1)[0])
+        return result.get_response().parameters["triton_final_response"].bool_param
+
+    def summary(self) -> dict:
+        return {"text": "".join(self.parts), "finish_reason": self.finish_reason,
+                "ttft_s": self.ttft_s, "seconds": time.monotonic() - self.start,
+                "num_output_tokens": self.num_output_tokens}
+
+
+def _prompt_inputs(prompt: str, max_tokens: int, temperature: float, chat: bool) -> list:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -44,49 +78,41 @@ def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME
         t.set_data_from_numpy(value)
         return t
 
-    inputs = [
+    sampling = json.dumps({"max_tokens": max_tokens, "temperature": temperature}).encode()
+    return [
         tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters", np.array([json.dumps(
-            {"max_tokens": max_tokens, "temperature": temperature}).encode()], dtype=np.object_),
-            "BYTES"),
+        tensor("sampling_parameters", np.array([sampling], dtype=np.object_), "BYTES"),
         tensor("apply_chat_template", np.array([chat]), "BOOL"),
         tensor("return_finish_reason", np.array([True]), "BOOL"),
         tensor("return_num_output_tokens", np.array([True]), "BOOL"),
     ]
+
+
+def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME,
+                  max_tokens: int = 128, temperature: float = 0.0, chat: bool = True,
+                  on_text: Optional[Callable[[str], None]] = None, timeout: float = 600.0) -> dict:
+    """Stream one answer over gRPC; returns {"text", "finish_reason", "ttft_s", "seconds",
+    "num_output_tokens"}. Raises RuntimeError with the server's message on an error."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = _prompt_inputs(prompt, max_tokens, temperature, chat)
     responses: "queue.Queue" = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    start = time.monotonic()
-    ttft = None
-    parts, finish, n_out = [], None, 0
+    answer = _StreamedAnswer(start=time.monotonic())
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=timeout)
             if error is not None:
                 raise RuntimeError(f"server error: {error}")
-            text = result.as_numpy("text_output")
-            if text is not None and text.size:
-                piece = text.reshape(-1)[0].decode("utf-8")
-                if piece and ttft is None:
-                    ttft = time.monotonic() - start
-                parts.append(piece)
-                if on_text:
-                    on_text(piece)
-            reason = result.as_numpy("finish_reason")
-            if reason is not None and reason.size and reason.reshape(-1)[0]:
-                finish = reason.reshape(-1)[0].decode()
-            count = result.as_numpy("num_output_tokens")
-            if count is not None and count.size:
-                n_out += int(count.reshape(-1)[0])
-            if result.get_response().parameters["triton_final_response"].bool_param:
+            if answer.take(result, on_text):
                 break
     finally:
         client.stop_stream()
         client.close()
-    return {"text": "".join(parts), "finish_reason": finish, "ttft_s": ttft,
-            "seconds": time.monotonic() - start, "num_output_tokens": n_out}
+    return answer.summary()
 
 
 # --------------------------------------------------------------------------- serve
@@ -236,8 +262,54 @@ def _start_first(server: TritonServer) -> bool:
     return True
 
 
+@dataclass
+class _ServePlan:
+    """What ``serve`` prepared before starting anything: a rendered, checked repository."""
+
+    work: Path  # removed at the end
+    repo: Path
+    aliases: list[str]
+    names: list[str]  # the Slipstream models
+    prompt_model: str  # the one --prompt asks
+    engine: dict[str, str]  # its engine settings
+
+
+@dataclass
+class _Session:
+    server: TritonServer
+    openai_api: Optional["OpenAIFrontend"] = None  # once started
+
+
 def run_serve(args: argparse.Namespace) -> int:
     extra_args = server_args(args.server_arg)
+    plan = _plan_serve(args)
+    session = _Session(TritonServer(
+        plan.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, startup_timeout=args.startup_timeout,
+        log_path=args.log_file, log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
+        models=plan.names, backend_aliases=plan.aliases,
+        open_model_control=args.allow_model_control, extra_args=extra_args))
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
+    try:
+        code = _serve(args, plan, session)
+    except _Stop as e:
+        print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
+              "Ctrl-C again to kill", flush=True)
+    except (TritonServerError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        _stop_session(session)
+        for s, h in old.items():
+            signal.signal(s, h)
+        import shutil
+
+        shutil.rmtree(plan.work, ignore_errors=True)
+    return code
+
+
+def _plan_serve(args: argparse.Namespace) -> _ServePlan:
     overrides = parse_sets(args.set)
     if args.model:
         overrides["model"] = args.model
@@ -247,76 +319,63 @@ def run_serve(args: argparse.Namespace) -> int:
     engines = _validate(repo, aliases)
     names = list(engines)
     prompt_model = DEFAULT_MODEL_NAME if DEFAULT_MODEL_NAME in engines else names[0]
-    engine = engines[prompt_model]
     if any(e.get("model", "default") in ("", "default") for e in engines.values()):
-        from slipstream.worker.model_loader import default_model_dir  # convert the GGUF once, with a progress bar
+        # convert the GGUF once, here, with a progress bar
+        from slipstream.worker.model_loader import default_model_dir
 
         default_model_dir()
-    server = TritonServer(repo, host=args.host, http_port=args.http_port,
-                          grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          startup_timeout=args.startup_timeout, log_path=args.log_file,
-                          log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
-                          models=names, backend_aliases=aliases,
-                          open_model_control=args.allow_model_control, extra_args=extra_args)
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    code = 0
-    openai_api = None
-    try:
-        print(f"starting tritonserver (model {engine.get('model', 'default')}; log "
-              f"{server.log_path or 'on stdout'}) ...", flush=True)
-        t0 = time.monotonic()
-        if not _start_first(server):
-            return _serve_until_stopped(server, args.max_restarts)
-        print(f"ready in {time.monotonic() - t0:.1f} s\n"
-              f"  models   {', '.join(names)}\n"
-              f"  HTTP     http://{server.http_url}  (POST /v2/models/{prompt_model}/generate, "
-              f"/generate_stream)\n"
-              f"  gRPC     {server.grpc_url}\n"
-              f"  metrics  {server.metrics_url}", flush=True)
-        if args.openai_port is not None:
-            openai_api = _start_openai(args, repo, aliases, server)
-        if args.prompt:
-            print(f"\n>>> {args.prompt}", flush=True)
-            result = stream_prompt(server.grpc_url, args.prompt, model=prompt_model,
-                                   max_tokens=args.max_tokens,
-                                   chat=not args.raw_prompt,
-                                   on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-            rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
-            ttft = result["ttft_s"] or 0.0
-            print(f"\n[{result['num_output_tokens']} tokens, finish_reason="
-                  f"{result['finish_reason']}, first token {ttft * 1000:.0f} ms, "
-                  f"{rate:.1f} tokens/s]", flush=True)
-        if args.prompt and args.exit_after_prompt:
+    return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model])
+
+
+def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int:
+    """Start, announce, answer --prompt, then serve until stopped: the exit code."""
+    server = session.server
+    print(f"starting tritonserver (model {plan.engine.get('model', 'default')}; log "
+          f"{server.log_path or 'on stdout'}) ...", flush=True)
+    t0 = time.monotonic()
+    if not _start_first(server):
+        return _serve_until_stopped(server, args.max_restarts)
+    print(f"ready in {time.monotonic() - t0:.1f} s\n"
+          f"  models   {', '.join(plan.names)}\n"
+          f"  HTTP     http://{server.http_url}  (POST /v2/models/{plan.prompt_model}/generate, "
+          f"/generate_stream)\n"
+          f"  gRPC     {server.grpc_url}\n"
+          f"  metrics  {server.metrics_url}", flush=True)
+    if args.openai_port is not None:
+        session.openai_api = _start_openai(args, plan.repo, plan.aliases, server)
+    if args.prompt:
+        _answer_prompt(args, server, plan.prompt_model)
+        if args.exit_after_prompt:
             return 0
-        print("serving; Ctrl-C to stop", flush=True)
-        code = _serve_until_stopped(server, args.max_restarts)
-    except _Stop as e:
-        print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
-              "Ctrl-C again to kill", flush=True)
-    except TritonServerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
+    print("serving; Ctrl-C to stop", flush=True)
+    return _serve_until_stopped(server, args.max_restarts)
+
+
+def _answer_prompt(args: argparse.Namespace, server: TritonServer, model: str) -> None:
+    print(f"\n>>> {args.prompt}", flush=True)
+    result = stream_prompt(server.grpc_url, args.prompt, model=model,
+                           max_tokens=args.max_tokens, chat=not args.raw_prompt,
+                           on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
+    ttft = result["ttft_s"] or 0.0
+    print(f"\n[{result['num_output_tokens']} tokens, finish_reason="
+          f"{result['finish_reason']}, first token {ttft * 1000:.0f} ms, "
+          f"{rate:.1f} tokens/s]", flush=True)
+
+
+def _stop_session(session: _Session) -> None:
+    try:
+        session.server.stop()  # first: Triton drains at once; the API relays what is in flight
+    except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
+        print("killing tritonserver", flush=True)
+        session.server.kill()
     finally:
-        try:
-            server.stop()  # first: Triton drains at once; the API relays what is in flight
-        except _Stop:  # a second Ctrl-C: do not wait for in-flight requests
-            print("killing tritonserver", flush=True)
-            server.kill()
-        finally:
-            if openai_api is not None:
-                openai_api.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)
-    return code
+        if session.openai_api is not None:
+            session.openai_api.stop()
 
 
-def _start_openai(args: argparse.Namespace, repo: Path, aliases: list, server: TritonServer):
+def _start_openai(args: argparse.Namespace, repo: Path, aliases: list[str],
+                  server: TritonServer) -> "OpenAIFrontend":
     """The OpenAI-compatible API on a thread of this process, talking to ``server`` over
     gRPC (it keeps its ports across restarts, so the API outlives them)."""
     from slipstream.server.openai.frontend import OpenAIFrontend

@@ -140,7 +140,8 @@ MAPPED: dict = {
     "max_num_batched_tokens": _same("max_num_batched_tokens"),
     "prefix_caching_hash_algo": _hash_algo,
     "enable_prefix_caching": lambda v: {"enable_prefix_caching": _flag(v, "enable_prefix_caching")},
-    "enable_chunked_prefill": lambda v: {"enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
+    "enable_chunked_prefill": lambda v: {
+        "enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
     "enforce_eager": lambda v: {"enable_cuda_graphs": not _flag(v, "enforce_eager")},
     "gpu_memory_utilization": _same("gpu_memory_utilization"),
     "kv_cache_memory_bytes": _same("kv_cache_memory_bytes"),
@@ -228,8 +229,9 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
     elif key == "kv_events_config":
         result.kv_events_config = value
     elif key not in NO_EFFECT:
+        supported = sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS)
         raise ValueError(f"unknown or unsupported engine argument {key!r} (supported: "
-                         f"{', '.join(sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS))})")
+                         f"{', '.join(supported)})")
 
 
 def _equal(value: Any, fixed: Any) -> bool:

@@ -326,8 +326,9 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
     values.pop("logits_processors", None)
     for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         got = values.get(key)
-        if got is not None and not isinstance(got, bool) and str(got).strip().lstrip("-").isdigit() \
-                and int(got) > max_logprobs:
+        if got is None or isinstance(got, bool):
+            continue
+        if str(got).strip().lstrip("-").isdigit() and int(got) > max_logprobs:
             raise BadRequestError(f"Requested {what} logprobs of {int(got)}, which is greater "
                                   f"than max allowed: {max_logprobs}")
 
@@ -342,8 +343,9 @@ def lora_error(inputs: Mapping[str, np.ndarray],
     sources = []
     if inputs.get("sampling_parameters") is not None:
         try:
-            sources.append(_load_json("sampling_parameters is", _decode("sampling_parameters", _scalar(
-                "sampling_parameters", np.asarray(inputs["sampling_parameters"])))))
+            text = _decode("sampling_parameters", _scalar(
+                "sampling_parameters", np.asarray(inputs["sampling_parameters"])))
+            sources.append(_load_json("sampling_parameters is", text))
         except BadRequestError:
             pass
     try:

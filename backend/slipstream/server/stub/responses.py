@@ -45,7 +45,8 @@ def build_outputs(options: RequestOptions, text: str, *, finish_reason: Optional
 def build_sequence_outputs(options: RequestOptions, texts: Sequence[str], *,
                            finish_reasons: Sequence[Optional[str]], num_input_tokens: int,
                            num_output_tokens: Sequence[int], cumulative_logprobs: Sequence[float],
-                           logprobs_json: Sequence[str], prompt_logprobs_json: str = "null") -> dict:
+                           logprobs_json: Sequence[str],
+                           prompt_logprobs_json: str = "null") -> dict:
     """``build_outputs`` for ``n`` sequences: as vLLM's backend returns ``n`` > 1, each
     per-sequence output holds one element per sequence, in index order; ``prompt_logprobs``
     (this backend's addition) is one JSON string for the request."""
@@ -79,7 +80,8 @@ def logprobs_entries(token_ids: Sequence[int], logprobs: Sequence[float], tokeni
         for i, (alt, value) in enumerate(getattr(lp, "top", ())):
             position.setdefault(alt, (value, i + 1))
         entries.append({str(t): {"logprob": v, "rank": rank,
-                                 "decoded_token": decode_token(tokenizer, t) if detokenize else None}
+                                 "decoded_token": decode_token(tokenizer, t) if detokenize
+                                 else None}
                         for t, (v, rank) in position.items()})
     return entries
 
@@ -131,7 +133,8 @@ class ResponseBuilder:
         """The response for one engine output of a streaming request."""
         self._note(out)
         deltas = [_SequenceState() for _ in self.sequences]
-        deltas[out.index] = _SequenceState([out.text], list(out.token_ids), list(out.logprobs or []))
+        deltas[out.index] = _SequenceState([out.text], list(out.token_ids),
+                                           list(out.logprobs or []))
         return self._outputs(out, ["".join(d.texts) for d in deltas], deltas, out.prompt_logprobs)
 
     def absorb(self, out) -> None:

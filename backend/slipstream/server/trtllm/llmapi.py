@@ -73,15 +73,8 @@ class LlmapiOptions(TrtllmOptions):
 def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     """One LLM-API request -> parse_request's inputs; its own options ride in the options."""
     present = {k: v for k, v in row.items() if v is not None}
-    inputs: Dict[str, np.ndarray] = {}
+    inputs = _renamed_inputs(present)
     opts = LlmapiOptions()
-    if "text_input" in present:
-        inputs["text_input"] = present["text_input"]
-    if "streaming" in present:
-        inputs["stream"] = present["streaming"]
-    for name, (_, target) in SAMPLING_INPUTS.items():
-        if f"sampling_param_{name}" in present:
-            inputs[target] = present[f"sampling_param_{name}"]
     params: Dict[str, Any] = {}
     if "sampling_param_best_of" in present:
         best_of = int(_scalar("sampling_param_best_of", present["sampling_param_best_of"]))
@@ -90,16 +83,8 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
         if best_of > 1:
             params["best_of"] = best_of
     if "sampling_param_stop" in present:
-        words = [w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
-                 for w in np.asarray(present["sampling_param_stop"]).reshape(-1)]
-        opts.stop_words = tuple(w for w in words if w)
-        if opts.stop_words:
-            inputs["stop_words"] = np.array([w.encode() for w in opts.stop_words], np.object_)
-    for name in ("return_finish_reason", "return_cumulative_logprob", "return_stop_reason"):
-        if name in present:
-            setattr(opts, name, _flag(name, present[name]))
-    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
-        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"])
+        _read_stop(present["sampling_param_stop"], inputs, opts)
+    _read_flags(present, opts)
     _greedy_unless_sampling(inputs)
     stream = "stream" in inputs and _flag("streaming", inputs["stream"])
     if stream:  # the whole text so far is sent each time: the prompt is never repeated
@@ -108,6 +93,35 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     inputs["return_finish_reason"] = np.array([True])
     inputs["return_cumulative_logprob"] = np.array([True])
     return TranslatedRow(inputs, params, opts)
+
+
+def _renamed_inputs(present: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The inputs parse_request reads under other names."""
+    inputs: Dict[str, np.ndarray] = {}
+    if "text_input" in present:
+        inputs["text_input"] = present["text_input"]
+    if "streaming" in present:
+        inputs["stream"] = present["streaming"]
+    for name, (_, target) in SAMPLING_INPUTS.items():
+        if f"sampling_param_{name}" in present:
+            inputs[target] = present[f"sampling_param_{name}"]
+    return inputs
+
+
+def _read_stop(arr: np.ndarray, inputs: Dict[str, np.ndarray], opts: LlmapiOptions) -> None:
+    words = [w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
+             for w in np.asarray(arr).reshape(-1)]
+    opts.stop_words = tuple(w for w in words if w)
+    if opts.stop_words:
+        inputs["stop_words"] = np.array([w.encode() for w in opts.stop_words], np.object_)
+
+
+def _read_flags(present: Mapping[str, np.ndarray], opts: LlmapiOptions) -> None:
+    for name in ("return_finish_reason", "return_cumulative_logprob", "return_stop_reason"):
+        if name in present:
+            setattr(opts, name, _flag(name, present[name]))
+    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
+        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"])
 
 
 def _flag(name: str, arr: np.ndarray) -> bool:
