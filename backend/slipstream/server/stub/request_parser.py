@@ -6,8 +6,10 @@ sampling inputs (``max_tokens``, ``temperature``, ``stop_words``, ``end_id`` ...
 taken from, in order: its typed input tensor, the ``sampling_parameters`` JSON, the request
 parameters (what ``"parameters": {...}`` of the HTTP generate endpoint becomes).
 
-Nothing here imports Triton: ``parse_request`` takes a dict of input name -> numpy array and
-the request parameters (dict or JSON string), so it is tested without a server.
+Each tensor is read as its row of ``input_table.INPUTS`` says (``Reading``), into the option
+or sampling field the row names. Nothing here imports Triton: ``parse_request`` takes a dict
+of input name -> numpy array and the request parameters (dict or JSON string), so it is
+tested without a server.
 """
 from __future__ import annotations
 
