@@ -33,7 +33,7 @@ RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt \
 # The backend where Triton looks for backends: a model whose config says backend: "slipstream"
 # needs no model.py of its own. The shipped repository (backend: "python", its own 1/model.py)
 # works as well; both import the adapter from the installed package.
-COPY backends/slipstream/model.py /opt/tritonserver/backends/slipstream/model.py
+COPY triton_backends/slipstream/model.py /opt/tritonserver/backends/slipstream/model.py
 COPY model_repository model_repository
 COPY deploy/serve.sh deploy/serve.sh
 # The image's non-root user (triton-server, uid 1000) gets a home for caches (OpenAI Triton

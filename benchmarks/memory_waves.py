@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from slipstream.server.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer,
-                                        render_model_repository)
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer,
+                                               render_model_repository)
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
 SETTINGS = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": 512, "max_num_seqs": 32,
@@ -36,7 +36,7 @@ import os, sys, threading, time, tracemalloc
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
 
 def _snapshots(trigger, out):
     n = 0

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from slipstream.server.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, free_port,
-                                        render_model_repository)
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, free_port,
+                                               render_model_repository)
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
 SETTINGS = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": 512, "max_num_seqs": 32,

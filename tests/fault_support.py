@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slipstream.server.launcher import TritonServer, render_model_repository
+from slipstream.server.launch.launcher import TritonServer, render_model_repository
 
 FAULT_MODEL_PY = '''
 import os
@@ -15,7 +15,7 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
 from slipstream.worker.model_runner import ModelRunner  # noqa: E402
 
 

@@ -49,7 +49,7 @@ def random_workload(n: int, seed: int = 0, lengths=(1, 2, 5, 17, 40, 64, 130, 30
 def need_tritonserver() -> None:
     """Skip a real-server test where no tritonserver is installed, except in CI, where the
     [server] extra is part of `make install` and its absence is a failure."""
-    from slipstream.server.launcher import find_tritonserver
+    from slipstream.server.launch.launcher import find_tritonserver
 
     try:
         find_tritonserver()

@@ -12,7 +12,7 @@ from slipstream_bench import timeline
 from slipstream_bench.metrics import RequestRecord, percentile, summarize
 from slipstream_bench.workload import (Workload, arrival_times, generate_workload,
                                        sample_lengths, shared_prefix_workload)
-from slipstream.server.cli import main as cli_main
+from slipstream.server.launch.cli import main as cli_main
 from slipstream.worker.model_loader import load_tokenizer
 
 from support import tiny_model_dir
@@ -69,7 +69,7 @@ def test_sampled_rows_of_a_chunked_prefill():
 def _server_available() -> bool:
     if os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1":
         return False
-    from slipstream.server.launcher import find_tritonserver
+    from slipstream.server.launch.launcher import find_tritonserver
 
     try:
         find_tritonserver()

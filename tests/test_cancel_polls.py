@@ -1,6 +1,6 @@
 """The ration of cancellation polls (each a round trip to tritonserver): few requests are asked
 often, many together no more than the budget, and none is forgotten."""
-from slipstream.server.cancel_polls import CancelPolls
+from slipstream.server.stub.cancel_polls import CancelPolls
 
 
 def _simulate(polls: CancelPolls, num_active: int, has_output: bool, seconds: float,

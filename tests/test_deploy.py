@@ -18,8 +18,8 @@ from deploy_support import (ADAPTER_VALUES, DASHBOARD, DEPLOY, KUSTOMIZATIONS, O
                             container, dockerfile, dockerfile_exec_form, find,
                             http_path_probes, image_path_to_repo, plain_env, pod_spec,
                             port_numbers, project, render, require_module, require_tool)
-from slipstream.server.launcher import TritonInstall, TritonServer, gpu_present
-from slipstream.server.metrics import GAUGES, PREFIX
+from slipstream.server.launch.launcher import TritonInstall, TritonServer, gpu_present
+from slipstream.server.stub.metrics import GAUGES, PREFIX
 
 # The oldest Kubernetes the manifests promise to work on, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", None)
@@ -373,7 +373,7 @@ def test_image_installs_the_backend_where_triton_looks_for_backends():
     backend = [c for c in copies if c[-1] == "/opt/tritonserver/backends/slipstream/model.py"]
     assert backend, "no Python-based backend in /opt/tritonserver/backends/slipstream"
     source = (ROOT / backend[0][0]).read_text()
-    assert "from slipstream.server.triton_model import TritonPythonModel" in source
+    assert "from slipstream.server.stub.triton_model import TritonPythonModel" in source
 
 
 def test_image_healthcheck_probes_server_readiness():

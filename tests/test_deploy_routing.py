@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_support import DEPLOY, find, plain_env, render, require_module, require_tool
-from slipstream.server.metrics import GAUGES, PREFIX
+from deploy_support import DEPLOY, ROOT, find, plain_env, render, require_module, require_tool
+from slipstream.server.stub.metrics import GAUGES, PREFIX
 
 WAYS = ("inference-gateway", "router")
 CRDS = Path(__file__).parent / "data" / "crds"

@@ -26,7 +26,7 @@ import pytest
 
 from deploy_support import (DASHBOARD, ROOT, container, dockerfile_exec_form, find, http_path_probes,
                             image_path_to_repo, plain_env, render)
-from slipstream.server.launcher import free_port
+from slipstream.server.launch.launcher import free_port
 from support import need_tritonserver
 
 pytestmark = [

@@ -17,7 +17,7 @@ from slipstream.core import kv_cache_events as core
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.kv_events import wire
 from slipstream.kv_events.publisher import END_SEQ
-from slipstream.server.launcher import TritonServer, render_model_repository
+from slipstream.server.launch.launcher import TritonServer, render_model_repository
 from support import http_generate, need_tritonserver
 from test_server import MODEL, OVERRIDES, REPO, tiny_model  # noqa: F401 - tiny_model: fixture
 

@@ -47,8 +47,8 @@ def test_engine_modules_at_package_top_import_no_server_or_benchmark():
 
 def test_layer_checker_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from slipstream.server.protocol import parse_request\n")
-    assert "slipstream.server.protocol" in _imported_modules(bad)
+    bad.write_text("from slipstream.server.stub.request_parser import parse_request\n")
+    assert "slipstream.server.stub.request_parser" in _imported_modules(bad)
 
 
 def test_engine_package_imports_no_server_or_benchmark():

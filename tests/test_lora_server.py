@@ -14,7 +14,7 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
 from lora_support import adapter_dir, merged_greedy  # noqa: E402
 from vllm_backend_support import (SAMPLING_PARAMETERS, create_vllm_request,  # noqa: E402

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.engine_args import resolve_model, translate
-from slipstream.server.model_config import load_settings
+from slipstream.server.stub.engine_args import resolve_model, translate
+from slipstream.server.stub.model_config import load_settings
 
 SAMPLE = {"model": "facebook/opt-125m", "gpu_memory_utilization": 0.5, "enforce_eager": True}
 
@@ -172,7 +172,7 @@ def test_shipped_sample_repository_checks_out():
     """samples/model_repository: vllm_backend's sample with the backend renamed."""
     from pathlib import Path
 
-    from slipstream.server.repository import check_models, find_models
+    from slipstream.server.launch.repository import check_models, find_models
 
     repo = Path(__file__).resolve().parents[1] / "samples" / "model_repository"
     models = find_models(repo)
@@ -186,10 +186,10 @@ def test_shipped_sample_repository_checks_out():
 def test_install_backend_writes_the_backend_under_each_name(tmp_path, capsys):
     from pathlib import Path
 
-    from slipstream.server.cli import main
+    from slipstream.server.launch.cli import main
 
     assert main(["install-backend", "--backend-directory", str(tmp_path), "--alias", "vllm"]) == 0
-    source = (Path(__file__).resolve().parents[1] / "backends" / "slipstream" / "model.py")
+    source = (Path(__file__).resolve().parents[1] / "triton_backends" / "slipstream" / "model.py")
     for name in ("slipstream", "vllm"):
         assert (tmp_path / name / "model.py").read_text() == source.read_text()
     assert "installed" in capsys.readouterr().out

@@ -12,8 +12,8 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from slipstream.server.launcher import (MODEL_CONTROL_HEADER, TritonServer,  # noqa: E402
-                                        render_model_repository)
+from slipstream.server.launch.launcher import (MODEL_CONTROL_HEADER, TritonServer,  # noqa: E402
+                                               render_model_repository)
 from test_server import OVERRIDES, REPO, run_stream, text_inputs, texts  # noqa: E402
 from test_server import tiny_model  # noqa: E402,F401 - a fixture
 
@@ -82,7 +82,7 @@ def test_the_api_is_restricted_unless_the_operator_opens_it():
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         assert f"{flag}=model-repository:{MODEL_CONTROL_HEADER}={key}" in cmd
     assert not any("restricted" in arg for arg in opened.command())
-    from slipstream.server.cli import build_parser
+    from slipstream.server.launch.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--allow-model-control"])
     assert args.allow_model_control

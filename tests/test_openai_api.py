@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_support import adapter_dir
-from slipstream.server.launcher import TritonServer
+from slipstream.server.launch.launcher import TritonServer
 from slipstream.server.openai.frontend import OpenAIFrontend
 from support import http_generate, need_tritonserver
 from vllm_backend_support import FAILING_HEALTH_MODEL_PY, tokenizer_of, write_model

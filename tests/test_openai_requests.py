@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from slipstream.server.health import UNHEALTHY_MESSAGE
+from slipstream.server.stub.health import UNHEALTHY_MESSAGE
 from slipstream.server.openai.errors import OpenAIError, error_body, status_of_triton_error
-from slipstream.server.openai.requests import (REFUSED, ChatCompletionRequest,
-                                               CompletionRequest)
+from slipstream.server.openai.requests import REFUSED, ChatCompletionRequest, CompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -104,7 +103,7 @@ def test_add_special_tokens_is_a_request_option_of_the_backend():
 
     import numpy as np
 
-    from slipstream.server.protocol import parse_request
+    from slipstream.server.stub.request_parser import parse_request
 
     def parsed(sampling: dict):
         return parse_request({"text_input": np.array([b"hi"], dtype=np.object_),

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.protocol import (BadRequestError, RequestOptions, build_outputs,
-                                        logprobs_entries, lora_error, output_names,
-                                        parse_request, split_parameters)
-from slipstream.server.launcher import (read_parameters, render_model_repository,
-                                      set_parameters)
+from slipstream.server.stub.model_config import split_parameters
+from slipstream.server.stub.request_parser import (BadRequestError, RequestOptions, lora_error,
+                                                   parse_request)
+from slipstream.server.stub.responses import build_outputs, logprobs_entries, output_names
+from slipstream.server.launch.launcher import (read_parameters, render_model_repository,
+                                               set_parameters)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 
@@ -282,7 +283,7 @@ def _out(index, text, token_ids, finish_reason=None, finished=False, cum=0.0):
 
 
 def test_n_sequences_are_returned_one_element_per_index():
-    from slipstream.server.protocol import ResponseBuilder
+    from slipstream.server.stub.responses import ResponseBuilder
     options = dict(return_finish_reason=True, return_num_output_tokens=True,
                    return_cumulative_logprob=True)
     parsed = parse_request({"text_input": s("hi"), "sampling_parameters": s('{"n": 2}')}, options)

@@ -12,8 +12,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.deadlines import request_deadline  # noqa: E402
-from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.stub.deadlines import request_deadline  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from test_server import (OVERRIDES, REPO, http_post, metrics, text_inputs,  # noqa: E402
                          tiny_model, wait_metric)  # noqa: F401 - tiny_model is a fixture
 

@@ -11,7 +11,7 @@ import pytest
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core import sampling_params as sp
 from slipstream.engine import LLMEngine
-from slipstream.server.protocol import BadRequestError, parse_request
+from slipstream.server.stub.request_parser import BadRequestError, parse_request
 from slipstream.worker.model_loader import fit_max_model_len, make_tiny_model_dir, position_limit
 from support import tiny_model_dir
 
@@ -142,7 +142,7 @@ def test_oversized_json_and_stop_word_tensors_are_refused_before_parsing():
 def test_every_parse_of_request_json_is_bounded():
     """The LoRA check reads sampling_parameters before parse_request: deep nesting must not
     escape it as a RecursionError (an internal error instead of INVALID_ARG)."""
-    from slipstream.server.protocol import lora_error
+    from slipstream.server.stub.request_parser import lora_error
 
     deep = s("[" * 100_000 + "]" * 100_000)
     assert lora_error({"text_input": s("hi"), "sampling_parameters": deep}) is None

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from slipstream.server.cli import _serve_until_stopped, _start_first
-from slipstream.server.launcher import TritonServerError
+from slipstream.server.launch.cli import _serve_until_stopped, _start_first
+from slipstream.server.launch.launcher import TritonServerError
 
 
 class ScriptedServer:

@@ -22,10 +22,10 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.protocol import split_parameters  # noqa: E402
+from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
-from slipstream.server.launcher import (TritonServer, find_tritonserver,  # noqa: E402
-                                      read_parameters, render_model_repository)
+from slipstream.server.launch.launcher import (TritonServer, find_tritonserver,  # noqa: E402
+                                               read_parameters, render_model_repository)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODEL = "slipstream"

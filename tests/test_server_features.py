@@ -11,7 +11,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from test_server import (OVERRIDES, PROMPTS, REPO, StreamClient, metrics,  # noqa: E402
                          text_inputs, texts, tiny_model)  # tiny_model is a fixture
 

@@ -13,7 +13,7 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from test_server import (MAX_MODEL_LEN, MODEL, OVERRIDES, REPO, StreamClient,  # noqa: E402
                          http_post, run_stream, text_inputs, texts, tiny_model, wait_metric)  # tiny_model: a fixture
 

@@ -17,8 +17,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launcher import (TritonServer, TritonServerError, free_port,  # noqa: E402
-                                        render_model_repository)
+from slipstream.server.launch.launcher import (TritonServer, TritonServerError,  # noqa: E402
+                                               free_port, render_model_repository)
 from test_server import (OVERRIDES, REPO, run_stream, text_inputs, texts,  # noqa: E402
                          tiny_model)  # tiny_model is a fixture
 

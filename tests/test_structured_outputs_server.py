@@ -14,8 +14,8 @@ pytest.importorskip("llguidance")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.protocol import split_parameters  # noqa: E402
-from slipstream.server.launcher import read_parameters  # noqa: E402
+from slipstream.server.stub.model_config import split_parameters  # noqa: E402
+from slipstream.server.launch.launcher import read_parameters  # noqa: E402
 from test_server import (MODEL, PROMPTS, StreamClient, http_post, repo,  # noqa: E402,F401
                          run_stream, server, text_inputs, texts, tiny_model)
 

@@ -31,7 +31,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from support import need_tritonserver, reference_model, tiny_model_dir  # noqa: E402
 from test_server import http_post  # noqa: E402
 

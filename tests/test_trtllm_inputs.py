@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from slipstream.core.request import FinishReason, RequestOutput
-from slipstream.server import model_config
-from slipstream.server.protocol import BadRequestError, parse_request
-from slipstream.server.trtllm_inputs import (check_unsupported, split_rows, translate,
+from slipstream.server.stub import model_config
+from slipstream.server.stub.request_parser import BadRequestError, parse_request
+from slipstream.server.trtllm.inputs import (check_unsupported, split_rows, translate,
                                              trtllm_queue_full)
-from slipstream.server.trtllm_outputs import TrtllmResponses, merge_rows
+from slipstream.server.trtllm.outputs import TrtllmResponses, merge_rows
 
 
 def s(*texts):
@@ -221,7 +221,7 @@ def test_shipped_trtllm_samples_check_out(sample):
     named slipstream, TRT-LLM compatibility and metric families."""
     from pathlib import Path
 
-    from slipstream.server.repository import check_models, find_models
+    from slipstream.server.launch.repository import check_models, find_models
 
     models = find_models(Path(__file__).resolve().parents[1] / "samples" / sample)
     assert [(m.name, m.backend) for m in models] == [("ensemble", "slipstream")]
@@ -235,7 +235,7 @@ def test_shipped_llmapi_sample_checks_out():
     model's name) with the llmapi interface: its inputs, and its STRING outputs only."""
     from pathlib import Path
 
-    from slipstream.server.repository import check_models, find_models
+    from slipstream.server.launch.repository import check_models, find_models
 
     sample = Path(__file__).resolve().parents[1] / "samples" / "trtllm_llmapi_model_repository"
     models = find_models(sample)

@@ -24,7 +24,7 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from slipstream.server.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
 from vllm_backend_support import (FAILING_HEALTH_MODEL_PY, SAMPLING_PARAMETERS,  # noqa: E402
                                   VLLM_DEFAULT_MAX_TOKENS, bool_input, create_vllm_request, hf_completion,

@@ -31,7 +31,7 @@ import os, sys
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-from slipstream.server.triton_model import TritonPythonModel as _Adapter
+from slipstream.server.stub.triton_model import TritonPythonModel as _Adapter
 
 
 class TritonPythonModel(_Adapter):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from router_bench import client, conversations, replicas as fleet, report, routers
-from slipstream.server.launcher import free_port
+from slipstream.server.launch.launcher import free_port
 from slipstream_bench.runner import cpu_info
 
 DEFAULT_ROUTERS = Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream")) \

@@ -22,7 +22,7 @@ import threading
 
 import zmq
 
-from slipstream.server.launcher import free_port
+from slipstream.server.launch.launcher import free_port
 
 BLOCK_SIZE = 16
 

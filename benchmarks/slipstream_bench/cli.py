@@ -5,7 +5,7 @@ import argparse
 import math
 from pathlib import Path
 
-from slipstream.server.cli import parse_sets
+from slipstream.server.launch.cli import parse_sets
 
 HELP = ("benchmark: a workload over Triton gRPC streaming in static/dynamic/continuous "
         "modes, the in-process engine, Hugging Face baselines, vLLM peers, the roofline; "

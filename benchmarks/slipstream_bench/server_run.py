@@ -12,9 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from slipstream.server.protocol import SERVER_PARAMETERS, split_parameters
-from slipstream.server.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, read_parameters,
-                             render_model_repository)
+from slipstream.server.stub.model_config import SERVER_PARAMETERS, split_parameters
+from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer,
+                                               read_parameters, render_model_repository)
 from slipstream_bench import loadgen
 from slipstream_bench import timeline
 from slipstream_bench.metrics import records_to_json, summarize
@@ -105,7 +105,7 @@ def _run_server(label, overrides, workload, offsets, warmup, out_dir, work, prog
 
 def counter_deltas(before: dict, after: dict) -> dict:
     """What the measured run did: counters as differences, gauges as read at the end."""
-    from slipstream.server.metrics import COUNTERS
+    from slipstream.server.stub.metrics import COUNTERS
 
     out = {}
     for name, value in after.items():

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
+from slipstream.core.boolean_text import SETTING, parse_bool
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
@@ -15,6 +16,26 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtyp
 QUANTIZATIONS = (None, "int8")  # int8: weight-only, per-row scales (worker/cpu_reduced_linear)
 CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
 ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
+
+
+# Settings that must be integers >= 1.
+_POSITIVE = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_batch_size",
+             "num_speculative_tokens", "max_loras", "max_lora_rank")
+# Settings with a closed set of values, in the order they are checked.
+_CHOICES: tuple[tuple[str, tuple[Optional[str], ...]], ...] = (
+    ("batching", BATCHING_MODES), ("policy", POLICIES), ("preemption_mode", PREEMPTION_MODES),
+    ("prefix_caching_hash_algo", HASH_ALGOS), ("attention_ops", ATTENTION_OPS),
+    ("cpu_linear", CPU_LINEARS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+    ("kv_cache_dtype", KV_CACHE_DTYPES))
+# Optional integer settings (their default None says nothing about their type).
+_OPTIONAL_INTS = ("kv_cache_memory_bytes", "num_gpu_blocks_override", "max_model_len",
+                  "swap_min_tokens")
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        rule = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 @dataclass
@@ -87,53 +108,44 @@ class EngineConfig:
     max_lora_rank: int = 16  # adapters of a higher rank are refused at load (vLLM's default)
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)
     trace_file: Optional[str] = None  # implies trace_steps; EngineLoop writes it on shutdown
-    extra: dict = field(default_factory=dict)
+    # Swap mode "auto": preempted requests with fewer tokens than this are recomputed, longer
+    # ones swapped (None: max(2 blocks, max_num_batched_tokens / 4); core/swap_space.py).
+    swap_min_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_batch_size", "num_speculative_tokens", "max_loras", "max_lora_rank"):
-            positive(name)
-        if self.max_model_len is not None:
-            positive("max_model_len")
-        for name in ("speculative_disable_by_batch_size", "speculative_row_budget"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.tpot_target_ms, (int, float)) or self.tpot_target_ms < 0:
-            raise ValueError(f"tpot_target_ms must be a number >= 0, got {self.tpot_target_ms!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got "
-                             f"{self.prefix_caching_hash_algo!r}")
-        if self.attention_ops not in ATTENTION_OPS:
-            raise ValueError(
-                f"attention_ops must be one of {ATTENTION_OPS}, got {self.attention_ops!r}")
-        if self.cpu_linear not in CPU_LINEARS:
-            raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {self.cpu_linear!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
-                             f"{self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                             f"{self.kv_cache_dtype!r}")
+        """Refuse an inconsistent configuration, in a fixed order (the first problem found is
+        the one reported)."""
+        self._validate_counts()
+        for name, choices in _CHOICES:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self._validate_queue_and_memory()
+        self._validate_speculation()
+        self._validate_lora()
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    def _validate_counts(self) -> None:
+        for name in _POSITIVE:
+            _check_count(name, getattr(self, name), low=1)
+        if self.max_model_len is not None:
+            _check_count("max_model_len", self.max_model_len, low=1)
+        for name in ("speculative_disable_by_batch_size", "speculative_row_budget"):
+            _check_count(name, getattr(self, name), low=0)
+        if self.swap_min_tokens is not None:
+            _check_count("swap_min_tokens", self.swap_min_tokens, low=0)
+        if not isinstance(self.tpot_target_ms, (int, float)) or self.tpot_target_ms < 0:
+            raise ValueError(f"tpot_target_ms must be a number >= 0, got {self.tpot_target_ms!r}")
+
+    def _validate_queue_and_memory(self) -> None:
         if self.max_queue_delay_ms < 0:
             raise ValueError("max_queue_delay_ms must be >= 0")
         if self.max_queue_size < 0:
@@ -144,17 +156,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise ValueError("num_gpu_blocks_override must be positive")
+
+    def _validate_speculation(self) -> None:
         if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(
-                f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
+            raise ValueError("speculative_method must be None, 'ngram' or 'draft', got "
+                             f"{self.speculative_method!r}")
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method='draft' needs speculative_model")
-        self._validate_lora()
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})")
 
     def _validate_lora(self) -> None:
         if self.lora_modules is None:
@@ -184,6 +192,13 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def _bool(text: str) -> bool:
+    value = parse_bool(text, SETTING)
+    if value is None:
+        raise ValueError(text)
+    return value
+
+
 def _coerce(key: str, raw: Any, default: Any) -> Any:
     if not isinstance(raw, str):
         return raw
@@ -192,13 +207,8 @@ def _coerce(key: str, raw: Any, default: Any) -> Any:
         return None
     try:
         if isinstance(default, bool):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if isinstance(default, int) or key in ("kv_cache_memory_bytes", "num_gpu_blocks_override",
-                                               "max_model_len"):
+            return _bool(text)
+        if isinstance(default, int) or key in _OPTIONAL_INTS:
             return int(float(text)) if "e" in text.lower() else int(text)
         if isinstance(default, float) or key == "gpu_memory_utilization":
             return float(text)

@@ -14,9 +14,11 @@ import json
 import math
 import reprlib
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from slipstream.core.boolean_text import REQUEST, parse_bool
 from slipstream.core.structured_outputs import StructuredOutputsParams
+
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS); one between it and
 # MIN_SAMPLED_TEMPERATURE is raised to that, as vLLM does: logits / 1e-300 overflow float32
 # and the softmax of infinities is NaN.
@@ -45,6 +47,22 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 8
 
 
+def _check_integer(params: "SamplingParams", name: str, low: int) -> None:
+    value = getattr(params, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {show(value)}")
+
+
+def _check_number(params: "SamplingParams", name: str, ok: Callable[[float], bool],
+                  rule: str) -> None:
+    """A finite number within ``rule`` (``ok``), stored as a float."""
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be {rule}, got {show(value)}")
+    setattr(params, name, float(value))
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -68,7 +86,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    # keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None  # None = off; N = each prompt token's logprob + top-N
     n: int = 1  # sequences returned for the prompt (parallel sampling)
     best_of: Optional[int] = None  # sequences generated (>= n); the n most likely are returned
@@ -117,69 +136,73 @@ class SamplingParams:
             self.temperature = MIN_SAMPLED_TEMPERATURE
 
     def validate(self) -> None:
-        def integer(name: str, low: int) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {show(v)}")
-
-        def number(name: str, ok, rule: str) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-                raise ValueError(f"{name} must be {rule}, got {show(v)}")
-            setattr(self, name, float(v))
-
-        integer("max_tokens", 1)
-        integer("min_tokens", 0)
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
-        number("temperature", lambda v: v >= 0, ">= 0")
-        self._fit_temperature()
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {show(self.top_k)}")
-        number("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-        low, high = FLOAT32_NORMAL_RANGE
-        number("repetition_penalty", lambda v: low <= v <= high,
-               f"> 0 and within float32's range [{low:.3g}, {high:.3g}]")
-        number("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-        number("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        """Refuse what the engine cannot honour, in a fixed order (the first problem is the one
+        reported); floats are normalised to ``float``."""
+        self._validate_lengths()
+        self._validate_sampling()
         self._validate_seed()
         self._validate_stops()
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {show(self.ignore_eos)}")
-        if self.logprobs is not None:
-            integer("logprobs", 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            integer("prompt_logprobs", 0)
-            if self.prompt_logprobs > MAX_LOGPROBS:
-                raise ValueError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got "
-                                 f"{self.prompt_logprobs}")
+        self._validate_logprobs()
         self._validate_parallel_sampling()
         self._validate_beam_search()
-        number("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_number(self, "min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         self._validate_token_constraints()
+        self._validate_output_switches()
+        self._validate_names()
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings are only supported when detokenize is True")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+
+    def _validate_lengths(self) -> None:
+        _check_integer(self, "max_tokens", 1)
+        _check_integer(self, "min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
+
+    def _validate_sampling(self) -> None:
+        _check_number(self, "temperature", lambda v: v >= 0, ">= 0")
+        self._fit_temperature()
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1, 0 (off) or a positive integer, got {show(self.top_k)}")
+        _check_number(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        low, high = FLOAT32_NORMAL_RANGE
+        _check_number(self, "repetition_penalty", lambda v: low <= v <= high,
+                      f"> 0 and within float32's range [{low:.3g}, {high:.3g}]")
+        _check_number(self, "presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        _check_number(self, "frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+
+    def _validate_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is None:
+                continue
+            _check_integer(self, name, 0)
+            if getattr(self, name) > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {getattr(self, name)}")
+
+    def _validate_output_switches(self) -> None:
         for name in ("include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize", "use_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            raise ValueError(
+                f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
+
+    def _validate_names(self) -> None:
         if self.lora_name == "":
             self.lora_name = None  # vllm_backend clients send "" for the base model
-        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
-            raise ValueError(f"lora_name must be a non-empty string, got {show(self.lora_name)}")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
-                                            or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {show(self.cache_salt)}")
-        if not self.detokenize and self.stop:
-            raise ValueError("stop strings are only supported when detokenize is True")
-        if self.structured_outputs is not None:
-            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        for name in ("lora_name", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {show(value)}")
 
     def _validate_parallel_sampling(self) -> None:
         # vLLM's messages: clients match them.
@@ -192,12 +215,14 @@ class SamplingParams:
         if self.best_of is None:
             return
         if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
-            raise ValueError(f"best_of must be an int, but is of type {type(self.best_of).__name__}")
+            raise ValueError(
+                f"best_of must be an int, but is of type {type(self.best_of).__name__}")
         if self.best_of < self.n:
             raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
                              f"best_of={self.best_of}.")
         if self.best_of > MAX_PARALLEL_SEQUENCES:
-            raise ValueError(f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
+            raise ValueError(
+                f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
 
     @property
     def num_sequences(self) -> int:
@@ -228,8 +253,11 @@ class SamplingParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError("early_stopping must be true, false or \"never\", got "
                              f"{show(self.early_stopping)}")
-        if w == 1:
-            return
+        if w > 1:
+            self._validate_beams(w)
+
+    def _validate_beams(self, w: int) -> None:
+        """What may come with more than one beam."""
         if self.n > w:
             raise ValueError(f"n must be <= beam_width with beam search, got n={self.n} and "
                              f"beam_width={w}")
@@ -248,7 +276,8 @@ class SamplingParams:
         low, high = SEED_RANGE
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not low <= self.seed <= high:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
 
     def _validate_stops(self) -> None:
         # Counted before looking at elements: a list of 100,000 stops is refused at once.
@@ -329,29 +358,46 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _request_bool(text: str) -> bool:
+    value = parse_bool(text, REQUEST)
+    if value is None:
+        raise ValueError(text)
+    return value
+
+
 def _coerce(key: str, raw: Any) -> Any:
+    """A value of a JSON request in the field's own type (numbers and booleans may come as
+    strings, token-id lists as "1 2 3", logit_bias as a JSON text)."""
     if raw is None:
         return None
     try:
-        if key in _INT_FIELDS and isinstance(raw, str):
-            return int(raw.strip())
-        if key in _INT_FIELDS and isinstance(raw, float) and raw.is_integer():
-            return int(raw)
+        if key in _INT_FIELDS:
+            return _coerce_int(raw)
         if key in _FLOAT_FIELDS and isinstance(raw, str):
             return float(raw.strip())
         if key in _BOOL_FIELDS and isinstance(raw, str):
-            low = raw.strip().lower()
-            if low in ("true", "1", "yes"):
-                return True
-            if low in ("false", "0", "no"):
-                return False
-            raise ValueError
-        if key in ("stop_token_ids", "allowed_token_ids") and isinstance(raw, str):
-            return [int(x) for x in raw.replace(",", " ").split()]
-        if key == "early_stopping" and isinstance(raw, str) and raw.strip().lower() != "never":
-            return _coerce("ignore_eos", raw)  # a boolean's spelling
-        if key == "logit_bias" and isinstance(raw, str):
-            return json.loads(raw)
+            return _request_bool(raw)
+        if isinstance(raw, str):
+            return _coerce_text(key, raw)
     except ValueError:  # json.JSONDecodeError is one too
         raise ValueError(f"{key}: cannot parse {show(raw)}") from None
+    return raw
+
+
+def _coerce_int(raw: Any) -> Any:
+    if isinstance(raw, str):
+        return int(raw.strip())
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    return raw
+
+
+def _coerce_text(key: str, raw: str) -> Any:
+    """The other fields a string may stand for."""
+    if key in ("stop_token_ids", "allowed_token_ids"):
+        return [int(x) for x in raw.replace(",", " ").split()]
+    if key == "early_stopping" and raw.strip().lower() != "never":
+        return _request_bool(raw)  # a boolean's spelling
+    if key == "logit_bias":
+        return json.loads(raw)
     return raw

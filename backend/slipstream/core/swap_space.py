@@ -14,7 +14,7 @@ cheaper depends on the context length:
 For a short context the recompute is a fraction of one step's budget and needs no pool
 room, so ``preemption_mode="auto"`` recomputes requests that have computed fewer than
 ``min_swap_tokens`` tokens (default: a quarter of ``max_num_batched_tokens``, at least two
-blocks; override with ``extra={"swap_min_tokens": N}``) and swaps the longer ones.
+blocks; override with ``swap_min_tokens``) and swaps the longer ones.
 ``preemption_mode="swap"`` swaps every request that has computed anything. Both fall back
 to recompute when the pool has no room.
 """
@@ -44,7 +44,8 @@ class SwapSpace:
         self.num_cpu_blocks = max(num_cpu_blocks, 0)
         self.mode = config.preemption_mode
         default_min = max(2 * block_manager.block_size, config.max_num_batched_tokens // 4)
-        self.min_swap_tokens = int(config.extra.get("swap_min_tokens", default_min))
+        self.min_swap_tokens = default_min if config.swap_min_tokens is None \
+            else config.swap_min_tokens
         self.free: list[int] = list(range(self.num_cpu_blocks - 1, -1, -1))  # pop() = lowest id
         self.swapped: dict[str, list[int]] = {}  # request id -> CPU block ids, in block order
         self.stats = SwapStats()

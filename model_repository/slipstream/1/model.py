@@ -1,4 +1,5 @@
-"""Triton loads this file; the adapter lives in the package (``slipstream.server.triton_model``)."""
+"""Triton loads this file; the adapter lives in the package
+(``slipstream.server.stub.triton_model``)."""
 import os
 import sys
 
@@ -8,4 +9,4 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401

@@ -95,7 +95,7 @@ def served_models(repo: Path, aliases: Sequence[str] = ()) -> list[ServedModel]:
     """The repository's Slipstream models with their engine settings (checked as the launcher
     checks them)."""
     from slipstream import EngineConfig
-    from slipstream.server.repository import check_models, find_models
+    from slipstream.server.launch.repository import check_models, find_models
 
     out = []
     for name, settings in check_models(find_models(repo, aliases)).items():

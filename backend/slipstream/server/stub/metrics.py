@@ -1,7 +1,7 @@
 """Custom Triton metrics of a Slipstream model, built on ``pb_utils.MetricFamily``.
 
 Sets of families, chosen per model (``metric_families``; ``trtllm``: TensorRT-LLM's
-``nv_trt_llm_*`` families, ``trtllm_metrics.py``):
+``nv_trt_llm_*`` families, ``trtllm/metrics.py``):
 
 * ``slipstream_*``: engine gauges and counters refreshed from ``EngineLoop.stats()`` (a
   ``StatsSnapshot``), and
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.core.stats import StatsSnapshot
-from slipstream.server.trtllm_metrics import TrtllmFamilies
+from slipstream.server.trtllm.metrics import TrtllmFamilies
 
 # ---------------------------------------------------------------------------- the families
 PREFIX = "slipstream_"
@@ -87,27 +87,33 @@ def one_two_five_buckets(limit: int) -> list:
 
 
 # vLLM name -> (description, kind, buckets or None); kinds are MetricFamily attribute names.
+# vLLM's counters and gauges: name -> (help, kind, buckets).
+_VLLM_SCALAR_FAMILIES = {
+    "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "COUNTER", None),
+    "vllm:generation_tokens_total": ("Number of generation tokens processed.", "COUNTER",
+                                     None),
+    "vllm:num_preemptions_total": ("Cumulative number of preemption from the engine.",
+                                   "COUNTER", None),
+    "vllm:prefix_cache_queries_total": ("Prefix cache queries, in terms of number of "
+                                        "queried tokens.", "COUNTER", None),
+    "vllm:prefix_cache_hits_total": ("Prefix cache hits, in terms of number of cached "
+                                     "tokens.", "COUNTER", None),
+    "vllm:num_requests_running": ("Number of requests in model execution batches.",
+                                  "GAUGE", None),
+    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "GAUGE",
+                                  None),
+    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "GAUGE",
+                                 None),
+    "vllm:gpu_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage (the name "
+                                  "before vLLM 0.10).", "GAUGE", None),
+}
+
+
 def vllm_families(max_model_len: int) -> dict:
     tokens = one_two_five_buckets(max_model_len)
     times = VLLM_REQUEST_TIME_BUCKETS
     return {
-        "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "COUNTER", None),
-        "vllm:generation_tokens_total": ("Number of generation tokens processed.", "COUNTER",
-                                         None),
-        "vllm:num_preemptions_total": ("Cumulative number of preemption from the engine.",
-                                       "COUNTER", None),
-        "vllm:prefix_cache_queries_total": ("Prefix cache queries, in terms of number of "
-                                            "queried tokens.", "COUNTER", None),
-        "vllm:prefix_cache_hits_total": ("Prefix cache hits, in terms of number of cached "
-                                         "tokens.", "COUNTER", None),
-        "vllm:num_requests_running": ("Number of requests in model execution batches.",
-                                      "GAUGE", None),
-        "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "GAUGE",
-                                      None),
-        "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "GAUGE",
-                                     None),
-        "vllm:gpu_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage (the name "
-                                      "before vLLM 0.10).", "GAUGE", None),
+        **_VLLM_SCALAR_FAMILIES,
         "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
                                              "HISTOGRAM", VLLM_TTFT_BUCKETS),
         "vllm:time_per_output_token_seconds": ("Histogram of time per output token in "
@@ -367,7 +373,8 @@ class VllmFamilies:
         timing = getattr(out, "timing", None)
         if timing is not None and timing.first_scheduled is not None:
             observe["vllm:request_queue_time_seconds"] = timing.first_scheduled - timing.arrival
-            observe["vllm:request_inference_time_seconds"] = timing.finished - timing.first_scheduled
+            observe["vllm:request_inference_time_seconds"] = \
+                timing.finished - timing.first_scheduled
             if timing.first_token is not None:
                 observe["vllm:request_prefill_time_seconds"] = \
                     timing.first_token - timing.first_scheduled
@@ -380,9 +387,10 @@ class VllmFamilies:
 class ModelMetrics:
     """The metrics of one model instance, as the Triton adapter drives them."""
 
-    def __init__(self, pb_utils, labels: Mapping[str, str], families: Sequence[str] = ("slipstream",),
-                 *, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 0,
-                 max_num_seqs: int = 0, max_loras: int = 0) -> None:
+    def __init__(self, pb_utils, labels: Mapping[str, str],
+                 families: Sequence[str] = ("slipstream",), *, max_model_len: int = 2048,
+                 block_size: int = 16, num_blocks: int = 0, max_num_seqs: int = 0,
+                 max_loras: int = 0) -> None:
         self._recorder = _Recorder()
         self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
         self.families: list = []

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.protocol import BadRequestError, _scalar
+from slipstream.server.stub.request_parser import BadRequestError, _scalar
 
 # Inputs read here and never passed on to parse_request.
 TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_seed",
@@ -174,7 +174,24 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
     present = {k: v for k, v in row.items() if v is not None and k in TRTLLM_INPUTS}
     params: Dict[str, Any] = {}
     opts = TrtllmOptions(batch_index=batch_index, with_indices=with_indices)
+    _refuse(present)
+    beam_width = _beam_width(present)
+    _length_penalty(present, beam_width, params)
+    if "return_perf_metrics" in present:
+        opts.return_perf_metrics = _flag("return_perf_metrics", present["return_perf_metrics"])
+    if "pad_id" in present:
+        _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
+    _older_names(present, inputs)
+    _sequences(present, beam_width, params, opts)
+    _words_and_bias(present, inputs, params, encode)
+    if "end_id" in inputs:
+        opts.end_ids = [_int("end_id", inputs["end_id"])]
+    if trtllm_defaults:
+        _trtllm_semantics(inputs)
+    return TranslatedRow(inputs, params, opts)
 
+
+def _refuse(present: Mapping[str, np.ndarray]) -> None:
     for name, why in REFUSED.items():
         if name in present and np.asarray(present[name]).size and \
                 any(x not in (b"", "", 0) for x in np.asarray(present[name]).reshape(-1)):
@@ -183,27 +200,37 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
         if name in present and _flag(name, present[name]):
             raise BadRequestError(f"input '{name}' is not supported: {why}")
 
+
+def _beam_width(present: Mapping[str, np.ndarray]) -> int:
     beam_width = _int("beam_width", present["beam_width"]) if "beam_width" in present else 1
     if beam_width < 1:
         raise BadRequestError(f"input 'beam_width' must be >= 1, got {beam_width}")
-    if "length_penalty" in present:
-        # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
-        value = float(_scalar("length_penalty", present["length_penalty"]))
-        if not math.isfinite(value):
-            raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
-        if beam_width > 1:
-            params["length_penalty"] = value
-    if "return_perf_metrics" in present:
-        opts.return_perf_metrics = _flag("return_perf_metrics", present["return_perf_metrics"])
-    if "pad_id" in present:
-        _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
+    return beam_width
 
-    # Older ensembles' names for min_tokens and seed; the newer names win when both come.
+
+def _length_penalty(present: Mapping[str, np.ndarray], beam_width: int,
+                    params: Dict[str, Any]) -> None:
+    if "length_penalty" not in present:
+        return
+    # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
+    value = float(_scalar("length_penalty", present["length_penalty"]))
+    if not math.isfinite(value):
+        raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
+    if beam_width > 1:
+        params["length_penalty"] = value
+
+
+def _older_names(present: Mapping[str, np.ndarray], inputs: Dict[str, np.ndarray]) -> None:
+    """Older ensembles' names for min_tokens and seed; the newer names win when both come."""
     if "min_length" in present and "min_tokens" not in inputs:
         inputs["min_tokens"] = np.asarray(present["min_length"])
     if "random_seed" in present and "seed" not in inputs:
         inputs["seed"] = np.asarray(present["random_seed"])
 
+
+def _sequences(present: Mapping[str, np.ndarray], beam_width: int, params: Dict[str, Any],
+               opts: TrtllmOptions) -> None:
+    """How many sequences come back, and with which log-probabilities."""
     if "num_return_sequences" in present:
         params["n"] = _int("num_return_sequences", present["num_return_sequences"])
         opts.with_indices = True
@@ -216,6 +243,10 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
         opts.return_log_probs = True
         params["logprobs"] = 0  # the sampled tokens' own log-probabilities
 
+
+def _words_and_bias(present: Mapping[str, np.ndarray], inputs: Dict[str, np.ndarray],
+                    params: Dict[str, Any],
+                    encode: Optional[Callable[[str], List[int]]]) -> None:
     if "bad_words" in present:
         words = _words("bad_words", present["bad_words"])
         if words:
@@ -230,15 +261,14 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
         bias = _embedding_bias(present, encode)
         if bias:
             params["logit_bias"] = bias
-    if "end_id" in inputs:
-        opts.end_ids = [_int("end_id", inputs["end_id"])]
-    if trtllm_defaults:
-        if "sampling_parameters" not in inputs:
-            _greedy_unless_sampling(inputs)
-        if "stream" in inputs and np.asarray(inputs["stream"]).dtype.kind == "b" and \
-                _flag("stream", inputs["stream"]):
-            inputs.pop("exclude_input_in_output", None)
-    return TranslatedRow(inputs, params, opts)
+
+
+def _trtllm_semantics(inputs: Dict[str, np.ndarray]) -> None:
+    if "sampling_parameters" not in inputs:
+        _greedy_unless_sampling(inputs)
+    if "stream" in inputs and np.asarray(inputs["stream"]).dtype.kind == "b" and \
+            _flag("stream", inputs["stream"]):
+        inputs.pop("exclude_input_in_output", None)
 
 
 def _greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:

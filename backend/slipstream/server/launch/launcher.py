@@ -12,7 +12,7 @@ Two installations are supported:
   ``bin/`` first on ``PATH`` (so the stub's embedded Python sees the same site-packages).
 
 Either way the backend directory holds the Python-based backend ``slipstream/model.py``
-(``backends/slipstream`` of this repository), so ``backend: "slipstream"`` models load; a
+(``triton_backends/slipstream`` of this repository), so ``backend: "slipstream"`` models load; a
 container that lacks it gets a cache directory linking its own backends plus this one. Aliases
 (``vllm``) install the same backend under another name, for repositories written for Triton's
 vLLM backend and for tools that look at a model's backend name.
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 # An unloading model with nothing in flight for this long will not finalize (see unload_models).
 STUCK_UNLOAD_S = 3.0
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -66,9 +66,9 @@ DEFAULT_MODEL_NAME = "slipstream"
 # unload, index) when it is restricted: its value is a random key only the launcher knows.
 MODEL_CONTROL_HEADER = "slipstream-model-control-key"
 BACKEND_NAME = "slipstream"
-BACKEND_SOURCE = REPO_ROOT / "backends" / BACKEND_NAME / "model.py"
-# What backends/slipstream/model.py says, for installs without the repository's files.
-BACKEND_MODEL_PY = ("from slipstream.server.triton_model import TritonPythonModel  "
+BACKEND_SOURCE = REPO_ROOT / "triton_backends" / BACKEND_NAME / "model.py"
+# What triton_backends/slipstream/model.py says, for installs without the repository's files.
+BACKEND_MODEL_PY = ("from slipstream.server.stub.triton_model import TritonPythonModel  "
                     "# noqa: F401\n")
 
 
@@ -284,7 +284,8 @@ def set_parameters(config_pbtxt: str, overrides: Mapping[str, object]) -> str:
     extra = [k for k in values if k not in seen]
     if extra:
         out = out.rstrip("\n") + "\n" + "".join(
-            f'parameters: {{\n  key: "{k}"\n  value: {{ string_value: "{_pbtxt_escape(values[k])}" }}\n}}\n'
+            f'parameters: {{\n  key: "{k}"\n'
+            f'  value: {{ string_value: "{_pbtxt_escape(values[k])}" }}\n}}\n'
             for k in extra)
     return out
 
@@ -296,8 +297,8 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
     Files below ``LINK_FROM_BYTES`` (configs, ``model.py``, ``model.json``) are copied, so a
     rendering is a private copy its caller may edit (tests write their own ``model.py``);
     larger files are symbolic links to their source, so weights in the repository cost no
-    space where it is rendered (a container's /tmp is small). ``overrides`` apply to every model of the
-    repository (or only to ``models``). A ``model`` override that names an existing
+    space where it is rendered (a container's /tmp is small). ``overrides`` apply to every
+    model of the repository (or only to ``models``). A ``model`` override that names an existing
     directory is made absolute.
     """
     src, dst = Path(src).resolve(), Path(dst)
@@ -305,7 +306,8 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
         raise FileNotFoundError(f"model repository {src} does not exist")
     overrides = dict(overrides or {})
     model = overrides.get("model")
-    if isinstance(model, (str, Path)) and str(model) not in ("", "default") and Path(model).is_dir():
+    if isinstance(model, (str, Path)) and str(model) not in ("", "default") \
+            and Path(model).is_dir():
         overrides["model"] = str(Path(model).resolve())
     if dst.exists():
         shutil.rmtree(dst)
@@ -501,7 +503,8 @@ class TritonServer:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return []
-        found = re.findall(r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)",
+        found = re.findall(
+            r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)",
                            text, re.M)
         return list(dict.fromkeys(found))
 
@@ -631,7 +634,8 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return None
         values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(("slipstream_requests_running", "slipstream_requests_waiting"))]
+                  if line.startswith(("slipstream_requests_running",
+                                      "slipstream_requests_waiting"))]
         return sum(values) if values else None
 
     def kill(self) -> Optional[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import List
 
-from slipstream.server.trtllm_outputs import merge_rows
+from slipstream.server.trtllm.outputs import merge_rows
 
 
 class RowGroup:

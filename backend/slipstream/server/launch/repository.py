@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from slipstream.server.launcher import BACKEND_NAME, read_parameters
-from slipstream.server.model_config import ModelSettings, load_settings
+from slipstream.server.launch.launcher import BACKEND_NAME, read_parameters
+from slipstream.server.stub.model_config import ModelSettings, load_settings
 
 _BACKEND_RE = re.compile(r'^\s*backend\s*:\s*"([^"]+)"', re.M)
-_ADAPTER = "slipstream.server.triton_model"
+_ADAPTER = "slipstream.server.stub.triton_model"
 
 
 @dataclass

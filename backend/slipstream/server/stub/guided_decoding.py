@@ -9,7 +9,7 @@
 * TensorRT-LLM: the typed inputs ``guided_decoding_guide_type`` (``json``, ``json_schema``,
   ``regex``, ``ebnf_grammar``) and ``guided_decoding_guide``.
 
-Pure Python: errors are ``ValueError`` with a client-facing text (protocol.py turns them into
+Pure Python: errors are ``ValueError`` with a client-facing text (request_parser.py turns them into
 ``BadRequestError``). The spec itself is checked by ``core.structured_outputs``.
 """
 from __future__ import annotations

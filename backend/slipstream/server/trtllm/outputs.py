@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from slipstream.core.request import FinishReason
-from slipstream.server.trtllm_inputs import TrtllmOptions
+from slipstream.server.trtllm.inputs import TrtllmOptions
 
 
 class TrtllmResponses:

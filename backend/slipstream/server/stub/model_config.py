@@ -1,7 +1,8 @@
 """A Triton model's configuration as the Slipstream backend reads it.
 
-* ``auto_complete``: the inputs and outputs Triton's vLLM backend declares (so a model
-  directory needs only ``backend: "slipstream"``), plus Slipstream's typed sampling inputs;
+* ``auto_complete``: the inputs of ``input_table`` (Triton's vLLM backend's, Slipstream's typed
+  sampling inputs, TensorRT-LLM's), so a model directory needs only ``backend: "slipstream"``
+  and the shipped ``config.pbtxt`` lists none, and the outputs;
   decoupled unless the ``decoupled`` parameter is "false"; ``max_batch_size`` is the config's
   (0 when it sets none: no batch dimension), and Triton never batches requests itself.
 * ``load_settings``: engine and server settings from config.pbtxt ``parameters`` and
@@ -20,75 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from slipstream.server import llmapi_interface
-from slipstream.kv_events.config import KVEventsConfig
-from slipstream.server.engine_args import read_model_json, resolve_model, translate
-from slipstream.server.multi_lora import read_multi_lora
+from slipstream.core.boolean_text import EXACT, JSON_FLAG, parse_bool
 from slipstream.core.sampling_params import MAX_LOGPROBS
-from slipstream.server.protocol import split_parameters
+from slipstream.kv_events.config import KVEventsConfig
+from slipstream.server.stub import input_table
+from slipstream.server.stub.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.stub.input_table import Reading, RequestInput
+from slipstream.server.stub.multi_lora import read_multi_lora
+from slipstream.server.stub.request_parser import DEFAULT_MAX_TOKENS
+from slipstream.server.trtllm import llmapi
 
 METRIC_FAMILIES = ("slipstream", "vllm", "trtllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
 
 
-def _io(name: str, data_type: str, dims: list, optional: bool = True) -> dict:
-    entry = {"name": name, "data_type": data_type, "dims": dims}
-    if optional:
-        entry["optional"] = True
-    return entry
-
-
-# Triton's vLLM backend's inputs, in its order, then Slipstream's typed inputs: the one list
-# of the model's inputs (auto-completed into its config, read by the adapter).
-INPUTS = [
-    _io("text_input", "TYPE_STRING", [1], optional=False),
-    _io("image", "TYPE_STRING", [-1]),  # refused per request: text-only models
-    _io("stream", "TYPE_BOOL", [1]),
-    _io("sampling_parameters", "TYPE_STRING", [1]),
-    _io("exclude_input_in_output", "TYPE_BOOL", [1]),
-    _io("return_finish_reason", "TYPE_BOOL", [1]),
-    _io("return_cumulative_logprob", "TYPE_BOOL", [1]),
-    _io("return_logprobs", "TYPE_BOOL", [1]),
-    _io("return_prompt_logprobs", "TYPE_BOOL", [1]),
-    _io("return_num_input_tokens", "TYPE_BOOL", [1]),
-    _io("return_num_output_tokens", "TYPE_BOOL", [1]),
-    _io("embedding_request", "TYPE_STRING", [1]),  # refused per request: no embedding task
-    _io("apply_chat_template", "TYPE_BOOL", [1]),
-    *[_io(n, "TYPE_INT32", [1]) for n in ("max_tokens", "min_tokens", "top_k", "end_id",
-                                          "priority")],
-    *[_io(n, "TYPE_FP32", [1]) for n in ("temperature", "top_p", "repetition_penalty",
-                                         "presence_penalty", "frequency_penalty")],
-    _io("seed", "TYPE_UINT64", [1]),
-    _io("stop_words", "TYPE_STRING", [-1]),
-    # TensorRT-LLM ensemble inputs (trtllm_inputs.py maps them; "refused" = only when set).
-    _io("bad_words", "TYPE_STRING", [-1]),
-    *[_io(n, "TYPE_INT32", [1]) for n in ("pad_id", "min_length", "beam_width",
-                                          "num_return_sequences")],
-    _io("length_penalty", "TYPE_FP32", [1]),  # beam search's (no effect at beam_width 1)
-    _io("random_seed", "TYPE_UINT64", [1]),
-    *[_io(n, "TYPE_BOOL", [1]) for n in ("return_log_probs", "return_context_logits",
-                                         "return_generation_logits", "return_perf_metrics")],
-    _io("embedding_bias_words", "TYPE_STRING", [-1]),
-    _io("embedding_bias_weights", "TYPE_FP32", [-1]),
-    _io("decoder_text_input", "TYPE_STRING", [1]),  # refused: encoder-decoder models
-    _io("lora_task_id", "TYPE_UINT64", [1]),  # refused
-    # Declared so that they are refused by name (trtllm_inputs.check_unsupported) rather
-    # than as unexpected inputs: p-tuning, LoRA weights in the request, the core model's
-    # token ids, in-band stop.
-    _io("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
-    _io("prompt_table_extra_id", "TYPE_UINT64", [1]),
-    _io("prompt_vocab_size", "TYPE_INT32", [1]),
-    _io("lora_weights", "TYPE_FP16", [-1, -1]),
-    _io("lora_config", "TYPE_INT32", [-1, 3]),
-    _io("input_ids", "TYPE_INT32", [-1]),
-    _io("input_lengths", "TYPE_INT32", [1]),
-    _io("request_output_len", "TYPE_INT32", [1]),
-    _io("stop", "TYPE_BOOL", [1]),
-    # TensorRT-LLM's guided decoding (structured outputs; server/guided_decoding.py)
-    _io("guided_decoding_guide_type", "TYPE_STRING", [1]),
-    _io("guided_decoding_guide", "TYPE_STRING", [1]),
-]
-INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
+# The model's inputs are input_table.INPUTS (what the parser reads, auto-completed here).
+INPUT_NAMES = input_table.INPUT_NAMES
 OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -98,7 +46,7 @@ OUTPUTS = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
-# TensorRT-LLM ensemble outputs (trtllm_outputs.py); the logits are never produced. Not
+# TensorRT-LLM ensemble outputs (trtllm/outputs.py); the logits are never produced. Not
 # declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
 TRTLLM_OUTPUTS = [
     {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
@@ -120,6 +68,42 @@ TRTLLM_OUTPUTS = [
 ]
 
 
+# Settings of model.py that are not engine settings (everything else in config.pbtxt
+# ``parameters`` goes to EngineConfig.from_dict).
+SERVER_PARAMETERS = {
+    "default_max_tokens": str(DEFAULT_MAX_TOKENS),
+    "apply_chat_template": "false",
+    "metrics_interval_ms": "1000",
+    # Triton vLLM backend's switches; "" = the default of the model's backend (model_config.py).
+    "REPORT_CUSTOM_METRICS": "",
+    "ENABLE_VLLM_HEALTH_CHECK": "false",
+    "metric_families": "",
+    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    # Engine restarts inside the stub within 10 minutes before the server is taken down. 0:
+    # a dead engine takes the server down at once, as a crash does (Triton 2.51 cannot make a
+    # model not ready otherwise; its supervisor then restarts it).
+    "max_engine_restarts": "0",
+    "step_timeout_s": "120",  # a step running longer is hung: the engine dies (0 = no watchdog)
+    "max_request_seconds": "0",  # a request running longer ends with an error (0 = no limit)
+    "decoupled": "",  # "false": a non-decoupled model (unary infer); model_config.auto_complete
+    "compatibility": "",  # "trtllm": TensorRT-LLM's semantics and error texts; "" = vLLM's
+    "interface": "",  # "llmapi": TensorRT-LLM's LLM-API model's inputs and outputs
+    "kv_events_config": "",  # vLLM's KVEventsConfig as JSON (slipstream/kv_events/config.py)
+}
+
+
+def split_parameters(params: Mapping[str, str]) -> tuple:
+    """(engine settings, server settings) from a model config's parameters."""
+    server = dict(SERVER_PARAMETERS)
+    engine = {}
+    for key, value in params.items():
+        if key in SERVER_PARAMETERS:
+            server[key] = value
+        else:
+            engine[key] = value
+    return engine, server
+
+
 DEFAULT_MAX_QUEUE_SIZE = 256  # waiting requests beyond which a server refuses new ones
 
 
@@ -138,7 +122,7 @@ class ModelSettings:
     step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
     compatibility: str = "vllm"  # whose error texts: "vllm" or "trtllm"
-    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (llmapi_interface.py)
+    interface: str = ""  # "llmapi": TensorRT-LLM's LLM-API model (trtllm/llmapi.py)
     kv_events: Optional[KVEventsConfig] = None  # set when KV events are published
 
 
@@ -148,18 +132,16 @@ def auto_complete(config):
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
     trtllm = _trtllm_outputs(declared)
-    llmapi = _parameter(declared, "interface") == "llmapi"
-    if llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
-        inputs, outputs = INPUTS + llmapi_interface.INPUTS, llmapi_interface.OUTPUTS
+    is_llmapi = _parameter(declared, "interface") == "llmapi"
+    inputs: tuple[RequestInput, ...] = input_table.INPUTS
+    if is_llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
+        inputs, outputs = inputs + llmapi.INPUTS, llmapi.OUTPUTS
     else:
-        inputs, outputs = INPUTS, OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
-    for entry in inputs:
-        if entry["name"] not in have_inputs:
-            if trtllm and entry["name"] == "text_input":
-                # optional, so that a token-id request reaches the adapter and is refused
-                # by name (the adapter requires text_input itself)
-                entry = {**entry, "optional": True}
-            config.add_input(entry)
+        outputs = OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
+    optional_prompt = _trtllm_style(declared)
+    for row in inputs:
+        if row.name not in have_inputs:
+            config.add_input(_input_entry(row, optional_prompt))
     for entry in outputs:
         if entry["name"] not in have_outputs:
             config.add_output(entry)
@@ -173,32 +155,45 @@ def auto_complete(config):
     return config
 
 
+def _input_entry(row: RequestInput, optional_prompt: bool) -> dict[str, object]:
+    entry = row.config_entry()
+    if optional_prompt and row.reading is Reading.PROMPT:
+        # optional, so that a token-id request reaches the adapter and is refused by name
+        # (the adapter requires text_input itself)
+        entry["optional"] = True
+    return entry
+
+
 def _parameter(declared: dict, key: str) -> str:
     value = (declared.get("parameters") or {}).get(key) or {}
     return str(value.get("string_value", "")).strip().lower()
 
 
+def _trtllm_style(declared: dict) -> bool:
+    """A config written for TensorRT-LLM's clients: its compatibility, or a batch dimension."""
+    return _parameter(declared, "compatibility") == "trtllm" or \
+        int(declared.get("max_batch_size") or 0) > 0
+
+
 def _trtllm_outputs(declared: dict) -> bool:
     """Slipstream's own layout (``backend: "python"``) and TRT-LLM-style configs declare the
     TRT-LLM outputs; vLLM backend's layout keeps exactly vLLM's."""
-    return declared.get("backend", "python") == "python" or \
-        _parameter(declared, "compatibility") == "trtllm" or \
-        int(declared.get("max_batch_size") or 0) > 0
+    return declared.get("backend", "python") == "python" or _trtllm_style(declared)
 
 
 def _wants_unary(declared: dict) -> bool:
     """Triton's config JSON reads ``decoupled: false`` whether the file said so or said
     nothing (and our own configs leave it out), so the ``decoupled`` parameter decides."""
-    return _parameter(declared, "decoupled") == "false"
+    return parse_bool(_parameter(declared, "decoupled"), EXACT) is False
 
 
 def _bool(name: str, value: str, default: bool) -> bool:
-    text = value.strip().lower()
-    if text == "":
+    if value.strip() == "":
         return default
-    if text not in ("true", "false"):
+    parsed = parse_bool(value, EXACT)
+    if parsed is None:
         raise ValueError(f"config parameter {name} must be \"true\" or \"false\", got {value!r}")
-    return text == "true"
+    return parsed
 
 
 def _families(value: str, default: tuple) -> tuple:
@@ -223,7 +218,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     for key in PATH_SETTINGS:
         if isinstance(engine.get(key), str) and engine[key]:
             engine[key] = resolve_model(engine[key], search)
-    if str(engine.get("enable_lora", "")).strip().lower() in ("true", "1") \
+    if parse_bool(str(engine.get("enable_lora", "")), JSON_FLAG) \
             and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
     # A server refuses work it cannot start soon instead of queueing without bound

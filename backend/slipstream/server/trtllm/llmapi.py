@@ -18,35 +18,40 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.protocol import BadRequestError, _scalar
-from slipstream.server.trtllm_inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
-from slipstream.server.trtllm_outputs import _ns
+from slipstream.server.stub.input_table import Reading, RequestInput, TritonType
+from slipstream.server.stub.request_parser import BadRequestError, _scalar
+from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
+from slipstream.server.trtllm.outputs import _ns
 
 
-def _io(name: str, data_type: str, dims: list) -> dict:
-    return {"name": name, "data_type": data_type, "dims": dims, "optional": True}
+def _llmapi(name: str, data_type: TritonType, description: str,
+            dims: tuple[int, ...] = (1,)) -> RequestInput:
+    return RequestInput(name, data_type, dims, Reading.TRTLLM, description)
 
 
 # sampling_param_<name> -> (Triton type, the input parse_request reads)
-SAMPLING_INPUTS = {
-    "max_tokens": ("TYPE_INT32", "max_tokens"),
-    "temperature": ("TYPE_FP32", "temperature"),
-    "top_k": ("TYPE_INT32", "top_k"),
-    "top_p": ("TYPE_FP32", "top_p"),
-    "frequency_penalty": ("TYPE_FP32", "frequency_penalty"),
-    "presence_penalty": ("TYPE_FP32", "presence_penalty"),
-    "seed": ("TYPE_UINT64", "seed"),
-    "exclude_input_from_output": ("TYPE_BOOL", "exclude_input_in_output"),
+SAMPLING_INPUTS: dict[str, tuple[TritonType, str]] = {
+    "max_tokens": (TritonType.INT32, "max_tokens"),
+    "temperature": (TritonType.FP32, "temperature"),
+    "top_k": (TritonType.INT32, "top_k"),
+    "top_p": (TritonType.FP32, "top_p"),
+    "frequency_penalty": (TritonType.FP32, "frequency_penalty"),
+    "presence_penalty": (TritonType.FP32, "presence_penalty"),
+    "seed": (TritonType.UINT64, "seed"),
+    "exclude_input_from_output": (TritonType.BOOL, "exclude_input_in_output"),
 }
-INPUTS = [
-    _io("streaming", "TYPE_BOOL", [1]),
-    *[_io(f"sampling_param_{name}", t, [1]) for name, (t, _) in SAMPLING_INPUTS.items()],
-    _io("sampling_param_best_of", "TYPE_INT32", [1]),
-    _io("sampling_param_return_perf_metrics", "TYPE_BOOL", [1]),
-    _io("sampling_param_stop", "TYPE_STRING", [-1]),
-    _io("return_stop_reason", "TYPE_BOOL", [1]),
-]
-INPUT_NAMES = tuple(entry["name"] for entry in INPUTS)
+# The LLM-API model's own inputs, added to input_table.INPUTS by its auto-complete.
+INPUTS: tuple[RequestInput, ...] = (
+    _llmapi("streaming", TritonType.BOOL, "stream the answer"),
+    *[_llmapi(f"sampling_param_{name}", data_type, f"becomes `{target}`")
+      for name, (data_type, target) in SAMPLING_INPUTS.items()],
+    _llmapi("sampling_param_best_of", TritonType.INT32, "sequences generated"),
+    _llmapi("sampling_param_return_perf_metrics", TritonType.BOOL,
+            "add the per-request metrics"),
+    _llmapi("sampling_param_stop", TritonType.STRING, "stop strings", dims=(-1,)),
+    _llmapi("return_stop_reason", TritonType.BOOL, "add `stop_reason`"),
+)
+INPUT_NAMES: tuple[str, ...] = tuple(row.name for row in INPUTS)
 PERF_METRICS = ("acceptance_rate", "arrival_time_ns", "first_scheduled_time_ns",
                 "first_token_time_ns", "kv_cache_alloc_new_blocks",
                 "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "kv_cache_missed_block",
@@ -68,15 +73,8 @@ class LlmapiOptions(TrtllmOptions):
 def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     """One LLM-API request -> parse_request's inputs; its own options ride in the options."""
     present = {k: v for k, v in row.items() if v is not None}
-    inputs: Dict[str, np.ndarray] = {}
+    inputs = _renamed_inputs(present)
     opts = LlmapiOptions()
-    if "text_input" in present:
-        inputs["text_input"] = present["text_input"]
-    if "streaming" in present:
-        inputs["stream"] = present["streaming"]
-    for name, (_, target) in SAMPLING_INPUTS.items():
-        if f"sampling_param_{name}" in present:
-            inputs[target] = present[f"sampling_param_{name}"]
     params: Dict[str, Any] = {}
     if "sampling_param_best_of" in present:
         best_of = int(_scalar("sampling_param_best_of", present["sampling_param_best_of"]))
@@ -85,16 +83,8 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
         if best_of > 1:
             params["best_of"] = best_of
     if "sampling_param_stop" in present:
-        words = [w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
-                 for w in np.asarray(present["sampling_param_stop"]).reshape(-1)]
-        opts.stop_words = tuple(w for w in words if w)
-        if opts.stop_words:
-            inputs["stop_words"] = np.array([w.encode() for w in opts.stop_words], np.object_)
-    for name in ("return_finish_reason", "return_cumulative_logprob", "return_stop_reason"):
-        if name in present:
-            setattr(opts, name, _flag(name, present[name]))
-    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
-        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"])
+        _read_stop(present["sampling_param_stop"], inputs, opts)
+    _read_flags(present, opts)
     _greedy_unless_sampling(inputs)
     stream = "stream" in inputs and _flag("streaming", inputs["stream"])
     if stream:  # the whole text so far is sent each time: the prompt is never repeated
@@ -103,6 +93,35 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     inputs["return_finish_reason"] = np.array([True])
     inputs["return_cumulative_logprob"] = np.array([True])
     return TranslatedRow(inputs, params, opts)
+
+
+def _renamed_inputs(present: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The inputs parse_request reads under other names."""
+    inputs: Dict[str, np.ndarray] = {}
+    if "text_input" in present:
+        inputs["text_input"] = present["text_input"]
+    if "streaming" in present:
+        inputs["stream"] = present["streaming"]
+    for name, (_, target) in SAMPLING_INPUTS.items():
+        if f"sampling_param_{name}" in present:
+            inputs[target] = present[f"sampling_param_{name}"]
+    return inputs
+
+
+def _read_stop(arr: np.ndarray, inputs: Dict[str, np.ndarray], opts: LlmapiOptions) -> None:
+    words = [w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
+             for w in np.asarray(arr).reshape(-1)]
+    opts.stop_words = tuple(w for w in words if w)
+    if opts.stop_words:
+        inputs["stop_words"] = np.array([w.encode() for w in opts.stop_words], np.object_)
+
+
+def _read_flags(present: Mapping[str, np.ndarray], opts: LlmapiOptions) -> None:
+    for name in ("return_finish_reason", "return_cumulative_logprob", "return_stop_reason"):
+        if name in present:
+            setattr(opts, name, _flag(name, present[name]))
+    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
+        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"])
 
 
 def _flag(name: str, arr: np.ndarray) -> bool:

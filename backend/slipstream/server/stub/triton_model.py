@@ -1,18 +1,19 @@
 """Triton Python backend (decoupled) for the Slipstream engine: the ``TritonPythonModel`` that a
 model directory's ``1/model.py`` re-exports. Imported only inside the Python-backend stub.
 
-Kept thin: request parsing and the response wire format are ``slipstream.server.protocol``,
+Kept thin: request parsing is ``slipstream.server.stub.request_parser``, the response wire
+format ``slipstream.server.stub.responses``,
 the model config (auto-completed inputs/outputs, ``1/model.json``, parameters)
-``slipstream.server.model_config``, metrics ``slipstream.server.metrics``; the engine
+``slipstream.server.stub.model_config``, metrics ``slipstream.server.stub.metrics``; the engine
 (``slipstream.engine.supervisor.EngineSupervisor``, which restarts a dead engine) runs its own
 threads. The same class serves the Python backend layout
 (``model_repository/slipstream/1/model.py``) and the Python-based backend
-``backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
+``triton_backends/slipstream/model.py`` (``backend: "slipstream"``), which behaves as Triton's vLLM
 backend does. ``execute`` only parses and submits, then returns; ONE sender thread drains
 every request's output stream and sends responses through that request's response sender,
 ending each with the FINAL flag once.
 
-Lifecycle (``slipstream.server.lifecycle``): a watchdog process takes the server down if this
+Lifecycle (``slipstream.server.stub.lifecycle``): a watchdog process takes the server down if this
 stub dies, since Triton 2.51 cannot restart it. While requests are in flight the sender checks
 every ``READY_POLL_S`` that Triton still serves (its HTTP frontend answers, this model is
 ready): once it is stopping or unloading the model, new requests are refused and those in
@@ -32,20 +33,21 @@ from slipstream import EngineConfig
 from slipstream.core.request import FinishReason
 from slipstream.engine.loop import EngineDeadError, OverloadedError
 from slipstream.engine.supervisor import EngineSupervisor
-from slipstream.server import model_config
-from slipstream.server.cancel_polls import CancelPolls
-from slipstream.server.deadlines import request_deadline
-from slipstream.server.health import UNHEALTHY_MESSAGE, engine_problem
-from slipstream.server.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
-from slipstream.server.metrics import ModelMetrics, NoMetrics
-from slipstream.server.protocol import (BadRequestError, ResponseBuilder, _parameters_dict,
-                                        lora_error, parse_request)
-from slipstream.server.row_sender import RowGroup
-from slipstream.server.trtllm_inputs import (PER_SEQUENCE_NEEDS_DECOUPLED,
-                                             STREAMING_NOT_DECOUPLED, check_unsupported,
-                                             split_rows, translate, trtllm_queue_full)
-from slipstream.server.trtllm_outputs import TrtllmResponses
-from slipstream.server import llmapi_interface
+from slipstream.server.stub import model_config
+from slipstream.server.stub.cancel_polls import CancelPolls
+from slipstream.server.stub.deadlines import request_deadline
+from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
+from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
+from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
+from slipstream.server.stub.request_parser import (BadRequestError, RequestOptions,
+                                                   _parameters_dict, lora_error, parse_request)
+from slipstream.server.stub.responses import ResponseBuilder
+from slipstream.server.trtllm.row_sender import RowGroup
+from slipstream.server.trtllm.inputs import (PER_SEQUENCE_NEEDS_DECOUPLED, STREAMING_NOT_DECOUPLED,
+                                             check_unsupported, split_rows, translate,
+                                             trtllm_queue_full)
+from slipstream.server.trtllm.outputs import TrtllmResponses
+from slipstream.server.trtllm import llmapi
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -84,6 +86,17 @@ class _Pending:
         self.cancelled = self.progressed = False
         self.shutdown_abort = False  # aborted because Triton is stopping
         self.last_cancel_check = float("-inf")
+
+
+def _submit_options(options: RequestOptions) -> dict[str, object]:
+    """``EngineLoop.submit``'s keyword arguments for a request's options (only what differs
+    from its defaults)."""
+    kwargs = {"priority": options.priority}
+    if options.apply_chat_template:
+        kwargs["apply_chat_template"] = True
+    if not options.add_special_tokens:
+        kwargs["add_special_tokens"] = False
+    return kwargs
 
 
 class TritonPythonModel:
@@ -179,7 +192,7 @@ class TritonPythonModel:
                 continue
             try:
                 inputs = {}
-                for name in model_config.INPUT_NAMES + llmapi_interface.INPUT_NAMES:
+                for name in model_config.INPUT_NAMES + llmapi.INPUT_NAMES:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         inputs[name] = tensor.as_numpy()
@@ -205,51 +218,56 @@ class TritonPythonModel:
             if lora is not None:  # vLLM answers this one without its prefix
                 self._reject(sender, _error(lora, _code("INVALID_ARG")))
                 return
-            if "embedding_request" in inputs:
-                raise BadRequestError(
-                    f"Model {self.model_name} does not support 'embed' request")
-            if self.settings.interface == "llmapi":
-                row = llmapi_interface.translate(inputs)
-            else:
-                row = translate(inputs, self._encode, batch_index=batch_index,
-                                with_indices=self.batched,
-                                trtllm_defaults=self.settings.compatibility == "trtllm")
-            if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
-                raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
-                                      "and output_log_probs, which this model does not declare "
-                                      "(set its compatibility parameter to \"trtllm\")")
-            if row.options.return_perf_metrics and "arrival_time_ns" not in self.output_names:
-                raise BadRequestError("input 'return_perf_metrics' needs the perf metrics "
-                                      "outputs, which this model does not declare (set its "
-                                      "compatibility parameter to \"trtllm\")")
-            row.options.with_indices &= "batch_index" in self.output_names
-            if row.parameters:  # TRT-LLM inputs win over the same request parameters
-                parameters = {**_parameters_dict(parameters), **row.parameters}
-            parsed = parse_request(row.inputs, parameters,
-                                   default_max_tokens=self.default_max_tokens,
-                                   default_apply_chat_template=self.apply_chat_template,
-                                   max_logprobs=self.settings.max_logprobs)
-            if parsed.options.stream and not self.decoupled:
-                raise BadRequestError(STREAMING_NOT_DECOUPLED)
-            if row.options.num_return_sequences > 1 and not self.decoupled:
-                raise BadRequestError(PER_SEQUENCE_NEEDS_DECOUPLED)
-            kwargs = {"priority": parsed.options.priority}
-            if parsed.options.apply_chat_template:
-                kwargs["apply_chat_template"] = True
-            if not parsed.options.add_special_tokens:
-                kwargs["add_special_tokens"] = False
-            stream = self.loop.submit(parsed.prompt, parsed.params, **kwargs)
+            row = self._translate(inputs, batch_index)
+            parsed = self._parse(row, parameters)
+            stream = self.loop.submit(parsed.prompt, parsed.params,
+                                      **_submit_options(parsed.options))
         except Exception as e:  # never let one request take the batch down
             self._refuse(sender, e)
             return
         inner = ResponseBuilder(parsed, self.loop.tokenizer)
         if self.settings.interface == "llmapi":
-            builder = llmapi_interface.LlmapiResponses(inner, row.options)
+            builder = llmapi.LlmapiResponses(inner, row.options)
         else:
             builder = TrtllmResponses(inner, row.options, self.loop.tokenizer)
         self.incoming.put(_Pending(stream, sender, parsed, builder,
                                    self.metrics.track(arrival, parsed.params), arrival, deadline))
         self.wake.set()
+
+    def _translate(self, inputs, batch_index: int):
+        """The row's TensorRT-LLM (or LLM-API) inputs mapped onto what the parser reads."""
+        if "embedding_request" in inputs:
+            raise BadRequestError(
+                f"Model {self.model_name} does not support 'embed' request")
+        if self.settings.interface == "llmapi":
+            row = llmapi.translate(inputs)
+        else:
+            row = translate(inputs, self._encode, batch_index=batch_index,
+                            with_indices=self.batched,
+                            trtllm_defaults=self.settings.compatibility == "trtllm")
+        if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
+            raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
+                                  "and output_log_probs, which this model does not declare "
+                                  "(set its compatibility parameter to \"trtllm\")")
+        if row.options.return_perf_metrics and "arrival_time_ns" not in self.output_names:
+            raise BadRequestError("input 'return_perf_metrics' needs the perf metrics "
+                                  "outputs, which this model does not declare (set its "
+                                  "compatibility parameter to \"trtllm\")")
+        row.options.with_indices &= "batch_index" in self.output_names
+        return row
+
+    def _parse(self, row, parameters):
+        if row.parameters:  # TRT-LLM inputs win over the same request parameters
+            parameters = {**_parameters_dict(parameters), **row.parameters}
+        parsed = parse_request(row.inputs, parameters,
+                               default_max_tokens=self.default_max_tokens,
+                               default_apply_chat_template=self.apply_chat_template,
+                               max_logprobs=self.settings.max_logprobs)
+        if parsed.options.stream and not self.decoupled:
+            raise BadRequestError(STREAMING_NOT_DECOUPLED)
+        if row.options.num_return_sequences > 1 and not self.decoupled:
+            raise BadRequestError(PER_SEQUENCE_NEEDS_DECOUPLED)
+        return parsed
 
     def _refuse(self, sender, e: Exception) -> None:
         """The one error response of a request that cannot be served: UNAVAILABLE when the
@@ -314,36 +332,45 @@ class TritonPythonModel:
             self.num_active = len(active)
             if self.stopping and not active:
                 break
-            progressed = False
             now = time.monotonic()
             if active:
                 self._watch_shutdown(active, now)
-            for p in list(active):
-                try:
-                    if self._drain(p, now):
-                        active.remove(p)
-                        progressed = True
-                    elif p.progressed:
-                        progressed = True
-                except Exception as e:  # a failed send: end this request only
-                    self.logger.log_error(f"slipstream sender: {e}\n{traceback.format_exc()}")
-                    active.remove(p)
-                    self.loop.abort(p.stream.request_id)
-                    try:
-                        p.sender.send(_error(f"{ERROR_PREFIX}internal error: {e}"), flags=FINAL)
-                    except Exception:
-                        pass
+            progressed = self._drain_all(active, now)
             if now >= next_metrics:
                 next_metrics = now + self.metrics_interval
-                try:
-                    self.metrics.update(self.loop.stats())
-                except Exception as e:
-                    self.logger.log_warn(f"slipstream metrics: {e}")
+                self._refresh_metrics()
             if not progressed:
                 # Woken by new outputs or requests; the timeout only paces cancellation
                 # checks and metrics, so the model's CPU threads are not polled away.
                 self.wake.wait(CANCEL_POLLS.streaming_s if active else self.metrics_interval)
                 self.wake.clear()
+
+    def _drain_all(self, active, now) -> bool:
+        """Send what every request in flight has; drop the finished ones from ``active``.
+        Whether any moved."""
+        progressed = False
+        for p in list(active):
+            try:
+                if self._drain(p, now):
+                    active.remove(p)
+                    progressed = True
+                elif p.progressed:
+                    progressed = True
+            except Exception as e:  # a failed send: end this request only
+                self.logger.log_error(f"slipstream sender: {e}\n{traceback.format_exc()}")
+                active.remove(p)
+                self.loop.abort(p.stream.request_id)
+                try:
+                    p.sender.send(_error(f"{ERROR_PREFIX}internal error: {e}"), flags=FINAL)
+                except Exception:
+                    pass
+        return progressed
+
+    def _refresh_metrics(self) -> None:
+        try:
+            self.metrics.update(self.loop.stats())
+        except Exception as e:
+            self.logger.log_warn(f"slipstream metrics: {e}")
 
     def _watch_shutdown(self, active, now):
         """Triton tells a model nothing before finalize, which comes only once every request
@@ -432,27 +459,13 @@ class TritonPythonModel:
     def _finish(self, p, out):
         end = time.monotonic()
         self.metrics.on_finish(p.track, out, end)  # before the last response: a client sees it
-        refused = p.stream.rejection
         if p.cancelled:
             self.logger.log_info(f"slipstream: request {p.stream.request_id} cancelled")
             p.sender.send(flags=FINAL)
-        elif isinstance(refused, ValueError):  # found invalid after submit (tokenized later)
-            p.sender.send(_error(str(refused), _code("INVALID_ARG")), flags=FINAL)
-        elif isinstance(refused, EngineDeadError):
-            p.sender.send(_error(str(refused), _code("UNAVAILABLE")), flags=FINAL)
-        elif p.timed_out and out.finish_reason is FinishReason.ABORT:
-            p.sender.send(_error(ERROR_PREFIX + p.deadline.message(end - p.arrival),
-                                 _code("UNAVAILABLE")), flags=FINAL)
-        elif p.shutdown_abort and out.finish_reason is FinishReason.ABORT:
-            p.sender.send(_error(f"request aborted: the server is shutting down and it did not "
-                                 f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE")),
-                          flags=FINAL)
-        elif out.finish_reason is FinishReason.ERROR or (
-                out.finish_reason is FinishReason.ABORT and out.error):
-            p.sender.send(_error(f"{ERROR_PREFIX}{out.error or 'unknown error'}"), flags=FINAL)
-        elif out.finish_reason is FinishReason.ABORT:
-            p.sender.send(_error("request aborted (server shutting down)", _code("UNAVAILABLE")),
-                          flags=FINAL)
+            return
+        error = self._end_error(p, out, end)
+        if error is not None:
+            p.sender.send(error, flags=FINAL)
         elif p.options.stream and p.builder.streams:
             p.sender.send(self._response(p.builder.streamed(out)), flags=FINAL)
         else:
@@ -460,6 +473,26 @@ class TritonPythonModel:
             for outputs in responses:  # num_return_sequences: one response per sequence
                 p.sender.send(self._response(outputs))
             p.sender.send(self._response(last), flags=FINAL)
+
+    def _end_error(self, p, out, end):
+        """The error response ending a request that did not complete, or None."""
+        refused = p.stream.rejection
+        if isinstance(refused, ValueError):  # found invalid after submit (tokenized later)
+            return _error(str(refused), _code("INVALID_ARG"))
+        if isinstance(refused, EngineDeadError):
+            return _error(str(refused), _code("UNAVAILABLE"))
+        if out.finish_reason is FinishReason.ERROR:
+            return _error(f"{ERROR_PREFIX}{out.error or 'unknown error'}")
+        if out.finish_reason is not FinishReason.ABORT:
+            return None
+        if p.timed_out:
+            return _error(ERROR_PREFIX + p.deadline.message(end - p.arrival), _code("UNAVAILABLE"))
+        if p.shutdown_abort:
+            return _error(f"request aborted: the server is shutting down and it did not "
+                          f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE"))
+        if out.error:
+            return _error(f"{ERROR_PREFIX}{out.error}")
+        return _error("request aborted (server shutting down)", _code("UNAVAILABLE"))
 
     # ----------------------------------------------------------------- health
     def is_ready(self):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
+from slipstream.core.boolean_text import JSON_FLAG, parse_bool
 
 MODEL_JSON = "model.json"
 log = logging.getLogger("slipstream")
@@ -75,10 +76,10 @@ def _kv_cache_dtype(value: Any) -> dict:
 
 
 def _flag(value: Any, name: str) -> bool:
-    text = str(value).strip().lower()
-    if text not in ("true", "false", "1", "0"):
+    parsed = parse_bool(str(value), JSON_FLAG)
+    if parsed is None:
         raise ValueError(f"{name} must be true or false, got {value!r}")
-    return text in ("true", "1")
+    return parsed
 
 
 def _scheduling_policy(value: Any) -> dict:
@@ -139,7 +140,8 @@ MAPPED: dict = {
     "max_num_batched_tokens": _same("max_num_batched_tokens"),
     "prefix_caching_hash_algo": _hash_algo,
     "enable_prefix_caching": lambda v: {"enable_prefix_caching": _flag(v, "enable_prefix_caching")},
-    "enable_chunked_prefill": lambda v: {"enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
+    "enable_chunked_prefill": lambda v: {
+        "enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
     "enforce_eager": lambda v: {"enable_cuda_graphs": not _flag(v, "enforce_eager")},
     "gpu_memory_utilization": _same("gpu_memory_utilization"),
     "kv_cache_memory_bytes": _same("kv_cache_memory_bytes"),
@@ -148,7 +150,7 @@ MAPPED: dict = {
     "preemption_mode": _same("preemption_mode"),
     "scheduling_policy": _scheduling_policy,
     "speculative_config": _speculative_config,
-    # the adapters themselves come from 1/multi_lora.json (server/multi_lora.py)
+    # the adapters themselves come from 1/multi_lora.json (server/stub/multi_lora.py)
     "enable_lora": lambda v: {"enable_lora": _flag(v, "enable_lora")},
     "max_loras": _same("max_loras"),
     "max_lora_rank": _same("max_lora_rank"),
@@ -227,8 +229,9 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
     elif key == "kv_events_config":
         result.kv_events_config = value
     elif key not in NO_EFFECT:
+        supported = sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS)
         raise ValueError(f"unknown or unsupported engine argument {key!r} (supported: "
-                         f"{', '.join(sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS))})")
+                         f"{', '.join(supported)})")
 
 
 def _equal(value: Any, fixed: Any) -> bool:

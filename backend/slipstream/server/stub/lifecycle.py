@@ -1,5 +1,5 @@
 """What the Triton adapter needs to know about the processes it lives in, and the watchdog
-it leaves beside them (``slipstream.server.watchdog``). Standard library only.
+it leaves beside them (``slipstream.server.stub.watchdog``). Standard library only.
 
 The stub is started by ``tritonserver`` (its parent) with the shared-memory region name as
 its second argument; Triton's own ``--exit-timeout-secs`` bounds how long a graceful stop
@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from slipstream.server import watchdog
+from slipstream.core.boolean_text import SETTING, parse_bool
+from slipstream.server.stub import watchdog
 
 log = logging.getLogger("slipstream")
 
@@ -59,7 +60,7 @@ class HttpStopProbe:
 
     def __init__(self, server_pid: Optional[int] = None) -> None:
         args = _cmdline(os.getppid() if server_pid is None else server_pid)
-        allow = (_option(args, "--allow-http") or "true").lower() not in ("false", "0", "no")
+        allow = parse_bool(_option(args, "--allow-http") or "true", SETTING) is not False
         port = _option(args, "--http-port") or "8000"
         host = _option(args, "--http-address") or "0.0.0.0"
         self.address = None
