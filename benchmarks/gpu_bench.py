@@ -20,6 +20,7 @@ flushed between repetitions, so small working sets are not served from L2).
     python benchmarks/gpu_bench.py --skip-engine        # kernels only
     python benchmarks/gpu_bench.py --shapes smollm2,llama8b --batches 1,32,256 --contexts 512,2048
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,11 @@ CORRECTNESS_PROMPTS = [
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--out", default="gpu_bench_results.json", help="JSON results file")
     p.add_argument("--shapes", default="smollm2", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--batches", default="1,32,256", help="decode batch sizes (kernels and engine)")
@@ -61,8 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the bandwidth copy")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
-    p.add_argument("--skip-correctness", action="store_true",
-                   help="skip the CPU-vs-GPU greedy comparison (loads the model on CPU, ~30 s)")
+    p.add_argument(
+        "--skip-correctness",
+        action="store_true",
+        help="skip the CPU-vs-GPU greedy comparison (loads the model on CPU, ~30 s)",
+    )
     p.add_argument("--model", default="default", help="engine model ('default' = SmolLM2)")
     p.add_argument("--prompt-len", type=int, default=64, help="engine: prompt tokens per request")
     p.add_argument("--max-tokens", type=int, default=128, help="engine: generated tokens/request")
@@ -80,12 +86,14 @@ def _ints(s):
 
 def bench_ms(fn):
     import triton.testing
+
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def copy_bandwidth(gib: float) -> dict:
     """Device-to-device copy: (bytes read + bytes written) / time."""
     import torch
+
     n = int(gib * 2**30)
     src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
     dst = torch.empty_like(src)
@@ -113,6 +121,7 @@ def make_paged(batch, lengths, hkv, d, block_size, dtype, seed=0):
     """A paged cache holding ``batch`` sequences of the given lengths on shuffled pages
     (block 0 left unused, like the engine's scratch block)."""
     import torch
+
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     pages = [-(-n // block_size) for n in lengths]
     num_blocks = sum(pages) + 1
@@ -122,7 +131,7 @@ def make_paged(batch, lengths, hkv, d, block_size, dtype, seed=0):
     bt = torch.full((batch, max(pages)), -1, dtype=torch.int32, device=DEVICE)
     at = 0
     for i, n in enumerate(pages):
-        bt[i, :n] = perm[at:at + n]
+        bt[i, :n] = perm[at : at + n]
         at += n
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     return kc, vc, bt, seq_lens
@@ -131,38 +140,51 @@ def make_paged(batch, lengths, hkv, d, block_size, dtype, seed=0):
 def sdpa(q, k, v, **kw):
     """SDPA with GQA; older torch without ``enable_gqa`` gets K/V repeated per query head."""
     import torch.nn.functional as F
+
     try:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
     except TypeError:
         rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                              v.repeat_interleave(rep, 1), **kw)
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw
+        )
 
 
 def check_kernels(dtype) -> dict:
     """Every kernel against the torch reference on a small ragged case, on the GPU."""
     import torch
-    from slipstream.worker.ops import torch_ops as ref
-    from slipstream.worker.ops import triton_kernels as tk
+
+    from slipstream.worker.ops import torch_ops as ref, triton_kernels as tk
+
     out = {}
     h, hkv, d, bs = 9, 3, 64, 16
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     lens = [1, 17, 100, 333]
     kc, vc, bt, seq_lens = make_paged(len(lens), lens, hkv, d, bs, dtype, seed=1)
     q = torch.randn(len(lens), h, d, device=DEVICE, dtype=dtype)
-    for name, kw in (("decode", {}), ("decode window+softcap", dict(sliding_window=50, softcap=30.0))):
+    for name, kw in (
+        ("decode", {}),
+        ("decode window+softcap", dict(sliding_window=50, softcap=30.0)),
+    ):
         for splits in (None, 1, 4):
-            got = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, d ** -0.5, num_splits=splits, **kw)
-            exp = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, d ** -0.5, **kw)
+            got = tk.paged_decode_attention(
+                q, kc, vc, bt, seq_lens, d**-0.5, num_splits=splits, **kw
+            )
+            exp = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, d**-0.5, **kw)
             out[f"{name} splits={splits}"] = float((got.float() - exp.float()).abs().max())
     q_lens = [1, 17, 40, 100]  # the last q_len of each context is new: prefix hits and fresh
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32,
-                      device=DEVICE)
+    cu = torch.tensor(
+        [0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=DEVICE
+    )
     qp = torch.randn(sum(q_lens), h, d, device=DEVICE, dtype=dtype)
-    for name, kw in (("prefill", {}), ("prefill window+softcap", dict(sliding_window=50, softcap=30.0))):
-        got = tk.paged_prefill_attention(qp, kc, vc, bt, cu, seq_lens, d ** -0.5,
-                                         query_lens_host=q_lens, seq_lens_host=lens, **kw)
-        exp = ref.paged_prefill_attention(qp, kc, vc, bt, cu, seq_lens, d ** -0.5, **kw)
+    for name, kw in (
+        ("prefill", {}),
+        ("prefill window+softcap", dict(sliding_window=50, softcap=30.0)),
+    ):
+        got = tk.paged_prefill_attention(
+            qp, kc, vc, bt, cu, seq_lens, d**-0.5, query_lens_host=q_lens, seq_lens_host=lens, **kw
+        )
+        exp = ref.paged_prefill_attention(qp, kc, vc, bt, cu, seq_lens, d**-0.5, **kw)
         out[name] = float((got.float() - exp.float()).abs().max())
     kn = torch.randn(5, hkv, d, device=DEVICE, dtype=dtype)
     slots = torch.tensor([3, -1, 40, 77, -1], device=DEVICE)
@@ -175,11 +197,13 @@ def check_kernels(dtype) -> dict:
 
 def bench_decode(shape_name, batch, ctx, block_size, dtype, bw_GBps) -> dict:
     import torch
+
     from slipstream.worker.ops import triton_kernels as tk
+
     h, hkv, d = SHAPES[shape_name]
     kc, vc, bt, seq_lens = make_paged(batch, [ctx] * batch, hkv, d, block_size, dtype)
     q = torch.randn(batch, h, d, device=DEVICE, dtype=dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     # partial, not lambda: the callable holds the tensors only while it is timed, so the del
     # below frees them
     t_paged = bench_ms(partial(tk.paged_decode_attention, q, kc, vc, bt, seq_lens, scale))
@@ -194,20 +218,32 @@ def bench_decode(shape_name, batch, ctx, block_size, dtype, bw_GBps) -> dict:
     elt = torch.tensor([], dtype=dtype).element_size()
     kv_bytes = 2 * batch * ctx * hkv * d * elt
     roof_ms = kv_bytes / (bw_GBps * 1e9) * 1e3
-    return {"shape": shape_name, "batch": batch, "ctx": ctx, "kv_MB": kv_bytes / 1e6,
-            "paged_ms": t_paged, "sdpa_ms": t_sdpa, "roofline_ms": roof_ms,
-            "paged_GBps": kv_bytes / (t_paged * 1e-3) / 1e9,
-            "paged_pct_of_roofline": 100 * roof_ms / t_paged,
-            "sdpa_pct_of_roofline": 100 * roof_ms / t_sdpa,
-            "num_splits": tk._pick_num_splits(batch * hkv, bt.shape[1] * block_size,
-                                              tk.decode_config(h, hkv, d, block_size, 1, 0, 0.0,
-                                                               False)["BLOCK_N"], q.device)}
+    return {
+        "shape": shape_name,
+        "batch": batch,
+        "ctx": ctx,
+        "kv_MB": kv_bytes / 1e6,
+        "paged_ms": t_paged,
+        "sdpa_ms": t_sdpa,
+        "roofline_ms": roof_ms,
+        "paged_GBps": kv_bytes / (t_paged * 1e-3) / 1e9,
+        "paged_pct_of_roofline": 100 * roof_ms / t_paged,
+        "sdpa_pct_of_roofline": 100 * roof_ms / t_sdpa,
+        "num_splits": tk._pick_num_splits(
+            batch * hkv,
+            bt.shape[1] * block_size,
+            tk.decode_config(h, hkv, d, block_size, 1, 0, 0.0, False)["BLOCK_N"],
+            q.device,
+        ),
+    }
 
 
 def bench_prefill(shape_name, case, block_size, dtype) -> dict:
     """case = (num_seqs, cached prefix per seq, new tokens per seq)."""
     import torch
+
     from slipstream.worker.ops import triton_kernels as tk
+
     h, hkv, d = SHAPES[shape_name]
     nseq, prefix, new = case
     total = prefix + new
@@ -215,10 +251,21 @@ def bench_prefill(shape_name, case, block_size, dtype) -> dict:
     q_lens = [new] * nseq
     cu = torch.arange(0, (nseq + 1) * new, new, dtype=torch.int32, device=DEVICE)
     q = torch.randn(nseq * new, h, d, device=DEVICE, dtype=dtype)
-    scale = d ** -0.5
-    t_paged = bench_ms(partial(
-        tk.paged_prefill_attention, q, kc, vc, bt, cu, seq_lens, scale, query_lens_host=q_lens,
-        seq_lens_host=[total] * nseq))
+    scale = d**-0.5
+    t_paged = bench_ms(
+        partial(
+            tk.paged_prefill_attention,
+            q,
+            kc,
+            vc,
+            bt,
+            cu,
+            seq_lens,
+            scale,
+            query_lens_host=q_lens,
+            seq_lens_host=[total] * nseq,
+        )
+    )
     del kc, vc
     qs = q.view(nseq, new, h, d).transpose(1, 2)
     k = torch.randn(nseq, hkv, total, d, device=DEVICE, dtype=dtype)
@@ -229,6 +276,7 @@ def bench_prefill(shape_name, case, block_size, dtype) -> dict:
             t_sdpa = bench_ms(partial(sdpa, qs, k, v, is_causal=True, scale=scale))
         else:  # causal aligned to the bottom-right: the new tokens are the last ones
             from torch.nn.attention.bias import causal_lower_right
+
             mask = causal_lower_right(new, total)
             t_sdpa = bench_ms(partial(sdpa, qs, k, v, attn_mask=mask, scale=scale))
     except Exception as exc:  # an SDPA backend without GQA or lower-right causal
@@ -237,14 +285,21 @@ def bench_prefill(shape_name, case, block_size, dtype) -> dict:
     torch.cuda.empty_cache()
     pairs = nseq * (new * prefix + new * (new + 1) // 2)  # allowed (query, key) pairs
     flops = 4 * h * d * pairs
-    return {"shape": shape_name, "num_seqs": nseq, "prefix": prefix, "new": new,
-            "paged_ms": t_paged, "sdpa_ms": t_sdpa,
-            "paged_TFLOPs": flops / (t_paged * 1e-3) / 1e12,
-            "sdpa_TFLOPs": flops / (t_sdpa * 1e-3) / 1e12 if t_sdpa else None}
+    return {
+        "shape": shape_name,
+        "num_seqs": nseq,
+        "prefix": prefix,
+        "new": new,
+        "paged_ms": t_paged,
+        "sdpa_ms": t_sdpa,
+        "paged_TFLOPs": flops / (t_paged * 1e-3) / 1e12,
+        "sdpa_TFLOPs": flops / (t_sdpa * 1e-3) / 1e12 if t_sdpa else None,
+    }
 
 
 def run_kernels(args, results):
     import torch
+
     dtype = getattr(torch, args.dtype)
     print("== HBM bandwidth (device-to-device copy) ==")
     bw = copy_bandwidth(args.copy_gib)
@@ -260,8 +315,10 @@ def run_kernels(args, results):
 
     print("== paged decode attention ==")
     rows = []
-    hdr = (f"{'shape':8s} {'batch':>5s} {'ctx':>5s} {'KV MB':>8s} {'splits':>6s} {'paged us':>9s} "
-           f"{'sdpa us':>9s} {'roof us':>8s} {'paged GB/s':>10s} {'%roof':>6s} {'sdpa %roof':>10s}")
+    hdr = (
+        f"{'shape':8s} {'batch':>5s} {'ctx':>5s} {'KV MB':>8s} {'splits':>6s} {'paged us':>9s} "
+        f"{'sdpa us':>9s} {'roof us':>8s} {'paged GB/s':>10s} {'%roof':>6s} {'sdpa %roof':>10s}"
+    )
     print(hdr)
     for shape in args.shapes.split(","):
         for batch in _ints(args.batches):
@@ -273,15 +330,19 @@ def run_kernels(args, results):
                     torch.cuda.empty_cache()
                     continue
                 rows.append(r)
-                print(f"{shape:8s} {batch:5d} {ctx:5d} {r['kv_MB']:8.1f} {r['num_splits']:6d} "
-                      f"{r['paged_ms'] * 1e3:9.1f} {r['sdpa_ms'] * 1e3:9.1f} "
-                      f"{r['roofline_ms'] * 1e3:8.1f} {r['paged_GBps']:10.0f} "
-                      f"{r['paged_pct_of_roofline']:6.1f} {r['sdpa_pct_of_roofline']:10.1f}")
+                print(
+                    f"{shape:8s} {batch:5d} {ctx:5d} {r['kv_MB']:8.1f} {r['num_splits']:6d} "
+                    f"{r['paged_ms'] * 1e3:9.1f} {r['sdpa_ms'] * 1e3:9.1f} "
+                    f"{r['roofline_ms'] * 1e3:8.1f} {r['paged_GBps']:10.0f} "
+                    f"{r['paged_pct_of_roofline']:6.1f} {r['sdpa_pct_of_roofline']:10.1f}"
+                )
     results["decode"] = rows
 
     print("== paged prefill attention ==")
-    print(f"{'shape':8s} {'seqs':>4s} {'prefix':>6s} {'new':>5s} {'paged ms':>9s} {'sdpa ms':>8s} "
-          f"{'paged TF/s':>10s} {'sdpa TF/s':>9s}")
+    print(
+        f"{'shape':8s} {'seqs':>4s} {'prefix':>6s} {'new':>5s} {'paged ms':>9s} {'sdpa ms':>8s} "
+        f"{'paged TF/s':>10s} {'sdpa TF/s':>9s}"
+    )
     rows = []
     for shape in args.shapes.split(","):
         for case in ((1, 0, 2048), (8, 0, 512), (1, 1536, 512), (4, 3584, 512)):
@@ -289,8 +350,10 @@ def run_kernels(args, results):
             rows.append(r)
             sd = f"{r['sdpa_ms']:8.3f}" if r["sdpa_ms"] else f"{'-':>8s}"
             st = f"{r['sdpa_TFLOPs']:9.1f}" if r["sdpa_TFLOPs"] else f"{'-':>9s}"
-            print(f"{shape:8s} {case[0]:4d} {case[1]:6d} {case[2]:5d} {r['paged_ms']:9.3f} {sd} "
-                  f"{r['paged_TFLOPs']:10.1f} {st}")
+            print(
+                f"{shape:8s} {case[0]:4d} {case[1]:6d} {case[2]:5d} {r['paged_ms']:9.3f} {sd} "
+                f"{r['paged_TFLOPs']:10.1f} {st}"
+            )
     results["prefill"] = rows
 
 
@@ -300,6 +363,7 @@ def run_kernels(args, results):
 def make_engine(model, device, dtype, **overrides):
     from slipstream import EngineConfig
     from slipstream.engine import LLMEngine
+
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     kw = dict(model=model, device=device, dtype=dtype)
     kw.update({k: v for k, v in overrides.items() if k in known})
@@ -308,7 +372,9 @@ def make_engine(model, device, dtype, **overrides):
 
 def _release(engine):
     import gc
+
     import torch
+
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -317,6 +383,7 @@ def _release(engine):
 
 def greedy_tokens(engine, prompts, n):
     from slipstream import SamplingParams
+
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     return [list(o.token_ids) for o in engine.generate(prompts, params)]
 
@@ -347,12 +414,20 @@ def run_correctness(args, results):
         _release(eng)
         prefixes = [common_prefix(a, b) for a, b in zip(ref, got)]
         exact = all(p == n for p in prefixes)
-        out["runs"][dtype] = {"common_prefix": prefixes, "exact": exact,
-                              "ops": getattr(ops, "__name__", None)}
-        verdict = ("MATCH" if exact else
-                   ("MISMATCH" if dtype == "float32" else "diverges (expected for 16-bit)"))
-        print(f"  cuda {dtype:8s} vs cpu float32: matching tokens per prompt {prefixes} of {n}"
-              f" -> {verdict}  [ops: {out['runs'][dtype]['ops']}]")
+        out["runs"][dtype] = {
+            "common_prefix": prefixes,
+            "exact": exact,
+            "ops": getattr(ops, "__name__", None),
+        }
+        verdict = (
+            "MATCH"
+            if exact
+            else ("MISMATCH" if dtype == "float32" else "diverges (expected for 16-bit)")
+        )
+        print(
+            f"  cuda {dtype:8s} vs cpu float32: matching tokens per prompt {prefixes} of {n}"
+            f" -> {verdict}  [ops: {out['runs'][dtype]['ops']}]"
+        )
     for p, t in zip(CORRECTNESS_PROMPTS, text):
         print(f"  {p!r} -> {t!r}")
     results["correctness"] = out
@@ -360,18 +435,30 @@ def run_correctness(args, results):
 
 def run_engine(args, results):
     import torch
+
     from slipstream import SamplingParams
+
     batches = _ints(args.batches)
     max_b = max(batches)
-    print(f"== engine throughput ({args.model}, {args.dtype}, prompt {args.prompt_len} tokens, "
-          f"{args.max_tokens} generated) ==")
-    eng = make_engine(args.model, "cuda", args.dtype, max_num_seqs=max_b,
-                      max_num_batched_tokens=max(2048, min(max_b * args.prompt_len, 16384)),
-                      kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_model_len=2048)
+    print(
+        f"== engine throughput ({args.model}, {args.dtype}, prompt {args.prompt_len} tokens, "
+        f"{args.max_tokens} generated) =="
+    )
+    eng = make_engine(
+        args.model,
+        "cuda",
+        args.dtype,
+        max_num_seqs=max_b,
+        max_num_batched_tokens=max(2048, min(max_b * args.prompt_len, 16384)),
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        max_model_len=2048,
+    )
     runner = getattr(eng, "runner", None)
-    info = {"ops": getattr(getattr(runner, "ops", None), "__name__", None),
-            "cuda_graphs": getattr(eng.config, "enable_cuda_graphs", None),
-            "graph_runner": type(getattr(runner, "graph_runner", None)).__name__}
+    info = {
+        "ops": getattr(getattr(runner, "ops", None), "__name__", None),
+        "cuda_graphs": getattr(eng.config, "enable_cuda_graphs", None),
+        "graph_runner": type(getattr(runner, "graph_runner", None)).__name__,
+    }
     print(f"  attention ops: {info['ops']}, enable_cuda_graphs={info['cuda_graphs']}")
     vocab = getattr(eng.model.config, "vocab_size", 32000)
     gen = torch.Generator().manual_seed(0)
@@ -391,13 +478,19 @@ def run_engine(args, results):
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         gen_tokens = sum(len(o.token_ids) for o in outs)
-        r = {"batch": b, "seconds": dt, "generated_tokens": gen_tokens,
-             "gen_tok_per_s": gen_tokens / dt,
-             "total_tok_per_s": (gen_tokens + b * args.prompt_len) / dt,
-             "ms_per_decode_step": dt / args.max_tokens * 1e3}
+        r = {
+            "batch": b,
+            "seconds": dt,
+            "generated_tokens": gen_tokens,
+            "gen_tok_per_s": gen_tokens / dt,
+            "total_tok_per_s": (gen_tokens + b * args.prompt_len) / dt,
+            "ms_per_decode_step": dt / args.max_tokens * 1e3,
+        }
         rows.append(r)
-        print(f"{b:5d} {dt:8.2f} {r['gen_tok_per_s']:10.0f} {r['total_tok_per_s']:11.0f} "
-              f"{r['ms_per_decode_step']:8.2f}")
+        print(
+            f"{b:5d} {dt:8.2f} {r['gen_tok_per_s']:10.0f} {r['total_tok_per_s']:11.0f} "
+            f"{r['ms_per_decode_step']:8.2f}"
+        )
     _release(eng)
     results["engine"] = {"info": info, "rows": rows}
 
@@ -408,6 +501,7 @@ def run_engine(args, results):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+
     if not torch.cuda.is_available():
         print("gpu_bench.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -419,13 +513,24 @@ def main(argv=None) -> int:
             print(f"unknown shape {s!r}; choose from {sorted(SHAPES)}", file=sys.stderr)
             return 2
     import triton
+
     props = torch.cuda.get_device_properties(0)
-    results = {"device": props.name, "sms": props.multi_processor_count,
-               "memory_GiB": props.total_memory / 2**30, "torch": torch.__version__,
-               "triton": triton.__version__, "python": platform.python_version(),
-               "dtype": args.dtype, "block_size": args.block_size, "errors": {}}
-    print(f"device: {props.name} ({props.multi_processor_count} SMs, "
-          f"{props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, triton {triton.__version__}")
+    results = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "memory_GiB": props.total_memory / 2**30,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "errors": {},
+    }
+    print(
+        f"device: {props.name} ({props.multi_processor_count} SMs, "
+        f"{props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
+        f"triton {triton.__version__}"
+    )
 
     def guarded(name, fn):
         try:

@@ -13,6 +13,7 @@
 Variants are interleaved round by round in one process; medians and ratios are printed as
 JSON. The machine is shared: compare ratios, not absolute times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ BLOCK = 16
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in out.splitlines()
+            if line.startswith("Model name")
+        )
     except Exception:  # noqa: BLE001 - best effort
         return platform.processor()
 
@@ -55,8 +59,11 @@ def run(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
     peak, prefill, decode, started = 0, None, [], time.perf_counter()
     while engine.has_unfinished():
         running = engine.scheduler.running
-        decoding = (len(running) == want and not engine.scheduler.waiting
-                    and all(r.num_output_tokens > 0 for r in running))
+        decoding = (
+            len(running) == want
+            and not engine.scheduler.waiting
+            and all(r.num_output_tokens > 0 for r in running)
+        )
         t0 = time.perf_counter()
         outputs = engine.step()
         t1 = time.perf_counter()
@@ -66,9 +73,12 @@ def run(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
         sampled.update((o.request_id, o.index) for o in outputs if o.token_ids)
         if prefill is None and len(sampled) == want:
             prefill = t1 - started
-    return {"peak_blocks": peak, "prefill_s": prefill,
-            "decode_step_s": statistics.mean(decode) if decode else None,
-            "prompt_tokens": engine.stats.prompt_tokens - prompt_tokens}
+    return {
+        "peak_blocks": peak,
+        "prefill_s": prefill,
+        "decode_step_s": statistics.mean(decode) if decode else None,
+        "prompt_tokens": engine.stats.prompt_tokens - prompt_tokens,
+    }
 
 
 def kv_blocks(engine: LLMEngine, length: int) -> dict:
@@ -78,12 +88,16 @@ def kv_blocks(engine: LLMEngine, length: int) -> dict:
     for caching in (False, True):
         engine.block_manager.enable_prefix_caching = caching
         result[f"8 requests, prefix caching {'on' if caching else 'off'}"] = run(
-            engine, [long_prompt] * 8, SamplingParams(**params))
+            engine, [long_prompt] * 8, SamplingParams(**params)
+        )
         result[f"n=8, prefix caching {'on' if caching else 'off'}"] = run(
-            engine, [long_prompt], SamplingParams(n=8, **params))
+            engine, [long_prompt], SamplingParams(n=8, **params)
+        )
     engine.block_manager.enable_prefix_caching = False
-    return {k: {"peak_blocks": v["peak_blocks"], "prompt_tokens": v["prompt_tokens"]}
-            for k, v in result.items()}
+    return {
+        k: {"peak_blocks": v["peak_blocks"], "prompt_tokens": v["prompt_tokens"]}
+        for k, v in result.items()
+    }
 
 
 def step_times(engine: LLMEngine, batch: int, context: int, rounds: int) -> dict:
@@ -91,8 +105,9 @@ def step_times(engine: LLMEngine, batch: int, context: int, rounds: int) -> dict
     prompts = [prompt(context, 100 + i) for i in range(batch // 8)]
     samples: dict = {"n=1": [], "n=8": []}
     for _ in range(rounds):
-        samples["n=1"].append(run(engine, [p for p in prompts for _ in range(8)],
-                                  SamplingParams(**params)))
+        samples["n=1"].append(
+            run(engine, [p for p in prompts for _ in range(8)], SamplingParams(**params))
+        )
         samples["n=8"].append(run(engine, prompts, SamplingParams(n=8, **params)))
     return _summary(samples, ("prefill_s", "decode_step_s"), "n=1", "n=8")
 
@@ -107,8 +122,10 @@ def prompt_logprob_times(engine: LLMEngine, batch: int, context: int, rounds: in
 
 
 def _summary(samples: dict, keys: tuple, base: str, other: str) -> dict:
-    out = {name: {k: statistics.median(s[k] for s in runs) for k in keys}
-           for name, runs in samples.items()}
+    out = {
+        name: {k: statistics.median(s[k] for s in runs) for k in keys}
+        for name, runs in samples.items()
+    }
     out["ratio"] = {k: out[other][k] / out[base][k] for k in keys}
     return out
 
@@ -120,23 +137,38 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=1000)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--logprob-context", type=int, default=64)
-    ap.add_argument("--sections", default="kv,n,prompt_logprobs",
-                    help="which measures to run, comma-separated")
+    ap.add_argument(
+        "--sections", default="kv,n,prompt_logprobs", help="which measures to run, comma-separated"
+    )
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    engine = LLMEngine(EngineConfig(model=args.model, block_size=BLOCK, max_num_seqs=64,
-                                    max_num_batched_tokens=8192, enable_prefix_caching=False,
-                                    kv_cache_memory_bytes=1 << 30, max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            block_size=BLOCK,
+            max_num_seqs=64,
+            max_num_batched_tokens=8192,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=1 << 30,
+            max_model_len=2048,
+        )
+    )
     show({"cpu": cpu_name(), "model": args.model, "rounds": args.rounds})
     if "kv" in sections:
         show({"kv_blocks": kv_blocks(engine, args.long_prompt)})
     for batch in (8, 32):
         if "n" in sections:
-            show({f"n_sampling_batch_{batch}": step_times(engine, batch, args.context,
-                                                          args.rounds)})
+            show(
+                {f"n_sampling_batch_{batch}": step_times(engine, batch, args.context, args.rounds)}
+            )
         if "prompt_logprobs" in sections:
-            show({f"prompt_logprobs_batch_{batch}": prompt_logprob_times(
-                engine, batch, args.logprob_context, args.rounds)})
+            show(
+                {
+                    f"prompt_logprobs_batch_{batch}": prompt_logprob_times(
+                        engine, batch, args.logprob_context, args.rounds
+                    )
+                }
+            )
 
 
 def show(part: dict) -> None:

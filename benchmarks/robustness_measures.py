@@ -7,6 +7,7 @@ regions left after the server stopped.
 
 Takes a few minutes (about ten server starts). Timings depend on the machine's load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,20 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer, free_port,
-                                               render_model_repository)
+from slipstream.server.launch.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    free_port,
+    render_model_repository,
+)
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
-SETTINGS = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": 512, "max_num_seqs": 32,
-            "metrics_interval_ms": 50}
+SETTINGS = {
+    "kv_cache_memory_bytes": 8 * 1024 * 1024,
+    "max_model_len": 512,
+    "max_num_seqs": 32,
+    "metrics_interval_ms": 50,
+}
 GREEDY = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
 LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}
 
@@ -43,15 +52,19 @@ LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}
 def tensor(name, value):
     value = np.asarray(value)
     dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind) or {
-        np.dtype(np.int32): "INT32", np.dtype(np.uint64): "UINT64"}[value.dtype]
+        np.dtype(np.int32): "INT32",
+        np.dtype(np.uint64): "UINT64",
+    }[value.dtype]
     t = grpcclient.InferInput(name, list(value.shape), dtype)
     t.set_data_from_numpy(value)
     return t
 
 
 def inputs(prompt, sampling=None, **extra):
-    ins = [tensor("text_input", np.array([prompt.encode()], dtype=object)),
-           tensor("stream", np.array([True]))]
+    ins = [
+        tensor("text_input", np.array([prompt.encode()], dtype=object)),
+        tensor("stream", np.array([True])),
+    ]
     if sampling is not None:
         body = sampling if isinstance(sampling, str) else json.dumps(sampling)
         ins.append(tensor("sampling_parameters", np.array([body.encode()], dtype=object)))
@@ -108,19 +121,29 @@ def settle_leftovers(prefix, timeout=10):
 
 
 def start(model, tmp, exit_timeout=30, model_control="explicit", **extra):
-    repo = render_model_repository(DEFAULT_MODEL_REPOSITORY, Path(tempfile.mkdtemp(dir=tmp)) / "r",
-                                   {"model": str(model), **SETTINGS, **extra})
-    return TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                        exit_timeout=exit_timeout, model_control=model_control).start()
+    repo = render_model_repository(
+        DEFAULT_MODEL_REPOSITORY,
+        Path(tempfile.mkdtemp(dir=tmp)) / "r",
+        {"model": str(model), **SETTINGS, **extra},
+    )
+    return TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        startup_timeout=300,
+        exit_timeout=exit_timeout,
+        model_control=model_control,
+    ).start()
 
 
 # ----------------------------------------------------------------------------- classes
 BAD_VALUES = {
     "temperature 1e-300": {"temperature": 1e-300, "max_tokens": 8},
     "repetition_penalty 1e-300, temperature 1": {"temperature": 1, "repetition_penalty": 1e-300},
-    "seed 2**64": {"seed": 2 ** 64, "temperature": 1},
-    "seed -2**63-1": {"seed": -2 ** 63 - 1, "temperature": 1},
-    "stop_token_ids [10**12], min_tokens 2": {"stop_token_ids": [10 ** 12], "min_tokens": 2},
+    "seed 2**64": {"seed": 2**64, "temperature": 1},
+    "seed -2**63-1": {"seed": -(2**63) - 1, "temperature": 1},
+    "stop_token_ids [10**12], min_tokens 2": {"stop_token_ids": [10**12], "min_tokens": 2},
     "stop_token_ids [vocab size], min_tokens 2": {"stop_token_ids": [49152], "min_tokens": 2},
     "sampling_parameters nested 100,000 deep": "[" * 100_000 + "]" * 100_000,
 }
@@ -137,15 +160,17 @@ def measure_values(server, per_class=5):
 
         def bad(i):
             if sampling is None:
-                ins = inputs("hello", {"min_tokens": 2},
-                             end_id=np.array([2 ** 31 - 1], np.int32))
+                ins = inputs("hello", {"min_tokens": 2}, end_id=np.array([2**31 - 1], np.int32))
             else:
                 ins = inputs("hello", sampling)
             outcome[i] = stream(server.grpc_url, ins)
 
         greedy = {}
-        g = threading.Thread(target=lambda: greedy.update(r=stream(
-            server.grpc_url, inputs("the greedy stream", GREEDY))))
+        g = threading.Thread(
+            target=lambda: greedy.update(
+                r=stream(server.grpc_url, inputs("the greedy stream", GREEDY))
+            )
+        )
         g.start()
         time.sleep(0.2)
         threads = [threading.Thread(target=bad, args=(i,)) for i in range(per_class)]
@@ -154,29 +179,38 @@ def measure_values(server, per_class=5):
         for t in threads + [g]:
             t.join(120)
         errors = [e for _, e, _ in outcome.values() if e]
-        rows[name] = {"sent": per_class, "completed": per_class - len(errors),
-                      "refused": len(errors), "client gets": (errors[0][:110] if errors else
-                                                              "served (greedy)"),
-                      "greedy stream byte-identical": greedy["r"][0] == solo and
-                      greedy["r"][1] is None,
-                      "hanging": sum(t.is_alive() for t in threads),
-                      "leaked blocks": blocks_used(server)}
+        rows[name] = {
+            "sent": per_class,
+            "completed": per_class - len(errors),
+            "refused": len(errors),
+            "client gets": (errors[0][:110] if errors else "served (greedy)"),
+            "greedy stream byte-identical": greedy["r"][0] == solo and greedy["r"][1] is None,
+            "hanging": sum(t.is_alive() for t in threads),
+            "leaked blocks": blocks_used(server),
+        }
     return rows
 
 
 def measure_http_strings(server):
     path = "/v2/models/slipstream/generate"
     rows = {}
-    for label, body in (("parameters max_tokens '12'", {"parameters": {"max_tokens": "12"}}),
-                        ("parameters temperature '0'", {"parameters": {"temperature": "0"}}),
-                        ("parameters seed 2**64+5", {"parameters": {"seed": 2 ** 64 + 5}}),
-                        ("sampling_parameters max_tokens '12', temperature '0'",
-                         {"sampling_parameters": json.dumps({"max_tokens": "12",
-                                                             "temperature": "0"})}),
-                        ("sampling_parameters seed '2**64+5'",
-                         {"sampling_parameters": json.dumps({"seed": str(2 ** 64 + 5)})})):
-        req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(
-            {"text_input": "hi", **body}).encode())
+    for label, body in (
+        ("parameters max_tokens '12'", {"parameters": {"max_tokens": "12"}}),
+        ("parameters temperature '0'", {"parameters": {"temperature": "0"}}),
+        ("parameters seed 2**64+5", {"parameters": {"seed": 2**64 + 5}}),
+        (
+            "sampling_parameters max_tokens '12', temperature '0'",
+            {"sampling_parameters": json.dumps({"max_tokens": "12", "temperature": "0"})},
+        ),
+        (
+            "sampling_parameters seed '2**64+5'",
+            {"sampling_parameters": json.dumps({"seed": str(2**64 + 5)})},
+        ),
+    ):
+        req = urllib.request.Request(
+            f"http://{server.http_url}{path}",
+            data=json.dumps({"text_input": "hi", **body}).encode(),
+        )
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 rows[label] = f"{r.status}"
@@ -196,14 +230,23 @@ def measure_fairness(server, rounds=3):
     """Each hostile request beside a greedy stream, in rounds alternating with the stream
     alone (the machine's speed drifts): the median slowdown of the stream, the median
     latency of a small request sent right after, the stub's memory growth."""
-    stub = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-                          capture_output=True, text=True).stdout.split()[0]
+    stub = subprocess.run(
+        ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()[0]
     hostile = {
-        "100,000 stop strings (1.4 MB JSON)":
-            lambda: inputs("hello", {"stop": [f"stop{i}" for i in range(100_000)]}),
-        "64 stop strings of 256 characters":
-            lambda: inputs("hello", {"stop": ["x" * 255 + str(i % 10) for i in range(64)],
-                                     "max_tokens": 60, "ignore_eos": True}),
+        "100,000 stop strings (1.4 MB JSON)": lambda: inputs(
+            "hello", {"stop": [f"stop{i}" for i in range(100_000)]}
+        ),
+        "64 stop strings of 256 characters": lambda: inputs(
+            "hello",
+            {
+                "stop": ["x" * 255 + str(i % 10) for i in range(64)],
+                "max_tokens": 60,
+                "ignore_eos": True,
+            },
+        ),
         "8 MB prompt": lambda: inputs("word " * (8 * 1024 * 1024 // 5)),
     }
     rows = {}
@@ -213,23 +256,29 @@ def measure_fairness(server, rounds=3):
             _, _, alone = stream(server.grpc_url, inputs("the greedy stream", GREEDY))
             rss_before = rss_mb(stub)
             result = {}
-            g = threading.Thread(target=lambda: result.update(g=stream(
-                server.grpc_url, inputs("the greedy stream", GREEDY))))
+            g = threading.Thread(
+                target=lambda: result.update(
+                    g=stream(server.grpc_url, inputs("the greedy stream", GREEDY))
+                )
+            )
             g.start()
             time.sleep(0.3)
             _, error, answered = stream(server.grpc_url, make())
-            _, _, small = stream(server.grpc_url, inputs("a small one", {"temperature": 0,
-                                                                         "max_tokens": 4}))
+            _, _, small = stream(
+                server.grpc_url, inputs("a small one", {"temperature": 0, "max_tokens": 4})
+            )
             g.join(120)
             ratios.append(result["g"][2] / alone)
             smalls.append(small)
             answers.append(answered)
             growth.append(rss_mb(stub) - rss_before)
-        rows[label] = {"client gets": (error or "served")[:100],
-                       "answered in s (median)": round(float(np.median(answers)), 2),
-                       "greedy stream slowdown x (median)": round(float(np.median(ratios)), 2),
-                       "small request beside it, s (median)": round(float(np.median(smalls)), 2),
-                       "stub RSS growth MB (max)": round(max(growth), 1)}
+        rows[label] = {
+            "client gets": (error or "served")[:100],
+            "answered in s (median)": round(float(np.median(answers)), 2),
+            "greedy stream slowdown x (median)": round(float(np.median(ratios)), 2),
+            "small request beside it, s (median)": round(float(np.median(smalls)), 2),
+            "stub RSS growth MB (max)": round(max(growth), 1),
+        }
     return rows
 
 
@@ -238,14 +287,22 @@ def measure_dropped(server, count=25):
     host, port = server.http_url.split(":")
     rows = {}
     for path in ("generate_stream", "generate"):
-        body = json.dumps({"text_input": "tell me a long story", "stream": path.endswith("m"),
-                           "parameters": {**LONG, "max_tokens": 400}}).encode()
+        body = json.dumps(
+            {
+                "text_input": "tell me a long story",
+                "stream": path.endswith("m"),
+                "parameters": {**LONG, "max_tokens": 400},
+            }
+        ).encode()
         socks = []
         for _ in range(count):
             s = socket.create_connection((host, int(port)))
-            s.sendall(b"POST /v2/models/slipstream/%s HTTP/1.1\r\nHost: t\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: %d\r\n\r\n" % (path.encode(),
-                                                                            len(body)) + body)
+            s.sendall(
+                b"POST /v2/models/slipstream/%s HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), len(body))
+                + body
+            )
             socks.append(s)
         time.sleep(1.5)
         held = blocks_used(server, settle=0)
@@ -253,9 +310,13 @@ def measure_dropped(server, count=25):
             s.close()
         t0 = time.monotonic()
         left = blocks_used(server, settle=10)
-        rows[path] = {"sent": count, "blocks held before disconnect": held,
-                      "blocks held 10 s after disconnect" if left else
-                      "blocks freed within s": left if left else round(time.monotonic() - t0, 2)}
+        rows[path] = {
+            "sent": count,
+            "blocks held before disconnect": held,
+            "blocks held 10 s after disconnect" if left else "blocks freed within s": left
+            if left
+            else round(time.monotonic() - t0, 2),
+        }
         blocks_used(server, settle=120)  # let /generate ones run out
     return rows
 
@@ -276,16 +337,19 @@ class Streams:
         self.results[f"grpc{i}"] = error[:90] if error else "completed"
 
     def _http(self, server, sampling):
-        req = urllib.request.Request(f"http://{server.http_url}/v2/models/slipstream/"
-                                     "generate_stream", data=json.dumps(
-                                         {"text_input": "x", "stream": True,
-                                          "parameters": sampling}).encode())
+        req = urllib.request.Request(
+            f"http://{server.http_url}/v2/models/slipstream/generate_stream",
+            data=json.dumps({"text_input": "x", "stream": True, "parameters": sampling}).encode(),
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 events = [json.loads(line[5:]) for line in r if line.startswith(b"data:")]
             last = events[-1] if events else {}
-            self.results["http"] = (f"status 200, last event error: {last['error'][:70]}"
-                                    if "error" in last else f"status 200, {len(events)} events")
+            self.results["http"] = (
+                f"status 200, last event error: {last['error'][:70]}"
+                if "error" in last
+                else f"status 200, {len(events)} events"
+            )
         except Exception as exc:  # noqa: BLE001
             self.results["http"] = repr(exc)[:90]
 
@@ -302,13 +366,18 @@ def cancel_after_final(server, n=20):
     for i in range(n):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         done = threading.Event()
-        client.start_stream(callback=lambda result, error: (
-            error or result.get_response().parameters["triton_final_response"].bool_param)
-            and done.set())
+        client.start_stream(
+            callback=lambda result, error: (
+                (error or result.get_response().parameters["triton_final_response"].bool_param)
+                and done.set()
+            )
+        )
         try:
-            client.async_stream_infer("slipstream", inputs(f"hi {i}", {"temperature": 0,
-                                                                        "max_tokens": 3}),
-                                      enable_empty_final_response=True)
+            client.async_stream_infer(
+                "slipstream",
+                inputs(f"hi {i}", {"temperature": 0, "max_tokens": 3}),
+                enable_empty_final_response=True,
+            )
             done.wait(60)
         except Exception:  # noqa: BLE001 - counted
             failed += 1
@@ -330,8 +399,14 @@ def measure_sigterm(model, tmp, exit_timeout=3):
     finalized = "slipstream: finalize" in server.log_path.read_text()
     left = settle_leftovers(prefix)
     server.kill()
-    return {"exit code": code, "exit after s": round(took, 1), "finalized": finalized,
-            "clients": clients.results, "hanging": hanging, **left}
+    return {
+        "exit code": code,
+        "exit after s": round(took, 1),
+        "finalized": finalized,
+        "clients": clients.results,
+        "hanging": hanging,
+        **left,
+    }
 
 
 def measure_stop_keepalive(model, tmp):
@@ -346,17 +421,26 @@ def measure_stop_keepalive(model, tmp):
     took = time.monotonic() - started
     idle.close()
     report = server.last_stop
-    return {"stop took s": round(took, 1), "models unloaded (finalized)": report.models_unloaded,
-            "tritonserver exit code": report.exit_code, "clients": clients.results,
-            "hanging": clients.join(), **settle_leftovers(server.shm_prefix)}
+    return {
+        "stop took s": round(took, 1),
+        "models unloaded (finalized)": report.models_unloaded,
+        "tritonserver exit code": report.exit_code,
+        "clients": clients.results,
+        "hanging": clients.join(),
+        **settle_leftovers(server.shm_prefix),
+    }
 
 
 def measure_cancel_then_stop(model, tmp, runs=4):
     rows = []
     for how in ("SIGINT to tritonserver", "TritonServer.stop"):
         for _ in range(runs):
-            server = start(model, tmp, exit_timeout=5,
-                           model_control="none" if how.startswith("SIGINT") else "explicit")
+            server = start(
+                model,
+                tmp,
+                exit_timeout=5,
+                model_control="none" if how.startswith("SIGINT") else "explicit",
+            )
             not_sent = cancel_after_final(server)
             started = time.monotonic()
             if how.startswith("SIGINT"):
@@ -369,27 +453,52 @@ def measure_cancel_then_stop(model, tmp, runs=4):
             finalized = "slipstream: finalize" in server.log_path.read_text()
             left = settle_leftovers(server.shm_prefix)
             server.kill()
-            rows.append({"how": how, "streams not sent": not_sent, "exit code": code,
-                         "took s": round(took, 1), "finalized": finalized, **left})
+            rows.append(
+                {
+                    "how": how,
+                    "streams not sent": not_sent,
+                    "exit code": code,
+                    "took s": round(took, 1),
+                    "finalized": finalized,
+                    **left,
+                }
+            )
     return rows
 
 
 def measure_killed_stub(model):
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "slipstream.server", "--model", str(model), "--http-port",
-           str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-           "--exit-timeout", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.server",
+        "--model",
+        str(model),
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--exit-timeout",
+        "5",
+    ]
     cmd += [a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")]
     serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = TritonServer(DEFAULT_MODEL_REPOSITORY, http_port=http_port, grpc_port=grpc_port,
-                          metrics_port=metrics_port)
+    server = TritonServer(
+        DEFAULT_MODEL_REPOSITORY,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+    )
     prefix = f"slipstream_{serve.pid}_{grpc_port}_"
     while not server.is_ready():
         time.sleep(0.2)
     clients = Streams(server, n_grpc=5, http=False)
     time.sleep(1.5)
-    stub = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"],
-                          capture_output=True, text=True).stdout.split()[0]
+    stub = subprocess.run(
+        ["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"], capture_output=True, text=True
+    ).stdout.split()[0]
     killed = time.monotonic()
     os.kill(int(stub), signal.SIGKILL)
     hanging = clients.join(timeout=30)
@@ -400,10 +509,15 @@ def measure_killed_stub(model):
     text, error, _ = stream(server.grpc_url, inputs("back", {"temperature": 0, "max_tokens": 4}))
     serve.send_signal(signal.SIGTERM)
     code = serve.wait(60)
-    return {"clients": clients.results, "all clients answered within s": round(errors_in, 2),
-            "hanging": hanging, "ready again after s": round(back_in, 1),
-            "request after restart": "ok" if error is None else error[:80],
-            "slipstream serve exit code": code, **settle_leftovers(prefix)}
+    return {
+        "clients": clients.results,
+        "all clients answered within s": round(errors_in, 2),
+        "hanging": hanging,
+        "ready again after s": round(back_in, 1),
+        "request after restart": "ok" if error is None else error[:80],
+        "slipstream serve exit code": code,
+        **settle_leftovers(prefix),
+    }
 
 
 def measure_failing_engine(model, tmp):
@@ -431,11 +545,20 @@ def measure_failing_engine(model, tmp):
     server.kill()
     kinds = {}
     for a in answers:
-        key = ("NaN logits" if "NaN" in a else "engine not serving (restarting)" if "restarting"
-               in a or "not serving" in a else a[:60])
+        key = (
+            "NaN logits"
+            if "NaN" in a
+            else "engine not serving (restarting)"
+            if "restarting" in a or "not serving" in a
+            else a[:60]
+        )
         kinds[key] = kinds.get(key, 0) + 1
-    return {"requests sent": len(answers), "answers": kinds,
-            "server gone (not ready) after s": round(gone_after, 1), **left}
+    return {
+        "requests sent": len(answers),
+        "answers": kinds,
+        "server gone (not ready) after s": round(gone_after, 1),
+        **left,
+    }
 
 
 def main() -> int:
@@ -466,8 +589,12 @@ def main() -> int:
     record("engine failing every step", measure_failing_engine, model, tmp)
     record("SIGTERM past a 3 s exit timeout (plain tritonserver)", measure_sigterm, model, tmp)
     record("stop with an idle keep-alive connection", measure_stop_keepalive, model, tmp)
-    record("20 streams cancelled after their final response, then stop",
-           measure_cancel_then_stop, model, tmp)
+    record(
+        "20 streams cancelled after their final response, then stop",
+        measure_cancel_then_stop,
+        model,
+        tmp,
+    )
     print(json.dumps(figures, indent=2, default=str))
     return 0
 

@@ -6,6 +6,7 @@
 
 ``tests/test_input_table.py`` runs the check.
 """
+
 from __future__ import annotations
 
 import argparse

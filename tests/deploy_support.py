@@ -3,6 +3,7 @@
 The tools (kubectl, hadolint, yamllint) come from the `deploy` extra, installed into the
 environment that runs the tests: they are looked up beside this interpreter first.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ ADAPTER_VALUES = DEPLOY / "monitoring" / "prometheus-adapter-values.yaml"
 @dataclass(frozen=True)
 class Instruction:
     """One Dockerfile instruction, continuation lines joined."""
+
     keyword: str
     args: str
 
@@ -68,15 +70,20 @@ def require_module(name: str):
 @functools.lru_cache(maxsize=None)
 def render(kustomization: str) -> tuple:
     """`kubectl kustomize deploy/<kustomization>` as a tuple of objects."""
-    out = subprocess.run([require_tool("kubectl"), "kustomize", str(DEPLOY / kustomization)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(DEPLOY / kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
 
 
 def find(objects: tuple, kind: str, name: Optional[str] = None) -> dict:
-    found = [o for o in objects if o["kind"] == kind
-             and (name is None or o["metadata"]["name"] == name)]
+    found = [
+        o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -102,9 +109,11 @@ def port_numbers(spec: dict) -> dict:
 
 def http_path_probes(spec: dict) -> dict:
     """probe kind -> (path, port name) for the httpGet probes of a container."""
-    return {kind: (spec[kind]["httpGet"]["path"], spec[kind]["httpGet"]["port"])
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe")
-            if "httpGet" in spec.get(kind, {})}
+    return {
+        kind: (spec[kind]["httpGet"]["path"], spec[kind]["httpGet"]["port"])
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if "httpGet" in spec.get(kind, {})
+    }
 
 
 def project() -> dict:
@@ -145,7 +154,7 @@ def dockerfile_exec_form(keyword: str) -> list:
     assert len(found) == 1, f"expected one {keyword}"
     args = found[0].args
     if keyword == "HEALTHCHECK":
-        args = args[args.index("CMD ") + 4:]
+        args = args[args.index("CMD ") + 4 :]
     return json.loads(args)
 
 
@@ -162,5 +171,5 @@ def image_path_to_repo(image_path: str) -> Path:
         if image_path == dest_abs and len(sources) == 1:
             return ROOT / sources[0]
         if image_path.startswith(dest_abs + "/") and len(sources) == 1:
-            return ROOT / sources[0] / image_path[len(dest_abs) + 1:]
+            return ROOT / sources[0] / image_path[len(dest_abs) + 1 :]
     raise AssertionError(f"{image_path} is not copied into the image")

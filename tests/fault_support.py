@@ -1,12 +1,13 @@
 """An engine fault a real-server test can switch on: the model's forward raises or never
 returns while a file says so (the stub reads ``SLIPSTREAM_FAULT_FILE`` from its environment)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from slipstream.server.launch.launcher import TritonServer, render_model_repository
 
-FAULT_MODEL_PY = '''
+FAULT_MODEL_PY = """
 import os
 import sys
 import threading
@@ -40,15 +41,23 @@ def _faulty(method):
 
 ModelRunner.execute = _faulty(ModelRunner.execute)
 ModelRunner.execute_with_prompt_logits = _faulty(ModelRunner.execute_with_prompt_logits)
-'''
+"""
 
 
-def faulty_server(repo_src: Path, model: Path, tmp_path: Path, overrides: dict,
-                  **server_kwargs) -> tuple[TritonServer, Path]:
+def faulty_server(
+    repo_src: Path, model: Path, tmp_path: Path, overrides: dict, **server_kwargs
+) -> tuple[TritonServer, Path]:
     """A started server whose model can be made to fail; (server, the fault file)."""
     repo = render_model_repository(repo_src, tmp_path / "repo", {"model": str(model), **overrides})
     (repo / "slipstream" / "1" / "model.py").write_text(FAULT_MODEL_PY)
     fault = tmp_path / "fault"
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                          env={"SLIPSTREAM_FAULT_FILE": str(fault)}, **server_kwargs)
+    server = TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        startup_timeout=300,
+        env={"SLIPSTREAM_FAULT_FILE": str(fault)},
+        **server_kwargs,
+    )
     return server.start(), fault

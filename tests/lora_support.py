@@ -1,4 +1,5 @@
 """Tiny PEFT LoRA adapters for the tiny random model, and their merged-weight references."""
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,9 @@ ADAPTERS = {
 def _base(arch: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir(arch)), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_dir(arch)), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def make_adapter(target: Path, arch: str = "llama", seed: int = 0, **lora_config) -> Path:
@@ -63,7 +65,12 @@ def merged_greedy(name, prompt: list, max_tokens: int, arch: str = "llama") -> l
     """``generate`` on the merged model for one request alone (``name`` None: the base)."""
     model = merged_model(name, arch)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()

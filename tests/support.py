@@ -1,4 +1,5 @@
 """Shared test helpers: cached tiny models and the Hugging Face greedy reference."""
+
 from __future__ import annotations
 
 import functools
@@ -24,24 +25,33 @@ def tiny_model_dir(arch: str = "llama") -> Path:
 def reference_model(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def hf_greedy(path: Path, prompt: list, max_tokens: int) -> list:
     """``model.generate`` for one request alone: the ground truth for greedy outputs."""
     model = reference_model(path)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
-def random_workload(n: int, seed: int = 0, lengths=(1, 2, 5, 17, 40, 64, 130, 300),
-                    max_out: int = 24) -> tuple:
+def random_workload(
+    n: int, seed: int = 0, lengths=(1, 2, 5, 17, 40, 64, 130, 300), max_out: int = 24
+) -> tuple:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(lengths[i % len(lengths)])] for i in range(n)
+    ]
     outs = [rng.randrange(1, max_out) for _ in range(n)]
     return prompts, outs
 
@@ -61,8 +71,9 @@ def need_tritonserver() -> None:
 
 def http_generate(server, model: str, body: dict) -> tuple:
     """POST /v2/models/MODEL/generate: (HTTP status, JSON body), errors included."""
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
-                                 data=json.dumps(body).encode())
+    req = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/generate", data=json.dumps(body).encode()
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())

@@ -1,5 +1,6 @@
 """Beam search in the engine (beams as a sequence group sharing KV copy-on-write) against
 Hugging Face's ``generate(num_beams=..., do_sample=False)`` on the same model."""
+
 from __future__ import annotations
 
 import random
@@ -19,35 +20,50 @@ def hf_beams(width: int, n: int, max_tokens: int, stops: list, **kwargs) -> list
     """Hugging Face's n best beams, each cut after its stop token (the rest is padding)."""
     model = reference_model(tiny_model_dir("llama"))
     with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=max_tokens, num_beams=width,
-                             num_return_sequences=n, do_sample=False, pad_token_id=0,
-                             eos_token_id=[EOS] + stops,
-                             attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-                             **kwargs)
+        out = model.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=max_tokens,
+            num_beams=width,
+            num_return_sequences=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=[EOS] + stops,
+            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+            **kwargs,
+        )
     beams = []
-    for row in out[:, len(PROMPT):].tolist():
+    for row in out[:, len(PROMPT) :].tolist():
         ends = [i for i, t in enumerate(row) if t in [EOS] + stops]
-        beams.append(row[:ends[0] + 1] if ends else row)
+        beams.append(row[: ends[0] + 1] if ends else row)
     return beams
 
 
 # Stop tokens taken from the beams' own paths (the tiny model never says EOS), so that some
 # beams finish early and length_penalty / early_stopping decide the ranking.
-@pytest.mark.parametrize("width,stops,length_penalty,early_stopping", [
-    (4, [], 1.0, False),
-    (2, [22415], 2.0, True),
-    (4, [43813, 19467], 0.0, "never"),
-    (4, [29793], -1.0, False),
-    (3, [22415], 1.0, True),
-])
+@pytest.mark.parametrize(
+    "width,stops,length_penalty,early_stopping",
+    [
+        (4, [], 1.0, False),
+        (2, [22415], 2.0, True),
+        (4, [43813, 19467], 0.0, "never"),
+        (4, [29793], -1.0, False),
+        (3, [22415], 1.0, True),
+    ],
+)
 def test_beams_equal_hf_generate_num_beams(width, stops, length_penalty, early_stopping):
     engine = make_engine()
-    params = SamplingParams(beam_width=width, n=width, max_tokens=10, stop_token_ids=stops,
-                            length_penalty=length_penalty, early_stopping=early_stopping)
+    params = SamplingParams(
+        beam_width=width,
+        n=width,
+        max_tokens=10,
+        stop_token_ids=stops,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
     beams = engine.generate_sequences([PROMPT], params)[0]
-    assert [b.token_ids for b in beams] == hf_beams(width, width, 10, stops,
-                                                   length_penalty=length_penalty,
-                                                   early_stopping=early_stopping)
+    assert [b.token_ids for b in beams] == hf_beams(
+        width, width, 10, stops, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     assert [b.index for b in beams] == list(range(width))
     for b in beams:  # per-beam logprobs add up to the beam's cumulative logprob
         assert len(b.logprobs) == len(b.token_ids)
@@ -79,8 +95,9 @@ def test_each_round_reports_every_live_beam_then_the_finished_beams():
     for s in snapshots:  # best first; each beam's logprobs add up to its score
         scores = [b.cumulative_logprob for b in s.beams]
         assert scores == sorted(scores, reverse=True)
-        assert all(sum(b.logprobs) == pytest.approx(b.cumulative_logprob, abs=1e-3)
-                   for b in s.beams)
+        assert all(
+            sum(b.logprobs) == pytest.approx(b.cumulative_logprob, abs=1e-3) for b in s.beams
+        )
     assert [o.index for o in finals] == [0, 1, 2] and finals[-1].finished
     assert [o.token_ids for o in finals] == hf_beams(3, 3, 6, [])
 
@@ -97,7 +114,8 @@ def test_use_beam_search_takes_width_from_best_of_and_returns_n():
 
 def test_beams_beside_other_requests_under_preemption_equal_beams_alone():
     alone = make_engine().generate_sequences(
-        [PROMPT], SamplingParams(beam_width=4, n=4, max_tokens=12, stop_token_ids=[22415]))[0]
+        [PROMPT], SamplingParams(beam_width=4, n=4, max_tokens=12, stop_token_ids=[22415])
+    )[0]
     # 40 blocks of 4 tokens: the beams (13 blocks of prompt + their own) and three other
     # requests do not fit at once, so sequences are preempted and recomputed.
     engine = make_engine(num_gpu_blocks_override=40, max_num_batched_tokens=32)
@@ -142,13 +160,16 @@ def test_aborted_beam_search_frees_every_slot():
     assert engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(beam_width=2, n=3), "n must be <= beam_width"),
-    (dict(beam_width=2, stop=["x"]), "beam search does not support stop strings"),
-    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
-    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty must be a finite"),
-    (dict(beam_width=0), "beam_width must be an integer in [1, 64]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(beam_width=2, n=3), "n must be <= beam_width"),
+        (dict(beam_width=2, stop=["x"]), "beam search does not support stop strings"),
+        (dict(beam_width=2, early_stopping="sometimes"), "early_stopping must be"),
+        (dict(beam_width=2, length_penalty=float("nan")), "length_penalty must be a finite"),
+        (dict(beam_width=0), "beam_width must be an integer in [1, 64]"),
+    ],
+)
 def test_beam_search_refuses_what_it_cannot_honour(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**kwargs)

@@ -1,20 +1,25 @@
 """``slipstream bench`` smoke test: a 4-request run on a tiny random model through the
 continuous server, the in-process engine, both Hugging Face baselines and the roofline.
 Checks the files and fields, never timings (benchmarks are not tests)."""
+
 import json
 import os
-import tempfile
 import random
+import tempfile
 
 import pytest
 
-from slipstream_bench import timeline
-from slipstream_bench.metrics import RequestRecord, percentile, summarize
-from slipstream_bench.workload import (Workload, arrival_times, generate_workload,
-                                       sample_lengths, shared_prefix_workload)
 from slipstream.server.launch.cli import main as cli_main
 from slipstream.worker.model_loader import load_tokenizer
-
+from slipstream_bench import timeline
+from slipstream_bench.metrics import RequestRecord, percentile, summarize
+from slipstream_bench.workload import (
+    Workload,
+    arrival_times,
+    generate_workload,
+    sample_lengths,
+    shared_prefix_workload,
+)
 from support import tiny_model_dir
 
 
@@ -24,15 +29,24 @@ def tokenizer():
 
 
 def test_workload_lengths_are_exact_and_round_trip(tokenizer, tmp_path):
-    w = generate_workload(tokenizer, 8, seed=3, prompt_lens="uniform:5:40",
-                          output_lens="0.75*fixed:4+0.25*fixed:30")
+    w = generate_workload(
+        tokenizer, 8, seed=3, prompt_lens="uniform:5:40", output_lens="0.75*fixed:4+0.25*fixed:30"
+    )
     assert [len(ids) for ids in w.prompt_ids(tokenizer)] == [r.prompt_len for r in w.requests]
     assert all(5 <= r.prompt_len <= 40 for r in w.requests)
     assert sorted(r.max_tokens for r in w.requests) == [4] * 6 + [30] * 2  # exact shares
     again = Workload.load(w.save(tmp_path / "w.json"))
     assert again.requests == w.requests
-    assert generate_workload(tokenizer, 8, seed=3, prompt_lens="uniform:5:40",
-                             output_lens="0.75*fixed:4+0.25*fixed:30").requests == w.requests
+    assert (
+        generate_workload(
+            tokenizer,
+            8,
+            seed=3,
+            prompt_lens="uniform:5:40",
+            output_lens="0.75*fixed:4+0.25*fixed:30",
+        ).requests
+        == w.requests
+    )
 
 
 def test_shared_prefix_workload_shares_its_system_prompt(tokenizer):
@@ -59,10 +73,11 @@ def test_metrics():
 
 
 def test_sampled_rows_of_a_chunked_prefill():
-    steps = [timeline.Step(0, 0, 1, [timeline.Slice("a", 0, 8, 0)]),
-             timeline.Step(1, 1, 1, [timeline.Slice("a", 0, 4, 0), timeline.Slice("b", 1, 3, 0)]),
-             timeline.Step(2, 2, 1, [timeline.Slice("a", 0, 0, 1), timeline.Slice("b", 1, 0, 1,
-                                                                                    True)])]
+    steps = [
+        timeline.Step(0, 0, 1, [timeline.Slice("a", 0, 8, 0)]),
+        timeline.Step(1, 1, 1, [timeline.Slice("a", 0, 4, 0), timeline.Slice("b", 1, 3, 0)]),
+        timeline.Step(2, 2, 1, [timeline.Slice("a", 0, 0, 1), timeline.Slice("b", 1, 0, 1, True)]),
+    ]
     assert timeline.sampled_rows(steps) == [0, 2, 2]
 
 
@@ -86,11 +101,25 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
     if _server_available():
         modes.insert(1, "continuous")  # the order runs go in
     out = tmp_path / "results"
-    code = cli_main(["bench", "--quick", "--num-requests", "4", "--model",
-                     str(tiny_model_dir("llama")), "--modes", ",".join(modes),
-                     "--output-dir", str(out), "--no-progress",
-                     "--kv-cache-bytes", str(16 * 1024 * 1024),
-                     "--set", "max_model_len=1024"])  # the tiny model's positions
+    code = cli_main(
+        [
+            "bench",
+            "--quick",
+            "--num-requests",
+            "4",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--modes",
+            ",".join(modes),
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--kv-cache-bytes",
+            str(16 * 1024 * 1024),
+            "--set",
+            "max_model_len=1024",
+        ]
+    )  # the tiny model's positions
     assert code == 0
     assert not list(scratch.glob("slipstream-bench-*"))  # rendered repositories removed
     results = json.loads((out / "results.json").read_text())
@@ -109,13 +138,20 @@ def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
     for run in engine_runs:  # the step trace made it into the timeline
         assert run["timeline"] and run["steps"]["decode_tokens"] > 0
     assert results["roofline"]["best_possible_s"] > 0
-    assert set(results["targets"]) == {"continuous_vs_static", "continuous_vs_hf_continuous",
-                                       "roofline_fraction", "triton_overhead",
-                                       "continuous_vs_vllm_triton", "itl_p50_vs_vllm_triton",
-                                       "itl_p90_vs_vllm_triton", "inprocess_vs_vllm_offline",
-                                       "bf16_vs_vllm_triton_bf16", "int8_vs_vllm_triton_bf16",
-                                       "bf16_itl_p50_vs_vllm_triton_bf16",
-                                       "bf16_itl_p90_vs_vllm_triton_bf16"}
+    assert set(results["targets"]) == {
+        "continuous_vs_static",
+        "continuous_vs_hf_continuous",
+        "roofline_fraction",
+        "triton_overhead",
+        "continuous_vs_vllm_triton",
+        "itl_p50_vs_vllm_triton",
+        "itl_p90_vs_vllm_triton",
+        "inprocess_vs_vllm_offline",
+        "bf16_vs_vllm_triton_bf16",
+        "int8_vs_vllm_triton_bf16",
+        "bf16_itl_p50_vs_vllm_triton_bf16",
+        "bf16_itl_p90_vs_vllm_triton_bf16",
+    }
     assert results["targets"]["continuous_vs_vllm_triton"]["value"] is None  # no peer run
     assert results["targets"]["bf16_vs_vllm_triton_bf16"]["value"] is None
     assert results["machine"]["cpu_model"] and "load_average_1m" in results["machine"]
@@ -131,21 +167,32 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     from slipstream_bench import runner
 
     calls = []
-    speed = {("inprocess", 0): 10.0, ("inprocess", 1): 30.0, ("inprocess", 2): 20.0,
-             ("continuous", 0): 5.0, ("continuous", 1): None, ("continuous", 2): 7.0}
+    speed = {
+        ("inprocess", 0): 10.0,
+        ("inprocess", 1): 30.0,
+        ("inprocess", 2): 20.0,
+        ("continuous", 0): 5.0,
+        ("continuous", 1): None,
+        ("continuous", 2): 7.0,
+    }
 
     def fake_run_mode(mode, sh, r):
         calls.append((mode, r))
         tps = speed[(mode, r)]
-        return {"label": mode, "round": r,
-                "summary": {"tokens_per_s": tps} if tps else {}}
+        return {"label": mode, "round": r, "summary": {"tokens_per_s": tps} if tps else {}}
 
     monkeypatch.setattr(runner, "run_mode", fake_run_mode)
     opts = runner.BenchOptions(modes=("inprocess", "continuous"), repeat=3)
     sh = runner._Shared(opts, None, [], None, None)
     runs = runner.run_rounds(sh)
-    assert calls == [("inprocess", 0), ("continuous", 0), ("continuous", 1), ("inprocess", 1),
-                     ("inprocess", 2), ("continuous", 2)]
+    assert calls == [
+        ("inprocess", 0),
+        ("continuous", 0),
+        ("continuous", 1),
+        ("inprocess", 1),
+        ("inprocess", 2),
+        ("continuous", 2),
+    ]
     reps = {r["label"]: r for r in runner.representatives(runs)}
     assert reps["inprocess"]["round"] == 2 and reps["inprocess"]["summary"]["tokens_per_s"] == 20.0
     # a failed round (no tokens/s) ranks slowest: the median of (fail, 5, 7) is 5
@@ -169,7 +216,9 @@ def test_variants_parse_into_named_settings():
     from slipstream_bench.cli import _variants
 
     assert _variants(["mkl:cpu_linear=transposed,attention_ops=torch", "defaults:"]) == {
-        "mkl": {"cpu_linear": "transposed", "attention_ops": "torch"}, "defaults": {}}
+        "mkl": {"cpu_linear": "transposed", "attention_ops": "torch"},
+        "defaults": {},
+    }
     with pytest.raises(SystemExit):
         _variants(["bad name:x=1"])
 
@@ -192,11 +241,14 @@ def test_setup_peers_patches_vllm_backend_for_vllm_0_32(tmp_path):
     (src / "model.py").write_text("import json\nimport numpy as np\n")
     (src / "utils" / "request.py").write_text("from vllm.inputs.data import TokensPrompt\n")
     (src / "utils" / "metrics.py").write_text(
-        "from vllm.v1.metrics.loggers import StatLoggerBase, build_1_2_5_buckets\n")
+        "from vllm.v1.metrics.loggers import StatLoggerBase, build_1_2_5_buckets\n"
+    )
     assert len(setup.patch_backend(src)) == 3
     assert "from vllm.inputs import TokensPrompt" in (src / "utils" / "request.py").read_text()
-    assert "vllm.v1.metrics.buckets import build_1_2_5_buckets" in (
-        src / "utils" / "metrics.py").read_text()
+    assert (
+        "vllm.v1.metrics.buckets import build_1_2_5_buckets"
+        in (src / "utils" / "metrics.py").read_text()
+    )
     model = (src / "model.py").read_text()
     assert model.index('setlocale(locale.LC_CTYPE, "C.UTF-8")') < model.index("import numpy")
     assert setup.patch_backend(src) == []  # applied once, idempotent
@@ -215,9 +267,13 @@ def test_slo_attainment_counts_requests_meeting_both_targets():
     from slipstream_bench.goodput import Slo, attainment
 
     slo = Slo(ttft_ms=2000, tpot_ms=150)
-    records = [_record("ok", 1.0, 0.1), _record("slow_first", 2.5, 0.1),
-               _record("slow_tokens", 1.0, 0.2), _record("one_token", 1.5, 9.0, n=1),
-               _record("failed", 0.1, 0.01, error="boom")]
+    records = [
+        _record("ok", 1.0, 0.1),
+        _record("slow_first", 2.5, 0.1),
+        _record("slow_tokens", 1.0, 0.2),
+        _record("one_token", 1.5, 9.0, n=1),
+        _record("failed", 0.1, 0.01, error="boom"),
+    ]
     assert attainment(records, slo) == pytest.approx(2 / 5)  # ok, one_token (no TPOT)
 
 
@@ -245,12 +301,21 @@ def test_a_sampling_mix_reaches_every_path_with_a_greedy_share_and_seeds():
     assert len(greedy) == 3 and len(sampled) == 7
     assert len({r.sampling["seed"] for r in sampled}) == 7
     body = json.loads(sampling_json(sampled[0]))
-    assert body == {"max_tokens": 8, "min_tokens": 8, "ignore_eos": True, "temperature": 0.8,
-                    "top_p": 0.95, "seed": sampled[0].sampling["seed"]}
+    assert body == {
+        "max_tokens": 8,
+        "min_tokens": 8,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": sampled[0].sampling["seed"],
+    }
     assert json.loads(sampling_json(greedy[0]))["temperature"] == 0.0
     params = exact_params(8, sampled[0].sampling)
-    assert (params.temperature, params.top_p, params.seed) == (0.8, 0.95,
-                                                               sampled[0].sampling["seed"])
+    assert (params.temperature, params.top_p, params.seed) == (
+        0.8,
+        0.95,
+        sampled[0].sampling["seed"],
+    )
     assert workload.sampled and workload.description["sampling"]["greedy_fraction"] == 0.3
 
 
@@ -264,8 +329,13 @@ def test_a_rate_sweep_reports_attainment_per_rate_goodput_and_a_plot(monkeypatch
         limit = {"inprocess": 2.5, "continuous": 4.5}[mode]
         slow = sh.opts.all_rates.index(rate_of[sh.tag]) + 1 > limit
         recs = [_record(f"q{i}", 3.0 if slow and i % 2 else 0.5, 0.05) for i in range(10)]
-        return {"label": mode, "kind": "triton", "round": r,
-                "summary": summarize(recs), "records": records_to_json(recs)}
+        return {
+            "label": mode,
+            "kind": "triton",
+            "round": r,
+            "summary": summarize(recs),
+            "records": records_to_json(recs),
+        }
 
     rates = (1.0, 2.0, 3.0, 4.0, 5.0)
     rate_of = {f"_rate{x:g}": x for x in rates}
@@ -276,8 +346,12 @@ def test_a_rate_sweep_reports_attainment_per_rate_goodput_and_a_plot(monkeypatch
     sweep = [runner.run_rate(sh, rate) for rate in rates]
     good = runner.goodputs(sweep, opts.slo)
     assert good["inprocess"]["goodput_rps"] == 2.0 and good["continuous"]["goodput_rps"] == 4.0
-    results = {"runs": sweep[0]["runs"], "slo": vars(opts.slo),
-               "sweep": [{"rate": p["rate"], "runs": p["runs"]} for p in sweep], "goodput": good}
+    results = {
+        "runs": sweep[0]["runs"],
+        "slo": vars(opts.slo),
+        "sweep": [{"rate": p["rate"], "runs": p["runs"]} for p in sweep],
+        "goodput": good,
+    }
     text = report.slo_table(results)
     assert "goodput continuous: 4 req/s" in text and text.count("inprocess") >= 5
     assert plots.slo_attainment(results, tmp_path / "slo.png").stat().st_size > 1000
@@ -287,11 +361,22 @@ def test_reduced_precision_targets_compare_the_bf16_and_int8_variants_with_vllm_
     from slipstream_bench import report
 
     def run(label, tps, itl):
-        return {"label": label, "summary": {"output_tokens": 10, "tokens_per_s": tps,
-                                            "itl_ms": {"p50": itl, "p90": 2 * itl}}}
+        return {
+            "label": label,
+            "summary": {
+                "output_tokens": 10,
+                "tokens_per_s": tps,
+                "itl_ms": {"p50": itl, "p90": 2 * itl},
+            },
+        }
 
-    results = {"runs": [run("vllm_triton_bf16", 100.0, 50.0), run("continuous[bf16]", 130.0, 40.0),
-                        run("continuous[int8]", 140.0, 45.0)]}
+    results = {
+        "runs": [
+            run("vllm_triton_bf16", 100.0, 50.0),
+            run("continuous[bf16]", 130.0, 40.0),
+            run("continuous[int8]", 140.0, 45.0),
+        ]
+    }
     judged = report.judged(results)
     assert judged["bf16_vs_vllm_triton_bf16"]["value"] == pytest.approx(1.3)
     assert judged["bf16_vs_vllm_triton_bf16"]["met"] is True

@@ -1,4 +1,5 @@
 """Block manager invariants: allocation, freeing, ref counts, prefix-cache hashing and LRU."""
+
 from __future__ import annotations
 
 import random

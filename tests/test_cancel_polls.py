@@ -1,10 +1,12 @@
 """The ration of cancellation polls (each a round trip to tritonserver): few requests are asked
 often, many together no more than the budget, and none is forgotten."""
+
 from slipstream.server.stub.cancel_polls import CancelPolls
 
 
-def _simulate(polls: CancelPolls, num_active: int, has_output: bool, seconds: float,
-              tick: float = 0.02) -> list[list[float]]:
+def _simulate(
+    polls: CancelPolls, num_active: int, has_output: bool, seconds: float, tick: float = 0.02
+) -> list[list[float]]:
     """When each of ``num_active`` requests is asked, with the sender passing every ``tick``."""
     last = [float("-inf")] * num_active
     asked: list[list[float]] = [[] for _ in range(num_active)]

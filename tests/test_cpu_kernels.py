@@ -1,16 +1,20 @@
 """The compiled CPU attention kernels (decode and prefill) compute what the torch reference
 computes, and a row's result never depends on the rows computed beside it."""
+
 import pytest
 import torch
 
 from slipstream.worker.ops import cpu_kernels, torch_ops
 from test_torch_ops import _reference, mixed_step, paged_cache
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
-                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+)
 
 
-@pytest.mark.parametrize("lens", [[37], [1, 3, 40, 41, 7, 90, 2, 88]])  # fewer/more seqs than threads
+@pytest.mark.parametrize(
+    "lens", [[37], [1, 3, 40, 41, 7, 90, 2, 88]]
+)  # fewer/more seqs than threads
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 9}, {"softcap": 5.0}])
 def test_decode_kernel_equals_the_torch_path(lens, kw):
     torch.manual_seed(0)
@@ -32,8 +36,9 @@ def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefil
     for kw in ({}, {"sliding_window": 7}, {"softcap": 3.0}):
         q = torch.randn(sum(q_lens), h, d)
         got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
-        want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
-                          kw.get("softcap"))
+        want = _reference(
+            q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
+        )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
     plan = meta.plan
     assert plan.decode.rows.tolist() == [0, 6, 7, 17]
@@ -54,8 +59,9 @@ def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
     meta.verify_host = [True, True, False, False, True]
     q = torch.randn(sum(q_lens), h, d)
     got = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4, **kw)
-    want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
-                      kw.get("softcap"))
+    want = _reference(
+        q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     plan = meta.plan
     assert plan.prompts.chunks.tolist() == [[9, 5, 70]]  # the prompt chunk
@@ -73,8 +79,9 @@ def test_a_verification_row_equals_the_decode_row_it_stands_for():
     q = torch.randn(4, h, d)
     verified = cpu_kernels.paged_attention(q, kc, vc, meta, 0.4)
     for j in range(4):
-        alone = cpu_kernels.paged_decode_attention(q[j:j + 1], kc, vc, tables[:1],
-                                                   torch.tensor([20 + j], dtype=torch.int32), 0.4)
+        alone = cpu_kernels.paged_decode_attention(
+            q[j : j + 1], kc, vc, tables[:1], torch.tensor([20 + j], dtype=torch.int32), 0.4
+        )
         assert torch.equal(verified[j], alone[0])
 
 
@@ -89,8 +96,8 @@ def test_prefill_kernel_equals_the_reference(d, window):
     seq_lens = [7, 230, 90, 33, 17]
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     q = torch.randn(sum(q_lens), h, d)
-    got = cpu_kernels.paged_attention(q, kc, vc, meta, d ** -0.5, sliding_window=window)
-    want = _reference(q, kc, vc, tables, q_lens, seq_lens, d ** -0.5, window)
+    got = cpu_kernels.paged_attention(q, kc, vc, meta, d**-0.5, sliding_window=window)
+    want = _reference(q, kc, vc, tables, q_lens, seq_lens, d**-0.5, window)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert meta.plan.torch_chunks is None  # all on the kernel
 
@@ -111,14 +118,14 @@ def test_a_prompt_row_is_the_same_however_the_prompt_is_chunked(window):
         done = 0
         for size in cut:
             table = torch.cat([tables, torch.full((1, tables.shape[1]), -1, dtype=torch.int32)])
-            table[1, :other_tables.shape[1]] = other_tables[0]
+            table[1, : other_tables.shape[1]] = other_tables[0]
             _, _, _, step = mixed_step([size, 9], [done + size, 9], bs, hkv, d)
             step.block_tables = table
             step.seq_lens = torch.tensor([done + size, 9], dtype=torch.int32)
             step.prompt_host = [True, True]
-            rows = torch.cat([q[done:done + size], torch.randn(9, h, d)])
+            rows = torch.cat([q[done : done + size], torch.randn(9, h, d)])
             got = cpu_kernels.paged_attention(rows, kc, vc, step, 0.125, sliding_window=window)
-            assert torch.equal(got[:size], whole[done:done + size]), (cut, size)
+            assert torch.equal(got[:size], whole[done : done + size]), (cut, size)
             done += size
 
 

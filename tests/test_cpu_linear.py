@@ -1,4 +1,5 @@
 """CPU linear layouts: every layout computes the stock product (to float rounding)."""
+
 import ctypes
 from pathlib import Path
 
@@ -6,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_linear import (CpuLinear, bucketed_rows, onednn_available,
-                                          prepare_linears)
+from slipstream.worker.cpu_linear import CpuLinear, bucketed_rows, onednn_available, prepare_linears
 
 
 def _model(bias: bool) -> torch.nn.Module:
@@ -21,8 +21,7 @@ def test_every_layout_computes_the_stock_product(layout, rows):
     model = _model(bias=rows % 2 == 1)
     x = torch.randn(1, rows, 96)
     with torch.no_grad():
-        want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight,
-                        model[1].bias)
+        want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
         applied = prepare_linears(model, layout)
         got = model(x)
     assert got.shape == want.shape

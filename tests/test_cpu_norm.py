@@ -1,5 +1,6 @@
 """The compiled RMSNorm kernel computes the Llama-style norm, and ``prepare_norms`` routes
 exactly the fp32 Llama-style norms of a model through it."""
+
 import pytest
 import torch
 
@@ -7,13 +8,14 @@ from slipstream.worker.cpu_norm import prepare_norms
 from slipstream.worker.ops import cpu_kernels
 from support import tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
-                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+)
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x64 = x.double()
-    return (weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)))
+    return weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows of 576 run on several threads
@@ -29,8 +31,12 @@ def test_rms_norm_kernel_reads_a_strided_input():
     gen = torch.Generator().manual_seed(1)
     wide, weight = torch.randn(4, 128, generator=gen), torch.rand(64, generator=gen)
     x = wide[:, ::2]
-    torch.testing.assert_close(torch.ops.slipstream_cpu.rms_norm(x, weight, 1e-6).double(),
-                               _reference(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.ops.slipstream_cpu.rms_norm(x, weight, 1e-6).double(),
+        _reference(x, weight, 1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def _norm_calls(model: torch.nn.Module) -> int:
@@ -49,8 +55,9 @@ def test_prepare_norms_routes_every_fp32_llama_norm_and_keeps_the_logits():
     assert prepare_norms(model) == 2 * layers + 1  # two per layer and the final norm
     assert _norm_calls(model) == 2 * layers + 1
     with torch.no_grad():
-        torch.testing.assert_close(model(torch.tensor([[1, 2, 3]])).logits, before,
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            model(torch.tensor([[1, 2, 3]])).logits, before, rtol=1e-4, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("arch, dtype", [("gemma2", torch.float32), ("llama", torch.bfloat16)])

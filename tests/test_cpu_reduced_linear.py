@@ -1,13 +1,15 @@
 """bf16 / int8 linear weights on CPU: the compiled weight-GEMM kernel (both of its paths), and
 ``prepare_reduced_linears``: one resident copy of each weight, products close to fp32's."""
+
 import pytest
 import torch
 
 from slipstream.worker import cpu_reduced_linear as rl
 from slipstream.worker.ops import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
-                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+)
 op = torch.ops.slipstream_cpu
 
 
@@ -32,8 +34,9 @@ def test_weight_gemm_computes_the_bf16_product(kernel_path, rows, n):
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(n, 96, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen)
     got = op.weight_gemm(x, w, None, bias)
-    torch.testing.assert_close(got.double(), _reference(x, w, kernel_path) + bias.double(),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        got.double(), _reference(x, w, kernel_path) + bias.double(), rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 8, 33])
@@ -49,8 +52,12 @@ def test_weight_gemm_applies_int8_row_scales(kernel_path, rows):
 def test_weight_gemm_reads_rows_at_their_stride(kernel_path):
     wide, w = torch.randn(3, 128), torch.randn(8, 64).bfloat16()
     x = wide[:, :64]
-    torch.testing.assert_close(op.weight_gemm(x, w, None, None).double(),
-                               _reference(x, w, kernel_path), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        op.weight_gemm(x, w, None, None).double(),
+        _reference(x, w, kernel_path),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 def test_weight_gemm_refuses_what_it_cannot_compute():
@@ -120,11 +127,14 @@ def test_fused_layers_compute_each_layers_product():
     torch.testing.assert_close(model.a(x), separate[0])  # still callable: a slice of the fused
 
 
-@pytest.mark.parametrize("settings, weights, kv", [
-    (dict(dtype="bfloat16"), "bfloat16", torch.float32),
-    (dict(dtype="float16"), "bfloat16", torch.float32),  # held as bf16 on CPU
-    (dict(quantization="int8", kv_cache_dtype="bfloat16"), "int8", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "settings, weights, kv",
+    [
+        (dict(dtype="bfloat16"), "bfloat16", torch.float32),
+        (dict(dtype="float16"), "bfloat16", torch.float32),  # held as bf16 on CPU
+        (dict(quantization="int8", kv_cache_dtype="bfloat16"), "int8", torch.bfloat16),
+    ],
+)
 def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weights, kv, caplog):
     import logging
 
@@ -133,19 +143,29 @@ def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weigh
     from support import tiny_model_dir
 
     with caplog.at_level(logging.INFO, logger="slipstream"):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                        max_num_seqs=4, max_model_len=128,
-                                        num_gpu_blocks_override=64, device="cpu", **settings))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir("llama")),
+                block_size=4,
+                max_num_seqs=4,
+                max_model_len=128,
+                num_gpu_blocks_override=64,
+                device="cpu",
+                **settings,
+            )
+        )
     # the start-up log says which path runs the products, and the CPU features it found
-    assert any("CPU linear layers:" in r.message and "amx_bf16=" in r.message
-               for r in caplog.records)
+    assert any(
+        "CPU linear layers:" in r.message and "amx_bf16=" in r.message for r in caplog.records
+    )
     assert engine.weight_format == weights and engine.dtype == torch.float32
     assert engine.kv_cache.data.dtype == kv
-    plans = [rl.applied_plan(m) for m in engine.model.modules()
-             if isinstance(m, torch.nn.Linear)]
+    plans = [rl.applied_plan(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     assert rl.applied_plan(engine.model.lm_head) is not None and len(plans) > 1
-    outs = engine.generate(["hello there", "one two three four"],
-                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = engine.generate(
+        ["hello there", "one two three four"],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    )
     assert [len(o.token_ids) for o in outs] == [6, 6]
 
 
@@ -157,8 +177,11 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
     with pytest.raises(ValueError, match="CPU only"):
         resolve_weight_format(EngineConfig(quantization="int8"), torch.device("cuda"))
     args = translate({"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "bfloat16"})
-    assert args.engine == {"dtype": "bfloat16", "quantization": "int8",
-                           "kv_cache_dtype": "bfloat16"}
+    assert args.engine == {
+        "dtype": "bfloat16",
+        "quantization": "int8",
+        "kv_cache_dtype": "bfloat16",
+    }
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         translate({"quantization": "awq"})
     with pytest.raises(ValueError, match="quantization must be one of"):
@@ -169,8 +192,7 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
 def test_a_cpu_without_bf16_or_amx_takes_the_portable_paths(monkeypatch, fmt):
     """As on an AVX2-only CPU: decode rows on the portable kernel, prompt rows in fp32 on a
     widened copy (oneDNN would only emulate bf16 there); the log line says so."""
-    monkeypatch.setattr(rl.CpuFeatures, "detect",
-                        classmethod(lambda cls: cls(False, False, False)))
+    monkeypatch.setattr(rl.CpuFeatures, "detect", classmethod(lambda cls: cls(False, False, False)))
     op.weight_gemm_force_portable(True)
     try:
         torch.manual_seed(0)

@@ -1,13 +1,15 @@
 """The compiled rotary kernel gives modeling_llama's ``x * cos + rotate_half(x) * sin``
 bit for bit, and the lean forward runs it."""
+
 import pytest
 import torch
 
 from slipstream.worker import fast_forward
 from slipstream.worker.ops import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
-                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+)
 
 
 def _llama_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,14 +44,14 @@ def test_rotary_kernel_reads_a_column_slice_of_a_fused_projection():
     cos, sin = _cos_sin(6, 64, gen)
     for part, heads in ((q, 9), (k, 3)):
         got = torch.ops.slipstream_cpu.rotary(part, cos, sin, 64)
-        assert torch.equal(got.view(6, heads, 64),
-                           _llama_rotary(part.reshape(6, heads, 64), cos, sin))
+        assert torch.equal(
+            got.view(6, heads, 64), _llama_rotary(part.reshape(6, heads, 64), cos, sin)
+        )
 
 
 def test_rotary_kernel_refuses_an_odd_head_dim_with_a_clear_error():
     with pytest.raises(RuntimeError, match="even head_dim"):
-        torch.ops.slipstream_cpu.rotary(torch.zeros(2, 15), torch.zeros(2, 5),
-                                        torch.zeros(2, 5), 5)
+        torch.ops.slipstream_cpu.rotary(torch.zeros(2, 15), torch.zeros(2, 5), torch.zeros(2, 5), 5)
 
 
 def test_the_lean_forward_of_an_fp32_model_uses_the_kernel_and_a_bf16_one_torch():

@@ -1,5 +1,6 @@
 """The compiled small-GEMM kernel (few rows: decode steps at small batch) computes the linear
 product, and ``cpu_linear=auto`` sends few-row products to it and the rest to oneDNN."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 from slipstream.worker import cpu_linear
 from slipstream.worker.ops import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
-                                reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+)
 op = torch.ops.slipstream_cpu
 
 
@@ -32,8 +34,12 @@ def test_small_gemm_reads_rows_at_their_stride():
     wide, weight = torch.randn(5, 2 * 48, generator=gen), torch.randn(33, 48, generator=gen)
     x = wide[:, :48]
     assert x.stride(0) == 96
-    torch.testing.assert_close(op.small_gemm(x, op.pack_small_gemm_weight(weight), 33, None),
-                               F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        op.small_gemm(x, op.pack_small_gemm_weight(weight), 33, None),
+        F.linear(x, weight),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_small_gemm_refuses_a_weight_packed_for_another_width():
@@ -45,8 +51,11 @@ def test_small_gemm_refuses_a_weight_packed_for_another_width():
 def _calls(model: torch.nn.Module, x: torch.Tensor) -> dict:
     with torch.profiler.profile() as prof, torch.no_grad():
         model(x)
-    return {e.key: e.count for e in prof.key_averages()
-            if e.key in ("slipstream_cpu::small_gemm", "mkldnn::_linear_pointwise")}
+    return {
+        e.key: e.count
+        for e in prof.key_averages()
+        if e.key in ("slipstream_cpu::small_gemm", "mkldnn::_linear_pointwise")
+    }
 
 
 def test_auto_layout_sends_few_rows_to_the_kernel_and_many_to_onednn():

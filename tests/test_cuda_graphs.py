@@ -1,5 +1,6 @@
 """The CPU-testable half of the CUDA-graph decode runner: buckets, padding, eager fallback,
 and that padding rows are inert for the Triton decode path (run by the interpreter)."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of the kernel module
@@ -8,7 +9,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from slipstream.worker.cuda_graphs import (  # noqa: E402
-    DecodeGraphRunner, StaticDecodeInputs, bucket_for, capture_sizes)
+    DecodeGraphRunner,
+    StaticDecodeInputs,
+    bucket_for,
+    capture_sizes,
+)
 
 
 def test_capture_sizes():
@@ -30,23 +35,38 @@ def test_bucket_for():
 def test_static_inputs_load_pads_and_clears_stale_rows():
     buf = StaticDecodeInputs(8, 5)
     # A larger batch first leaves real values in rows that a later, smaller batch pads.
-    big = (torch.arange(7), torch.arange(7) + 100, torch.arange(7) + 40,
-           torch.arange(21, dtype=torch.int32).view(7, 3), torch.full((7,), 9, dtype=torch.int32))
+    big = (
+        torch.arange(7),
+        torch.arange(7) + 100,
+        torch.arange(7) + 40,
+        torch.arange(21, dtype=torch.int32).view(7, 3),
+        torch.full((7,), 9, dtype=torch.int32),
+    )
     buf.load(8, *big)
     assert buf.slot_mapping.tolist() == [40, 41, 42, 43, 44, 45, 46, -1]
     assert buf.block_tables[6].tolist() == [18, 19, 20, -1, -1]
 
     ids = torch.tensor([5, 6, 7])
     bt = torch.tensor([[3, 4], [5, -1], [6, 7]], dtype=torch.int32)
-    buf.load(4, ids, torch.tensor([17, 3, 20]), torch.tensor([52, 21, 99]), bt,
-             torch.tensor([18, 4, 21], dtype=torch.int32))
+    buf.load(
+        4,
+        ids,
+        torch.tensor([17, 3, 20]),
+        torch.tensor([52, 21, 99]),
+        bt,
+        torch.tensor([18, 4, 21], dtype=torch.int32),
+    )
     ids4, pos4, slots4, bt4, lens4 = buf.view(4)
     assert ids4.tolist() == [5, 6, 7, 0]
     assert pos4.tolist() == [17, 3, 20, 0]
     assert slots4.tolist() == [52, 21, 99, -1]  # the padding row cannot write the cache
     assert lens4.tolist() == [18, 4, 21, 1]
-    assert bt4.tolist() == [[3, 4, -1, -1, -1], [5, -1, -1, -1, -1], [6, 7, -1, -1, -1],
-                            [-1, -1, -1, -1, -1]]  # stale columns 2.. of the big batch cleared
+    assert bt4.tolist() == [
+        [3, 4, -1, -1, -1],
+        [5, -1, -1, -1, -1],
+        [6, 7, -1, -1, -1],
+        [-1, -1, -1, -1, -1],
+    ]  # stale columns 2.. of the big batch cleared
     # Rows past the bucket are not read by its graph and keep whatever they held.
     assert buf.slot_mapping[4:7].tolist() == [44, 45, 46]
 
@@ -76,8 +96,7 @@ def test_padding_rows_are_inert_for_triton_decode():
     """Load a 3-row batch into a bucket of 4, then store_kv + decode attention on the padded
     view: the padding row writes no slot and yields zeros, the real rows match the reference."""
     pytest.importorskip("triton")
-    from slipstream.worker.ops import torch_ops as ref
-    from slipstream.worker.ops import triton_kernels as tk
+    from slipstream.worker.ops import torch_ops as ref, triton_kernels as tk
 
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, h, d = 10, 4, 3, 9, 32
@@ -85,8 +104,9 @@ def test_padding_rows_are_inert_for_triton_decode():
     vc = torch.randn(nb, bs, hkv, d, generator=g)
     bt = torch.tensor([[2, 5, -1], [7, -1, -1], [0, 1, 3]], dtype=torch.int32)
     lens = torch.tensor([6, 3, 12], dtype=torch.int32)
-    slots = torch.tensor([int(bt[i, (n - 1) // bs]) * bs + (n - 1) % bs
-                          for i, n in enumerate(lens.tolist())])
+    slots = torch.tensor(
+        [int(bt[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens.tolist())]
+    )
     buf = StaticDecodeInputs(8, 4)
     buf.load(4, torch.tensor([1, 2, 3]), lens.long() - 1, slots, bt, lens)
     _, _, slots4, bt4, lens4 = buf.view(4)
@@ -99,8 +119,8 @@ def test_padding_rows_are_inert_for_triton_decode():
     assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)
 
     q = torch.randn(4, h, d, generator=g)
-    out = tk.paged_decode_attention(q, kc_t, vc_t, bt4, lens4, d ** -0.5, block_n=8)
-    expect = ref.paged_decode_attention(q[:3], kc, vc, bt, lens, d ** -0.5)
+    out = tk.paged_decode_attention(q, kc_t, vc_t, bt4, lens4, d**-0.5, block_n=8)
+    expect = ref.paged_decode_attention(q[:3], kc, vc, bt, lens, d**-0.5)
     assert torch.isfinite(out).all()
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     torch.testing.assert_close(out[:3], expect, atol=2e-5, rtol=1e-5)

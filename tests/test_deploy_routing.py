@@ -4,6 +4,7 @@
 field fails as the API server's strict field validation would); and the pieces point at each
 other: pool -> Slipstream pods' OpenAI port and the endpoint picker, route -> pool, picker ->
 Slipstream's metric names and metrics port, router -> the pods by label."""
+
 import re
 import subprocess
 from pathlib import Path
@@ -11,15 +12,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_support import DEPLOY, ROOT, find, plain_env, render, require_module, require_tool
 from slipstream.server.stub.metrics import GAUGES, PREFIX
+from deploy_support import DEPLOY, find, plain_env, render, require_module, require_tool
 
 WAYS = ("inference-gateway", "router")
 CRDS = Path(__file__).parent / "data" / "crds"
-CRD_FILES = {("inference.networking.k8s.io", "InferencePool"):
-             "inference.networking.k8s.io_inferencepools.yaml",
-             ("gateway.networking.k8s.io", "HTTPRoute"):
-             "gateway.networking.k8s.io_httproutes.yaml"}
+CRD_FILES = {
+    (
+        "inference.networking.k8s.io",
+        "InferencePool",
+    ): "inference.networking.k8s.io_inferencepools.yaml",
+    ("gateway.networking.k8s.io", "HTTPRoute"): "gateway.networking.k8s.io_httproutes.yaml",
+}
 KUBERNETES_VERSIONS = ("1.29.0", None)
 
 
@@ -35,8 +39,11 @@ def strict(schema: dict) -> dict:
     prunes them, and strict field validation rejects them)."""
     if isinstance(schema, dict):
         schema = {k: strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema and \
-                not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
     elif isinstance(schema, list):
         schema = [strict(v) for v in schema]
@@ -114,8 +121,10 @@ def test_inference_pool_asks_the_endpoint_picker_service():
     service = find(objects, "Service", ref["name"])
     assert ref["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
     picker = find(objects, "Deployment", ref["name"])
-    assert service["spec"]["selector"].items() <= \
-        picker["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= picker["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_http_route_sends_everything_to_the_pool():
@@ -167,20 +176,27 @@ def test_endpoint_picker_scrapes_metrics_at_the_pools_target_port():
 def test_endpoint_picker_may_watch_its_pool_and_the_pods():
     objects = render("inference-gateway")
     rules = find(objects, "Role", "slipstream-epp")["rules"]
-    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
-               if {"get", "list", "watch"} <= set(rule["verbs"])}
+    granted = {
+        (g, r)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        if {"get", "list", "watch"} <= set(rule["verbs"])
+    }
     assert {("inference.networking.k8s.io", "inferencepools"), ("", "pods")} <= granted
     binding = find(objects, "RoleBinding", "slipstream-epp")
     account = find(objects, "Deployment", "slipstream-epp")["spec"]["template"]["spec"][
-        "serviceAccountName"]
+        "serviceAccountName"
+    ]
     assert binding["subjects"][0]["name"] == account
     find(objects, "ServiceAccount", account)
 
 
 # ------------------------------------------------------------------------------- the router
 def router_args(objects: tuple) -> list:
-    return find(objects, "Deployment", "vllm-router")["spec"]["template"]["spec"][
-        "containers"][0]["args"]
+    return find(objects, "Deployment", "vllm-router")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
 
 
 def test_router_discovers_the_slipstream_pods_by_label_at_their_openai_port():
@@ -221,9 +237,14 @@ def test_router_listens_where_its_probes_and_service_look():
 def test_router_image_dockerfile_pins_the_router_and_passes_hadolint():
     text = (DEPLOY / "router" / "Dockerfile").read_text()
     version = find(render("router"), "Deployment", "vllm-router")["spec"]["template"]["spec"][
-        "containers"][0]["image"].split(":")[-1]
+        "containers"
+    ][0]["image"].split(":")[-1]
     assert f"vllm-router=={version}" in text
     hadolint = require_tool("hadolint")
-    out = subprocess.run([hadolint, str(DEPLOY / "router" / "Dockerfile")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [hadolint, str(DEPLOY / "router" / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -9,6 +9,7 @@ readiness command and the HEALTHCHECK command are read from the rendered manifes
 Dockerfile, not repeated here. The last test sends SIGTERM with a request in flight, as the
 kubelet does when a pod is deleted, and ends the module's server.
 """
+
 import json
 import os
 import queue
@@ -24,15 +25,26 @@ import urllib.request
 import numpy as np
 import pytest
 
-from deploy_support import (DASHBOARD, ROOT, container, dockerfile_exec_form, find, http_path_probes,
-                            image_path_to_repo, plain_env, render)
 from slipstream.server.launch.launcher import free_port
+from deploy_support import (
+    DASHBOARD,
+    ROOT,
+    container,
+    dockerfile_exec_form,
+    find,
+    http_path_probes,
+    image_path_to_repo,
+    plain_env,
+    render,
+)
 from support import need_tritonserver
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
-                       reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"),
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
 ]
 OVERLAY = "cpu"
 STREAM_TOKENS = 24
@@ -43,12 +55,19 @@ class ContainerProcess:
 
     def __init__(self, env: dict, args: list) -> None:
         self.env = env
-        self.ports = {name: int(env[f"SLIPSTREAM_{name.upper()}_PORT"])
-                      for name in ("http", "grpc", "metrics", "openai")}
+        self.ports = {
+            name: int(env[f"SLIPSTREAM_{name.upper()}_PORT"])
+            for name in ("http", "grpc", "metrics", "openai")
+        }
         entrypoint = image_path_to_repo(dockerfile_exec_form("ENTRYPOINT")[-1])
-        self.process = subprocess.Popen([str(entrypoint), *args], env=env, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [str(entrypoint), *args],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         self.log: list = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -136,20 +155,30 @@ def metric_families(proc: ContainerProcess) -> set:
 def series_family(name: str, families: set) -> str:
     """The family of a series name: a histogram's _bucket/_sum/_count belong to it."""
     for suffix in ("_bucket", "_sum", "_count"):
-        if name.endswith(suffix) and name[:-len(suffix)] in families:
-            return name[:-len(suffix)]
+        if name.endswith(suffix) and name[: -len(suffix)] in families:
+            return name[: -len(suffix)]
     return name
 
 
 def stream(proc: ContainerProcess, max_tokens: int, result: dict) -> None:
-    body = json.dumps({"text_input": "Tell me a long story about a lighthouse keeper.",
-                       "stream": True,
-                       "parameters": {"max_tokens": max_tokens, "ignore_eos": True,
-                                      "temperature": 0, "return_num_output_tokens": True,
-                                      "return_finish_reason": True}})
-    request = urllib.request.Request(proc.url("http", "/v2/models/slipstream/generate_stream"),
-                                     data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "text_input": "Tell me a long story about a lighthouse keeper.",
+            "stream": True,
+            "parameters": {
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "return_num_output_tokens": True,
+                "return_finish_reason": True,
+            },
+        }
+    )
+    request = urllib.request.Request(
+        proc.url("http", "/v2/models/slipstream/generate_stream"),
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
     events = []
     try:
         with urllib.request.urlopen(request, timeout=300) as r:
@@ -176,8 +205,12 @@ def test_readiness_probe_command_succeeds_on_a_ready_server(pod, spec):
 
 def test_readiness_probe_command_fails_where_no_server_answers(pod, spec):
     env = dict(pod.env, SLIPSTREAM_HTTP_PORT=str(free_port()))
-    assert subprocess.run(spec["readinessProbe"]["exec"]["command"], env=env,
-                          capture_output=True, timeout=10).returncode != 0
+    assert (
+        subprocess.run(
+            spec["readinessProbe"]["exec"]["command"], env=env, capture_output=True, timeout=10
+        ).returncode
+        != 0
+    )
 
 
 def test_liveness_probe_answers(pod, spec):
@@ -191,13 +224,18 @@ def test_image_healthcheck_command_succeeds(pod):
 
 # ------------------------------------------------------------------------------- serving
 def test_service_http_port_generates_with_the_default_model(pod):
-    body = json.dumps({"text_input": "What is the capital of France?",
-                       "exclude_input_in_output": True,
-                       "parameters": {"temperature": 0, "max_tokens": 16,
-                                      "apply_chat_template": True}})
-    request = urllib.request.Request(pod.url("http", "/v2/models/slipstream/generate"),
-                                     data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "text_input": "What is the capital of France?",
+            "exclude_input_in_output": True,
+            "parameters": {"temperature": 0, "max_tokens": 16, "apply_chat_template": True},
+        }
+    )
+    request = urllib.request.Request(
+        pod.url("http", "/v2/models/slipstream/generate"),
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         assert "Paris" in json.loads(r.read())["text_output"]
 
@@ -211,11 +249,17 @@ def test_openai_port_answers_health_models_and_chat(pod):
     assert pod.get("openai", "/health") == 200, "".join(pod.log[-20:])
     with urllib.request.urlopen(pod.url("openai", "/v1/models"), timeout=10) as r:
         assert [m["id"] for m in json.loads(r.read())["data"]] == ["slipstream"]
-    body = {"model": "slipstream", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-    req = urllib.request.Request(pod.url("openai", "/v1/chat/completions"),
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "slipstream",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+    req = urllib.request.Request(
+        pod.url("openai", "/v1/chat/completions"),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         answer = json.loads(r.read())
     assert "Paris" in answer["choices"][0]["message"]["content"]
@@ -231,10 +275,14 @@ def test_metrics_port_serves_the_autoscaler_and_dashboard_metrics(pod):
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in families
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    queries += [v["query"]["query"] for v in dashboard["templating"]["list"]
-                if v["type"] == "query"]
-    named = {series_family(n, families) for q in queries
-             for n in re.findall(r"\b(?:slipstream|nv)_[a-z0-9_]+", q)}
+    queries += [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
+    ]
+    named = {
+        series_family(n, families)
+        for q in queries
+        for n in re.findall(r"\b(?:slipstream|nv)_[a-z0-9_]+", q)
+    }
     assert named and named <= families, sorted(named - families)
 
 
@@ -243,8 +291,11 @@ def test_metrics_port_serves_the_autoscaler_and_dashboard_metrics(pod):
 # into its inputs.json (perf_analyzer, which sends them, cannot run on glibc < 2.38); aiperf's
 # comes from the repository's template, rendered as aiperf renders it.
 def sse_post(proc: ContainerProcess, path: str, payload: dict) -> list:
-    request = urllib.request.Request(proc.url("http", path), data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        proc.url("http", path),
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         return [json.loads(line[5:]) for line in r if line.startswith(b"data:")]
 
@@ -258,11 +309,17 @@ def test_genai_perf_kserve_vllm_request_streams_over_grpc(pod):
         return t
 
     inputs = [  # --endpoint-type kserve --backend vllm --streaming --output-tokens-mean 8
-        tensor("text_input", np.array([b"Tybalt is gone and Romeo banished"], dtype=object), "BYTES"),
+        tensor(
+            "text_input", np.array([b"Tybalt is gone and Romeo banished"], dtype=object), "BYTES"
+        ),
         tensor("exclude_input_in_output", np.array([True]), "BOOL"),
         tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters",
-               np.array([b'{"max_tokens":"8","min_tokens":"8"}'], dtype=object), "BYTES")]
+        tensor(
+            "sampling_parameters",
+            np.array([b'{"max_tokens":"8","min_tokens":"8"}'], dtype=object),
+            "BYTES",
+        ),
+    ]
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{pod.ports['grpc']}")
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -286,8 +343,13 @@ def test_genai_perf_kserve_vllm_request_streams_over_grpc(pod):
 def test_genai_perf_generate_request_streams_from_generate_stream(pod):
     # --endpoint-type generate --endpoint v2/models/slipstream/generate_stream --streaming
     # --output-tokens-mean 12 --extra-inputs ignore_eos:true
-    payload = {"text_input": ["Tybalt is gone and Romeo banished"], "stream": True,
-               "max_tokens": 12, "ignore_eos": True, "return_num_output_tokens": True}
+    payload = {
+        "text_input": ["Tybalt is gone and Romeo banished"],
+        "stream": True,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "return_num_output_tokens": True,
+    }
     events = sse_post(pod, "/v2/models/slipstream/generate_stream", payload)
     assert "error" not in events[-1], events[-1]
     assert sum(e["num_output_tokens"] for e in events) == 12
@@ -297,8 +359,11 @@ def test_aiperf_template_payload_streams_from_generate_stream(pod):
     import jinja2
 
     template = (ROOT / "benchmarks" / "aiperf" / "generate_stream.json.j2").read_text()
-    rendered = jinja2.Environment(autoescape=True).from_string(template).render(
-        text='Tybalt is "gone" & Romeo <banished>', stream=True, max_tokens=12)
+    rendered = (
+        jinja2.Environment(autoescape=True)
+        .from_string(template)
+        .render(text='Tybalt is "gone" & Romeo <banished>', stream=True, max_tokens=12)
+    )
     payload = json.loads(rendered)
     payload["parameters"]["return_num_output_tokens"] = True
     events = sse_post(pod, "/v2/models/slipstream/generate_stream", payload)
@@ -327,7 +392,8 @@ def test_sigterm_drains_the_in_flight_request_and_fails_readiness(pod, spec):
         ready_while_draining.append(pod.run_probe_command(readiness) == 0)
         time.sleep(0.2)
     grace = find(render(f"overlays/{OVERLAY}"), "Deployment")["spec"]["template"]["spec"][
-        "terminationGracePeriodSeconds"]
+        "terminationGracePeriodSeconds"
+    ]
     code = pod.process.wait(timeout=grace)
     client.join(timeout=30)
     assert code == 0, pod.text_log()[-4000:]

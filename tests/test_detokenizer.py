@@ -1,4 +1,5 @@
 """Incremental detokenization: UTF-8 safety and stop strings across token boundaries."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """Greedy outputs of the batched engine equal model.generate run one request at a time."""
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,14 @@ def workload_and_reference(arch: str) -> tuple:
 
 def run_engine(arch: str, **overrides) -> tuple:
     prompts, outs, reference = workload_and_reference(arch)
-    settings = dict(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=48,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=600)
+    settings = dict(
+        model=str(tiny_model_dir(arch)),
+        block_size=4,
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=600,
+    )
     settings.update(overrides)
     engine = LLMEngine(EngineConfig(**settings))
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
@@ -43,8 +50,9 @@ def test_continuous_matches_reference(arch):
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_batch_modes_match_reference(arch, mode):
-    engine, got, reference = run_engine(arch, batching=mode, max_batch_size=4,
-                                        max_queue_delay_ms=0.0)
+    engine, got, reference = run_engine(
+        arch, batching=mode, max_batch_size=4, max_queue_delay_ms=0.0
+    )
     assert got == reference
     assert engine.block_manager.num_used_blocks == 0
 
@@ -52,11 +60,23 @@ def test_batch_modes_match_reference(arch, mode):
 def test_chunked_prefill_interleaves_decode():
     """A long prompt arriving while others decode is split into chunks; decodes keep going."""
     path = tiny_model_dir("llama")
-    engine = LLMEngine(EngineConfig(model=str(path), block_size=4, max_num_batched_tokens=16,
-                                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=300))
-    short = engine.add_request([101, 102, 103], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            block_size=4,
+            max_num_batched_tokens=16,
+            max_num_seqs=8,
+            max_model_len=512,
+            num_gpu_blocks_override=300,
+        )
+    )
+    short = engine.add_request(
+        [101, 102, 103], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    )
     engine.step()  # short request prefilled, first token out
-    engine.add_request(list(range(200, 400)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.add_request(
+        list(range(200, 400)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    )
     decoded_during_prefill = 0
     for _ in range(12):
         before = short.num_output_tokens
@@ -68,6 +88,7 @@ def test_chunked_prefill_interleaves_decode():
 
 
 def test_no_chunked_prefill_still_correct():
-    engine, got, reference = run_engine("llama", enable_chunked_prefill=False,
-                                        max_num_batched_tokens=512)
+    engine, got, reference = run_engine(
+        "llama", enable_chunked_prefill=False, max_num_batched_tokens=512
+    )
     assert got == reference

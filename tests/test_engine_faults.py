@@ -2,6 +2,7 @@
 model stops reporting READY and the engine is restarted as after a crash (the server goes
 away for its supervisor to replace), or, with vllm_backend's ENABLE_VLLM_HEALTH_CHECK, the
 model is unloaded. Real tritonserver, tiny model, a forward made to block or raise."""
+
 import os
 import threading
 import time
@@ -19,7 +20,8 @@ from test_server import OVERRIDES, REPO, run_stream, text_inputs, tiny_model  # 
 from test_server_lifecycle import wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 SHORT = {"temperature": 0, "max_tokens": 4}
 
 
@@ -30,8 +32,9 @@ def test_the_step_watchdog_ends_every_request_of_a_hung_step():
         loop.generate([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))  # past the first steps
         hang = threading.Event()
         loop.engine.runner.execute = lambda sched: hang.wait()
-        streams = [loop.submit([8 + i, 9], SamplingParams(max_tokens=50, **GREEDY))
-                   for i in range(3)]
+        streams = [
+            loop.submit([8 + i, 9], SamplingParams(max_tokens=50, **GREEDY)) for i in range(3)
+        ]
         started = time.monotonic()
         outs = [list(stream)[-1] for stream in streams]
         assert time.monotonic() - started < 5
@@ -50,18 +53,23 @@ def wait_exit(server, timeout):
 
 
 @pytest.mark.slow
-def test_a_hung_step_fails_its_requests_and_the_server_goes_away(
-        tiny_model, tmp_path):  # noqa: F811
+def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp_path):  # noqa: F811
     """Before: every client waited for ever and the model stayed READY."""
-    server, fault = faulty_server(REPO, tiny_model, tmp_path, {**OVERRIDES, "step_timeout_s": 2},
-                                  exit_timeout=5)
+    server, fault = faulty_server(
+        REPO, tiny_model, tmp_path, {**OVERRIDES, "step_timeout_s": 2}, exit_timeout=5
+    )
     try:
         assert run_stream(server, text_inputs("warm", sampling=SHORT))[1] is None
         fault.write_text("block")
         results = {}
-        clients = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, run_stream(server, text_inputs(f"stuck {i}", sampling=SHORT), timeout=60)))
-            for i in range(3)]
+        clients = [
+            threading.Thread(
+                target=lambda i=i: results.__setitem__(
+                    i, run_stream(server, text_inputs(f"stuck {i}", sampling=SHORT), timeout=60)
+                )
+            )
+            for i in range(3)
+        ]
         started = time.monotonic()
         for client in clients:
             client.start()
@@ -73,8 +81,11 @@ def test_a_hung_step_fails_its_requests_and_the_server_goes_away(
         server.kill()
     assert len(results) == 3 and answered < 30, (results, answered)
     for _, error in results.values():
-        assert error is not None and ("hung" in str(error) or "Stream removed" in str(error)
-                                      or "unavailable" in str(error).lower()), str(error)
+        assert error is not None and (
+            "hung" in str(error)
+            or "Stream removed" in str(error)
+            or "unavailable" in str(error).lower()
+        ), str(error)
     assert any("hung" in str(error) for _, error in results.values())
     assert code is not None and not server.is_ready()
     log = server.log_path.read_text()
@@ -83,12 +94,12 @@ def test_a_hung_step_fails_its_requests_and_the_server_goes_away(
 
 
 @pytest.mark.slow
-def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(
-        tiny_model, tmp_path):  # noqa: F811
+def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_model, tmp_path):  # noqa: F811
     """Default restarts. Before: the engine was restarted inside the stub and the model
     stayed READY, accepting work it could not do."""
-    server, fault = faulty_server(REPO, tiny_model, tmp_path,
-                                  {**OVERRIDES, "engine_failure_threshold": 3}, exit_timeout=5)
+    server, fault = faulty_server(
+        REPO, tiny_model, tmp_path, {**OVERRIDES, "engine_failure_threshold": 3}, exit_timeout=5
+    )
     errors = []
     try:
         fault.write_text("raise")
@@ -104,10 +115,13 @@ def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(
 
 
 @pytest.mark.slow
-def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(
-        tiny_model, tmp_path):  # noqa: F811
-    server, fault = faulty_server(REPO, tiny_model, tmp_path, {
-        **OVERRIDES, "engine_failure_threshold": 2, "ENABLE_VLLM_HEALTH_CHECK": "true"})
+def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(tiny_model, tmp_path):  # noqa: F811
+    server, fault = faulty_server(
+        REPO,
+        tiny_model,
+        tmp_path,
+        {**OVERRIDES, "engine_failure_threshold": 2, "ENABLE_VLLM_HEALTH_CHECK": "true"},
+    )
     try:
         fault.write_text("raise")
         for i in range(2):

@@ -1,4 +1,5 @@
 """Prefix caching, preemption, aborts, seeded sampling and input validation."""
+
 from __future__ import annotations
 
 import random
@@ -13,8 +14,14 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(arch="llama", **overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=400)
+    settings = dict(
+        model=str(tiny_model_dir(arch)),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=400,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -72,8 +79,10 @@ def test_random_aborts_never_leak_blocks():
     for step in range(200):
         if rng.random() < 0.4:
             n = rng.choice([1, 5, 20, 60])
-            req = engine.add_request([rng.randrange(100, 40000) for _ in range(n)],
-                                     SamplingParams(max_tokens=rng.randrange(1, 40), **GREEDY))
+            req = engine.add_request(
+                [rng.randrange(100, 40000) for _ in range(n)],
+                SamplingParams(max_tokens=rng.randrange(1, 40), **GREEDY),
+            )
             live.append(req.request_id)
         if live and rng.random() < 0.3:
             rid = live.pop(rng.randrange(len(live)))
@@ -101,16 +110,20 @@ def test_abort_mid_generation_frees_blocks_at_once():
 
 
 def test_seeded_sampling_is_independent_of_batch_mates():
-    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True
+    )
     prompt = [101, 2020, 3030, 4040]
     alone = make_engine().generate([prompt], params)[0].token_ids
     mates = [[i, i + 1, i + 2] for i in range(500, 507)]
     crowd = make_engine(seed=99).generate(
-        mates + [prompt], [SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True)] * 7 + [params])
+        mates + [prompt],
+        [SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True)] * 7 + [params],
+    )
     assert crowd[-1].token_ids == alone
-    different_seed = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=4321,
-                                    ignore_eos=True)
+    different_seed = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=4321, ignore_eos=True
+    )
     assert make_engine().generate([prompt], different_seed)[0].token_ids != alone
 
 
@@ -121,43 +134,49 @@ def test_logprobs_and_stop_conditions():
     assert ref.cumulative_logprob == pytest.approx(sum(ref.logprobs))
     stop_id = ref.token_ids[3]
     first = ref.token_ids.index(stop_id)
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0,
-                                                     stop_token_ids=[stop_id]))[0]
-    assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
+    out = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id])
+    )[0]
+    assert out.token_ids == ref.token_ids[: first + 1] and out.finish_reason == "stop"
     assert ref.finish_reason == "length"
 
 
 def test_min_tokens_blocks_eos():
     engine = make_engine()
     eos = engine.eos_token_id
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, min_tokens=6, temperature=0,
-                                                      stop_token_ids=[]))[0]
+    out = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=6, min_tokens=6, temperature=0, stop_token_ids=[])
+    )[0]
     assert len(out.token_ids) == 6 and eos not in out.token_ids
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"),
-    (dict(top_k=-5), "top_k"),
-    (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(presence_penalty=3), "presence_penalty"),
-    (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-    (dict(seed="x"), "seed"),
-    (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(temperature=float("nan")), "temperature"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(seed="x"), "seed"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(temperature=float("nan")), "temperature"),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
 
 
 def test_sampling_params_from_strings():
-    p = SamplingParams.from_dict({"temperature": "0", "max_tokens": "7", "ignore_eos": "true",
-                                  "stop": ["x"]})
+    p = SamplingParams.from_dict(
+        {"temperature": "0", "max_tokens": "7", "ignore_eos": "true", "stop": ["x"]}
+    )
     assert p.greedy and p.max_tokens == 7 and p.ignore_eos and p.stop == ["x"]
     with pytest.raises(ValueError, match="top_q"):
         SamplingParams.from_dict({"top_q": 1})
@@ -185,9 +204,18 @@ def test_max_model_len_caps_generation():
     assert out.num_prompt_tokens + out.num_output_tokens == 32 and out.finish_reason == "length"
 
 
-@pytest.mark.parametrize("bad", [dict(block_size=0), dict(batching="nope"), dict(policy="x"),
-                                 dict(max_num_seqs=-1), dict(dtype="int8")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=0),
+        dict(batching="nope"),
+        dict(policy="x"),
+        dict(max_num_seqs=-1),
+        dict(dtype="int8"),
+    ],
+)
 def test_invalid_engine_config(bad):
     from slipstream import EngineConfig
+
     with pytest.raises(ValueError):
         EngineConfig(**bad)

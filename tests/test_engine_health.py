@@ -1,6 +1,7 @@
 """The engine loop's own safety: text prompts are tokenized off the caller's thread, an engine
 that fails step after step (or whose thread crashes) ends every request at once and refuses
 new ones, and the supervisor brings a fresh engine back."""
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,6 @@ from slipstream.engine import merge_output
 from slipstream.engine.loop import EngineDeadError, EngineLoop, HealthState
 from slipstream.engine.supervisor import EngineSupervisor
 from test_engine_loop import GREEDY, config  # the same tiny engine
-
 
 
 def collect(stream, timeout=60):
@@ -36,7 +36,9 @@ def test_text_prompt_is_refused_through_its_stream_after_tokenizing(loop):
     out = collect(stream)
     assert out.finish_reason is FinishReason.ERROR and "max_model_len" in out.error
     assert isinstance(stream.rejection, ValueError)
-    assert loop.generate("still fine", SamplingParams(max_tokens=3, **GREEDY)).num_output_tokens == 3
+    assert (
+        loop.generate("still fine", SamplingParams(max_tokens=3, **GREEDY)).num_output_tokens == 3
+    )
 
 
 def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
@@ -55,7 +57,9 @@ def test_a_long_prompt_never_delays_another_submission(loop, monkeypatch):
     started = time.perf_counter()
     held = loop.submit("slow prompt", SamplingParams(max_tokens=2, **GREEDY))
     assert time.perf_counter() - started < 0.5
-    quick = loop.submit([5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))  # token ids: no tokenizer
+    quick = loop.submit(
+        [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY)
+    )  # token ids: no tokenizer
     assert collect(quick).num_output_tokens == 3
     assert not held.finished
     release.set()
@@ -66,8 +70,9 @@ def test_abort_before_the_engine_has_the_request(loop, monkeypatch):
     engine = loop.engine.input_processor  # tokenizing is the input processor's
     original = engine._tokenize
     gate = threading.Event()
-    monkeypatch.setattr(engine, "_tokenize",
-                        lambda p, *a, **k: (gate.wait(10), original(p, *a, **k))[1])
+    monkeypatch.setattr(
+        engine, "_tokenize", lambda p, *a, **k: (gate.wait(10), original(p, *a, **k))[1]
+    )
     first = loop.submit("blocked one", SamplingParams(max_tokens=50, **GREEDY))
     second = loop.submit("blocked two", SamplingParams(max_tokens=50, **GREEDY))
     loop.abort(second.request_id)
@@ -85,6 +90,7 @@ def test_engine_failing_every_step_dies_ends_everything_and_refuses_new_requests
     deaths = []
     lp = EngineLoop(config(), on_dead=deaths.append, failure_threshold=3).start()
     try:
+
         def broken(sched):
             raise RuntimeError("device lost")
 
@@ -136,8 +142,9 @@ def test_supervisor_restarts_a_dead_engine_and_serves_again():
         assert failed.finish_reason is FinishReason.ERROR
         collect(supervisor.submit([8, 9], SamplingParams(max_tokens=5, **GREEDY)))
         deadline = time.monotonic() + 60
-        while (supervisor.loop is first or not supervisor.health().ok) \
-                and time.monotonic() < deadline:
+        while (
+            supervisor.loop is first or not supervisor.health().ok
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert supervisor.health().ok and supervisor.restarts == 1
         out = collect(supervisor.submit([5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)))
@@ -156,12 +163,18 @@ def test_supervisor_gives_up_after_too_many_restarts():
             return config(model="/no/such/model")
         return config()
 
-    supervisor = EngineSupervisor(broken_config, failure_threshold=1, restart_backoff_s=0.0,
-                                  max_restarts=2, on_give_up=lambda health: gave_up.set())
+    supervisor = EngineSupervisor(
+        broken_config,
+        failure_threshold=1,
+        restart_backoff_s=0.0,
+        max_restarts=2,
+        on_give_up=lambda health: gave_up.set(),
+    )
     supervisor.start()
     try:
-        supervisor.loop.engine.runner.execute = \
-            lambda sched: (_ for _ in ()).throw(RuntimeError("boom"))
+        supervisor.loop.engine.runner.execute = lambda sched: (_ for _ in ()).throw(
+            RuntimeError("boom")
+        )
         collect(supervisor.submit([5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)))
         assert gave_up.wait(60)
         assert not supervisor.health().ok
@@ -178,8 +191,11 @@ def test_a_restarted_engine_tells_kv_event_consumers_its_cache_is_empty():
 
     events: list = []
     supervisor = EngineSupervisor(
-        lambda: config(prefix_caching_hash_algo="sha256_cbor"), failure_threshold=2,
-        restart_backoff_s=0.0, engine_kwargs={"kv_event_sink": events.extend})
+        lambda: config(prefix_caching_hash_algo="sha256_cbor"),
+        failure_threshold=2,
+        restart_backoff_s=0.0,
+        engine_kwargs={"kv_event_sink": events.extend},
+    )
     supervisor.start()
     try:
         first = supervisor.loop
@@ -191,8 +207,9 @@ def test_a_restarted_engine_tells_kv_event_consumers_its_cache_is_empty():
         for prompt in ([50, 51, 52], [60, 61]):
             collect(supervisor.submit(prompt, SamplingParams(max_tokens=5, **GREEDY)))
         deadline = time.monotonic() + 60
-        while (supervisor.loop is first or not supervisor.health().ok) \
-                and time.monotonic() < deadline:
+        while (
+            supervisor.loop is first or not supervisor.health().ok
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert supervisor.restarts == 1
         assert AllBlocksCleared() in events[seen:]

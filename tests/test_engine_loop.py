@@ -1,4 +1,5 @@
 """The background engine loop: concurrent submission, streaming, aborts, errors, shutdown."""
+
 from __future__ import annotations
 
 import threading
@@ -15,8 +16,14 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def config(**overrides):
-    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=300)
+    settings = dict(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        num_gpu_blocks_override=300,
+    )
     settings.update(overrides)
     return EngineConfig(**settings)
 
@@ -71,7 +78,9 @@ def test_bad_request_raises_in_caller_and_loop_keeps_serving(loop):
         loop.submit("", SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         loop.submit(list(range(100, 400)), SamplingParams())
-    assert loop.generate("still fine", SamplingParams(max_tokens=3, **GREEDY)).num_output_tokens == 3
+    assert (
+        loop.generate("still fine", SamplingParams(max_tokens=3, **GREEDY)).num_output_tokens == 3
+    )
 
 
 def test_step_error_fails_only_affected_requests():
@@ -91,13 +100,16 @@ def test_step_error_fails_only_affected_requests():
             return original(sched)
 
         def ids_decoded(sched, rid):
-            return next(i.request.num_output_tokens for i in sched.scheduled
-                        if i.request.request_id == rid)
+            return next(
+                i.request.num_output_tokens for i in sched.scheduled if i.request.request_id == rid
+            )
 
         lp.engine.runner.execute = poisoned
-        streams = [lp.submit("healthy one", params), lp.submit("poisoned prompt", params,
-                                                               request_id="poisoned"),
-                   lp.submit("healthy two", params)]
+        streams = [
+            lp.submit("healthy one", params),
+            lp.submit("poisoned prompt", params, request_id="poisoned"),
+            lp.submit("healthy two", params),
+        ]
         results = []
         for stream in streams:
             total = RequestOutput(stream.request_id)

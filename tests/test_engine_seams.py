@@ -2,12 +2,14 @@
 the engine loop works through the narrow ``EngineSurface`` alone, one admission rule holds
 ``max_queue_size``, a step reports what it did, and the attention plan and context are made
 once per step."""
+
 from __future__ import annotations
 
 import threading
 from typing import Optional
 
 import pytest
+
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import FinishReason, Request, RequestOutput
 from slipstream.core.stats import StatsSnapshot
@@ -23,19 +25,29 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                  max_model_len=64, num_gpu_blocks_override=64))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=4,
+            max_model_len=64,
+            num_gpu_blocks_override=64,
+        )
+    )
 
 
 # -- the input processor -------------------------------------------------------------------
-@pytest.mark.parametrize("prompt, params, message", [
-    ("", SamplingParams(), "empty"),
-    ("hi", SamplingParams(stop_token_ids=[10 ** 9]), "stop_token_ids"),
-    ("hi", SamplingParams(lora_name="nope"), "LoRA"),
-    ("x" * 10 ** 6, SamplingParams(), "bytes"),
-])
-def test_the_cheap_checks_refuse_the_same_request_in_the_loop_and_offline(engine, prompt, params,
-                                                                          message):
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "empty"),
+        ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+        ("hi", SamplingParams(lora_name="nope"), "LoRA"),
+        ("x" * 10**6, SamplingParams(), "bytes"),
+    ],
+)
+def test_the_cheap_checks_refuse_the_same_request_in_the_loop_and_offline(
+    engine, prompt, params, message
+):
     """``check`` is what the loop runs in the caller's thread; ``process`` runs it too."""
     with pytest.raises(ValueError, match=message):
         engine.input_processor.check(prompt, params)
@@ -48,25 +60,36 @@ def test_process_refuses_what_only_token_ids_tell(engine):
     with pytest.raises(ValueError, match="max_model_len"):
         inputs.process(list(range(100, 200)))
     with pytest.raises(ValueError, match=r"prompt token ids must be in"):
-        inputs.process([10 ** 7])
+        inputs.process([10**7])
     with pytest.raises(ValueError, match="priority"):
         inputs.process([1, 2], priority=True)
-    req = inputs.process("hello there", SamplingParams(truncate_prompt_tokens=2), "mine",
-                         options=PromptOptions(add_special_tokens=False))
+    req = inputs.process(
+        "hello there",
+        SamplingParams(truncate_prompt_tokens=2),
+        "mine",
+        options=PromptOptions(add_special_tokens=False),
+    )
     assert req.request_id == "mine" and req.num_prompt_tokens == 2
 
 
 # -- the admission rule --------------------------------------------------------------------
 def test_one_queue_limit_rule():
-    QueueLimit(0).check(10 ** 6)  # 0: no limit
+    QueueLimit(0).check(10**6)  # 0: no limit
     QueueLimit(2).check(1)
     with pytest.raises(OverloadedError, match="server overloaded"):
         QueueLimit(2).check(2)
 
 
 def test_the_offline_engine_admits_by_the_same_rule():
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                 max_model_len=64, num_gpu_blocks_override=64, max_queue_size=1))
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=4,
+            max_model_len=64,
+            num_gpu_blocks_override=64,
+            max_queue_size=1,
+        )
+    )
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=1))
     with pytest.raises(OverloadedError):
         eng.add_request([4, 5, 6], SamplingParams(max_tokens=1))
@@ -141,8 +164,14 @@ class FakeEngine:
             finished = self._left[rid] == 0
             if finished:
                 del self._live[rid]
-            outputs.append(RequestOutput(rid, token_ids=[7], finished=finished,
-                                         finish_reason=FinishReason.LENGTH if finished else None))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    token_ids=[7],
+                    finished=finished,
+                    finish_reason=FinishReason.LENGTH if finished else None,
+                )
+            )
         return StepResult(outputs, ran=True)
 
     def has_unfinished(self) -> bool:
@@ -158,8 +187,11 @@ class FakeEngine:
         self._limit.check(num_queued)
 
     def fail_running(self, message: str) -> list[RequestOutput]:
-        return [RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
-                for rid in list(self._live) if self._live.pop(rid)]
+        return [
+            RequestOutput(rid, finished=True, finish_reason=FinishReason.ERROR, error=message)
+            for rid in list(self._live)
+            if self._live.pop(rid)
+        ]
 
     def abort_all(self) -> list[RequestOutput]:
         return [o for o in (self.abort(rid) for rid in list(self._live)) if o is not None]
@@ -173,8 +205,9 @@ class FakeEngine:
 
 
 def _surface_names() -> list[str]:
-    return [n for n in vars(EngineSurface) if not n.startswith("_")] + \
-        list(EngineSurface.__annotations__)
+    return [n for n in vars(EngineSurface) if not n.startswith("_")] + list(
+        EngineSurface.__annotations__
+    )
 
 
 def collect(stream) -> RequestOutput:
@@ -187,8 +220,11 @@ def collect(stream) -> RequestOutput:
 
 def test_the_loop_needs_nothing_but_the_narrow_surface(engine):
     fake = FakeEngine(engine.input_processor)
-    assert not [name for name in ("scheduler", "requests", "config", "stats", "tracer")
-                if hasattr(fake, name)]
+    assert not [
+        name
+        for name in ("scheduler", "requests", "config", "stats", "tracer")
+        if hasattr(fake, name)
+    ]
     assert all(hasattr(fake, name) for name in _surface_names())
     with EngineLoop(fake) as loop:
         text = collect(loop.submit("a text prompt", SamplingParams(max_tokens=3)))
@@ -218,6 +254,7 @@ def test_a_raising_step_fails_the_running_requests_through_the_surface(engine):
 
     def crash():
         raise RuntimeError("kaput")
+
     fake.step = crash
     with EngineLoop(fake, failure_threshold=100) as loop:
         out = collect(loop.submit([1, 2], SamplingParams(max_tokens=5)))

@@ -1,5 +1,6 @@
 """The lean CPU forward: the Hugging Face forward's logits, bit for bit, for the Llama-style
 models it accepts; every other model keeps the Hugging Face forward."""
+
 import pytest
 import torch
 
@@ -12,10 +13,17 @@ from support import random_workload, tiny_model_dir
 def step_logits(arch: str, fast: bool) -> list:
     """Every step's logits for a small chunked, mixed prefill/decode workload."""
     prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(arch)), block_size=4,
-                                    max_num_batched_tokens=48, max_num_seqs=8,
-                                    max_model_len=256, num_gpu_blocks_override=300,
-                                    fast_forward=fast))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir(arch)),
+            block_size=4,
+            max_num_batched_tokens=48,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_gpu_blocks_override=300,
+            fast_forward=fast,
+        )
+    )
     assert (engine.runner.fast is not None) == fast
     logits = []
     run = engine.runner.run
@@ -40,8 +48,10 @@ def test_other_architectures_keep_the_hf_forward(arch):
     assert FastForward.for_model(model) is None
 
 
-@pytest.mark.parametrize("layout, gemm", [("onednn", "mkldnn::_linear_pointwise"),
-                                          ("auto", "slipstream_cpu::small_gemm")])
+@pytest.mark.parametrize(
+    "layout, gemm",
+    [("onednn", "mkldnn::_linear_pointwise"), ("auto", "slipstream_cpu::small_gemm")],
+)
 def test_lean_forward_runs_four_gemms_per_layer(layout, gemm):
     """q/k/v and gate/up each run as one GEMM (fused only where that is bit for bit the
     layers' own product, so this also checks that): 4 a layer (qkv, o, gate-up, down) plus
@@ -56,9 +66,16 @@ def test_lean_forward_runs_four_gemms_per_layer(layout, gemm):
         pytest.skip(f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
 
     def gemms_per_step(fast: bool) -> int:
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                        max_model_len=64, num_gpu_blocks_override=40,
-                                        cpu_linear=layout, fast_forward=fast))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir("llama")),
+                block_size=4,
+                max_model_len=64,
+                num_gpu_blocks_override=40,
+                cpu_linear=layout,
+                fast_forward=fast,
+            )
+        )
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # warm
         with torch.profiler.profile() as prof:
             engine.generate([[4, 5, 6]], SamplingParams(max_tokens=1, temperature=0))
@@ -85,6 +102,7 @@ def test_the_last_layer_finishes_only_the_rows_that_give_logits(fuse):
     def rows_into(index):
         def hook(module, args):
             seen.setdefault(index, args[0].shape[1])  # x: [1, rows, intermediate]
+
         return hook
 
     for layer in (fast.layers[0], fast.layers[-1]):
@@ -94,7 +112,8 @@ def test_the_last_layer_finishes_only_the_rows_that_give_logits(fuse):
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scaling)
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scaling
+        )
         return out.transpose(0, 1)
 
     ids = torch.randint(0, model.config.vocab_size, (12,))

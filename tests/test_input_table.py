@@ -1,5 +1,6 @@
 """The one table of request inputs (server/stub/input_table.py) is what the model config
 declares, what the parser reads and what README.md lists."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,12 @@ from slipstream.server.stub.input_table import INPUTS, Reading, TritonType
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
 
 REPO = Path(__file__).resolve().parents[1]
-NUMPY = {TritonType.BOOL: np.bool_, TritonType.INT32: np.int32, TritonType.UINT64: np.uint64,
-         TritonType.FP32: np.float32}
+NUMPY = {
+    TritonType.BOOL: np.bool_,
+    TritonType.INT32: np.int32,
+    TritonType.UINT64: np.uint64,
+    TritonType.FP32: np.float32,
+}
 
 
 class Config:
@@ -38,8 +43,7 @@ class Config:
 
 def test_readme_lists_the_table():
     script = REPO / "scripts" / "request_inputs_table.py"
-    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -56,15 +60,23 @@ def test_auto_complete_declares_every_row_in_table_order():
 
 
 def test_auto_complete_keeps_declared_inputs_and_frees_the_prompt_for_trtllm_clients():
-    config = model_config.auto_complete(Config({
-        "input": [{"name": "stream"}], "max_batch_size": 8}))
+    config = model_config.auto_complete(
+        Config({"input": [{"name": "stream"}], "max_batch_size": 8})
+    )
     names = [e["name"] for e in config.inputs]
     assert "stream" not in names
     assert config.inputs[0]["name"] == "text_input" and config.inputs[0]["optional"] is True
 
 
-@pytest.mark.parametrize("row", [r for r in INPUTS if r.reading in (
-    Reading.OPTION, Reading.SAMPLING_INT, Reading.SAMPLING_FLOAT)], ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "row",
+    [
+        r
+        for r in INPUTS
+        if r.reading in (Reading.OPTION, Reading.SAMPLING_INT, Reading.SAMPLING_FLOAT)
+    ],
+    ids=lambda r: r.name,
+)
 def test_parser_reads_each_typed_input_into_its_target(row):
     value = np.array([1], dtype=NUMPY[row.data_type])
     parsed = parse_request({"text_input": np.array([b"hi"], dtype=object), row.name: value})
@@ -74,12 +86,17 @@ def test_parser_reads_each_typed_input_into_its_target(row):
     assert target in (1, True, [1], 1.0)
 
 
-@pytest.mark.parametrize("row", [r for r in INPUTS if r.reading is Reading.REFUSED],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "row", [r for r in INPUTS if r.reading is Reading.REFUSED], ids=lambda r: r.name
+)
 def test_parser_refuses_refused_inputs_by_name(row):
     with pytest.raises(BadRequestError, match=f"input '{row.name}' is not supported"):
-        parse_request({"text_input": np.array([b"hi"], dtype=object),
-                       row.name: np.array([b"x"], dtype=object)})
+        parse_request(
+            {
+                "text_input": np.array([b"hi"], dtype=object),
+                row.name: np.array([b"x"], dtype=object),
+            }
+        )
 
 
 def test_shipped_config_lists_no_inputs():

@@ -3,6 +3,7 @@ encoded batches in tests/data/kv_events/vllm_kv_events.json were made by vLLM 0.
 (make_vllm_fixtures.py beside them). The engine's events must encode to the same bytes,
 the publisher must speak vLLM's ZMQ protocol (sequence numbers, replay) and never stall a
 step; the real-server test is in test_kv_events_server.py."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,12 @@ import pytest
 import zmq
 
 from slipstream.core import kv_cache_events as core
-from slipstream.core.block_hash import (BlockKeySource, Sha256CborHasher, event_extra_keys,
-                                        int_block_hash)
+from slipstream.core.block_hash import (
+    BlockKeySource,
+    Sha256CborHasher,
+    event_extra_keys,
+    int_block_hash,
+)
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.request import Request
 from slipstream.core.sampling_params import SamplingParams
@@ -23,8 +28,9 @@ from slipstream.kv_events import wire
 from slipstream.kv_events.config import KVEventsConfig
 from slipstream.kv_events.publisher import END_SEQ, KVEventPublisher
 
-FIXTURES = json.loads((Path(__file__).parent / "data" / "kv_events" /
-                       "vllm_kv_events.json").read_text())
+FIXTURES = json.loads(
+    (Path(__file__).parent / "data" / "kv_events" / "vllm_kv_events.json").read_text()
+)
 BLOCK = FIXTURES["block_size"]
 TOKENS = FIXTURES["tokens"]
 LORA = FIXTURES["lora"]
@@ -33,15 +39,17 @@ TS = FIXTURES["ts"]
 
 
 def keys(lora: bool, salt: bool) -> BlockKeySource:
-    return BlockKeySource(LORA["name"] if lora else None, LORA["path"] if lora else None,
-                          SALT if salt else None)
+    return BlockKeySource(
+        LORA["name"] if lora else None, LORA["path"] if lora else None, SALT if salt else None
+    )
 
 
 def chain(hasher: Sha256CborHasher, source: BlockKeySource, tokens: list) -> list:
     hashes, parent = [], None
     for i in range(len(tokens) // BLOCK):
-        parent = hasher.hash_block(parent, tuple(tokens[i * BLOCK:(i + 1) * BLOCK]),
-                                   source.extra_keys(i))
+        parent = hasher.hash_block(
+            parent, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), source.extra_keys(i)
+        )
         hashes.append(parent)
     return hashes
 
@@ -69,10 +77,16 @@ def manager_with_cached_request(lora: bool, salt: bool, monkeypatch) -> tuple:
     """A 6-block manager (as the fixture's vLLM pool) after one request's 4 full blocks
     were computed; returns it, the request and the events so far."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    bm = BlockManager(6, BLOCK, hasher=Sha256CborHasher(),
-                      lora_paths={LORA["name"]: LORA["path"]}, emit_events=True)
-    params = SamplingParams(lora_name=LORA["name"] if lora else None,
-                            cache_salt=SALT if salt else None)
+    bm = BlockManager(
+        6,
+        BLOCK,
+        hasher=Sha256CborHasher(),
+        lora_paths={LORA["name"]: LORA["path"]},
+        emit_events=True,
+    )
+    params = SamplingParams(
+        lora_name=LORA["name"] if lora else None, cache_salt=SALT if salt else None
+    )
     req = Request("r", list(TOKENS), params)
     bm.allocate(req, len(TOKENS))
     req.num_computed_tokens = len(TOKENS)
@@ -88,8 +102,10 @@ def encode(fmt: wire.WireFormat, events: list) -> bytes:
     return wire.encoder().encode(fmt.batch(TS, events))
 
 
-BATCH_IDS = [f"{'int' if b['int_hashes'] else 'bytes'}-{'lora+salt' if b['lora'] else 'plain'}"
-             for b in FIXTURES["batches"]]
+BATCH_IDS = [
+    f"{'int' if b['int_hashes'] else 'bytes'}-{'lora+salt' if b['lora'] else 'plain'}"
+    for b in FIXTURES["batches"]
+]
 
 
 @pytest.mark.parametrize("batch", FIXTURES["batches"], ids=BATCH_IDS)
@@ -108,8 +124,9 @@ def test_evictions_remove_exactly_the_stored_hashes_in_vllms_encoding(batch, mon
     assert all(isinstance(e, core.BlockRemoved) and len(e.block_hashes) == 1 for e in removed)
     vllm_removed = wire.decoder().decode(bytes.fromhex(batch["removed"])).events
     fmt = wire_for(batch)
-    assert sorted(fmt.block_hash(e.block_hashes[0]) for e in removed) == \
-        sorted(e.block_hashes[0] for e in vllm_removed)
+    assert sorted(fmt.block_hash(e.block_hashes[0]) for e in removed) == sorted(
+        e.block_hashes[0] for e in vllm_removed
+    )
     # the same events in vLLM's eviction order encode to vLLM's bytes
     by_hash = {fmt.block_hash(e.block_hashes[0]): e for e in removed}
     ordered = [by_hash[e.block_hashes[0]] for e in vllm_removed]
@@ -156,8 +173,10 @@ def test_events_only_for_blocks_new_to_the_cache(monkeypatch):
 
 
 def test_kv_events_config_takes_vllms_fields_and_refuses_others():
-    config = KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": '
-                                  '"tcp://*:5557", "topic": "kv", "buffer_steps": 5}')
+    config = KVEventsConfig.parse(
+        '{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "topic": "kv", "buffer_steps": 5}'
+    )
     assert config.enabled and config.publisher == "zmq" and config.hwm == 100_000
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": false}').enabled
     with pytest.raises(ValueError, match="unknown field"):
@@ -226,8 +245,9 @@ def test_publisher_sends_topic_sequence_and_vllm_batches(subscriber, monkeypatch
 
 def test_replay_socket_resends_buffered_batches_then_the_end_marker(subscriber):
     endpoint = subscriber.getsockopt_string(zmq.LAST_ENDPOINT)
-    pub = KVEventPublisher(KVEventsConfig(True, endpoint=endpoint,
-                                          replay_endpoint="tcp://127.0.0.1:0", buffer_steps=3))
+    pub = KVEventPublisher(
+        KVEventsConfig(True, endpoint=endpoint, replay_endpoint="tcp://127.0.0.1:0", buffer_steps=3)
+    )
     ctx = zmq.Context()
     req = ctx.socket(zmq.DEALER)  # vLLM's consumers use a REQ-shaped (empty frame) request
     try:
@@ -246,8 +266,10 @@ def test_replay_socket_resends_buffered_batches_then_the_end_marker(subscriber):
         ctx.term()
         pub.shutdown()
     assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [first + 3, first + 4]
-    assert [wire.decoder().decode(r[3]).events[0].block_hashes for r in replies[:-1]] == \
-        [[int_block_hash(bytes([3]) * 32)], [int_block_hash(bytes([4]) * 32)]]  # vLLM's default
+    assert [wire.decoder().decode(r[3]).events[0].block_hashes for r in replies[:-1]] == [
+        [int_block_hash(bytes([3]) * 32)],
+        [int_block_hash(bytes([4]) * 32)],
+    ]  # vLLM's default
     assert replies[-1] == [b"", b"", END_SEQ, b""]
 
 

@@ -2,6 +2,7 @@
 publishes vLLM-format batches that a plain ZMQ SUB client (loopback) decodes; the blocks of
 a prompt arrive as BlockStored with vLLM's sha256_cbor chain over the prompt's tokens, and
 the replay socket still holds the engine's first batch, AllBlocksCleared."""
+
 import json
 import os
 import tempfile
@@ -10,11 +11,11 @@ import time
 import pytest
 import zmq
 
-from slipstream.core.block_hash import Sha256CborHasher, int_block_hash
-from slipstream.engine import LLMEngine
-from slipstream.core.config import EngineConfig
 from slipstream.core import kv_cache_events as core
+from slipstream.core.block_hash import Sha256CborHasher, int_block_hash
+from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
+from slipstream.engine import LLMEngine
 from slipstream.kv_events import wire
 from slipstream.kv_events.publisher import END_SEQ
 from slipstream.server.launch.launcher import TritonServer, render_model_repository
@@ -22,7 +23,8 @@ from support import http_generate, need_tritonserver
 from test_server import MODEL, OVERRIDES, REPO, tiny_model  # noqa: F401 - tiny_model: fixture
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 BLOCK = 16
 PROMPT = " ".join(f"word{i}" for i in range(40))  # several full blocks
@@ -39,22 +41,28 @@ def check_chain(stored: list, ids: list) -> None:
     hasher = Sha256CborHasher()
     parent, expected = None, []
     for i in range(len(ids) // BLOCK):
-        parent = hasher.hash_block(parent, tuple(ids[i * BLOCK:(i + 1) * BLOCK]), None)
+        parent = hasher.hash_block(parent, tuple(ids[i * BLOCK : (i + 1) * BLOCK]), None)
         expected.append(int_block_hash(parent))
     assert stored[0].parent_block_hash is None
     hashes = [h for event in stored for h in event.block_hashes]
     tokens = [t for event in stored for t in event.token_ids]
-    assert hashes == expected[:len(hashes)] and len(hashes) >= len(ids) // BLOCK - 1
-    assert tokens == ids[:len(tokens)]
+    assert hashes == expected[: len(hashes)] and len(hashes) >= len(ids) // BLOCK - 1
+    assert tokens == ids[: len(tokens)]
     assert all(e.block_size == BLOCK and e.medium == "GPU" for e in stored)
 
 
 def test_engine_sends_all_blocks_cleared_at_start_then_prompt_blocks(tiny_model):
     events: list = []
-    engine = LLMEngine(EngineConfig(model=str(tiny_model), block_size=BLOCK,
-                                    prefix_caching_hash_algo="sha256_cbor",
-                                    num_gpu_blocks_override=64, max_model_len=256),
-                       kv_event_sink=events.extend)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model),
+            block_size=BLOCK,
+            prefix_caching_hash_algo="sha256_cbor",
+            num_gpu_blocks_override=64,
+            max_model_len=256,
+        ),
+        kv_event_sink=events.extend,
+    )
     assert events == [core.AllBlocksCleared()]  # a (re)started engine's cache is empty
     engine.add_request(PROMPT, SamplingParams(max_tokens=2, temperature=0))
     while engine.has_unfinished():
@@ -76,15 +84,27 @@ def test_triton_publishes_vllm_kv_events_to_a_zmq_subscriber(tiny_model, tmp_pat
     sub.bind("tcp://127.0.0.1:0")  # the publisher connects (vLLM's rule for host:port)
     short = tempfile.mkdtemp(prefix="kv")  # ipc paths must be short
     replay = f"ipc://{short}/replay"
-    config = {"enable_kv_cache_events": True, "endpoint": sub.getsockopt_string(
-        zmq.LAST_ENDPOINT), "replay_endpoint": replay, "topic": "kv"}
-    repo = render_model_repository(REPO, tmp_path / "repo", {
-        "model": str(tiny_model), **OVERRIDES, "block_size": BLOCK,
-        "kv_events_config": json.dumps(config)})
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": sub.getsockopt_string(zmq.LAST_ENDPOINT),
+        "replay_endpoint": replay,
+        "topic": "kv",
+    }
+    repo = render_model_repository(
+        REPO,
+        tmp_path / "repo",
+        {
+            "model": str(tiny_model),
+            **OVERRIDES,
+            "block_size": BLOCK,
+            "kv_events_config": json.dumps(config),
+        },
+    )
     dealer = ctx.socket(zmq.DEALER)
     try:
-        with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                          startup_timeout=300) as srv:
+        with TritonServer(
+            repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300
+        ) as srv:
             stored, attempt = [], 0
             deadline = time.monotonic() + 60
             # The first request's events can precede the subscription (ZMQ's slow joiner):

@@ -1,10 +1,15 @@
 """The tree's layers hold: core/ and the worker never reach up into the server or the benchmark."""
+
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "backend" / "slipstream"
-FORBIDDEN_FOR_LOWER_LAYERS = ("slipstream.server", "slipstream_bench", "triton_python_backend_utils",
-                              "tritonclient")
+FORBIDDEN_FOR_LOWER_LAYERS = (
+    "slipstream.server",
+    "slipstream_bench",
+    "triton_python_backend_utils",
+    "tritonclient",
+)
 
 
 def _imported_modules(path: Path) -> set:
@@ -40,8 +45,12 @@ def test_worker_imports_neither_server_nor_benchmark():
 
 def test_engine_modules_at_package_top_import_no_server_or_benchmark():
     top = [p for p in PACKAGE.glob("*.py")]
-    found = [f"{p.name} imports {n}" for p in top for n in _imported_modules(p)
-             if n.startswith(FORBIDDEN_FOR_LOWER_LAYERS)]
+    found = [
+        f"{p.name} imports {n}"
+        for p in top
+        for n in _imported_modules(p)
+        if n.startswith(FORBIDDEN_FOR_LOWER_LAYERS)
+    ]
     assert found == []
 
 

@@ -1,6 +1,7 @@
 """Multi-LoRA in the engine: each request's greedy output equals the PEFT-merged model's run
 alone, with several adapters and the base model in the same ragged batch; the limits
 (max_loras, max_lora_rank), the prefix cache's separation of adapters, and vLLM's errors."""
+
 from __future__ import annotations
 
 import functools
@@ -18,10 +19,17 @@ NAMES = [None, "doll", "sheep"]
 
 
 def lora_engine(**overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir()), block_size=4, max_num_batched_tokens=48,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=600,
-                    enable_lora=True, max_loras=2,
-                    lora_modules={n: str(adapter_dir(n)) for n in NAMES if n})
+    settings = dict(
+        model=str(tiny_model_dir()),
+        block_size=4,
+        max_num_batched_tokens=48,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=600,
+        enable_lora=True,
+        max_loras=2,
+        lora_modules={n: str(adapter_dir(n)) for n in NAMES if n},
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -43,11 +51,14 @@ def test_mixed_adapters_in_one_batch_match_the_merged_models(fast_forward, monke
     jobs, reference = workload()
     # The adapters really change the outputs: the same prompt gives three different answers.
     for i in range(0, len(jobs), 3):
-        assert len({tuple(r) for r in reference[i:i + 3]}) == 3
+        assert len({tuple(r) for r in reference[i : i + 3]}) == 3
     steps = []
     original = lora_layers.LoraLayers.mapping_for
-    monkeypatch.setattr(lora_layers.LoraLayers, "mapping_for", lambda self, spans, device: (
-        steps.append(spans) or original(self, spans, device)))
+    monkeypatch.setattr(
+        lora_layers.LoraLayers,
+        "mapping_for",
+        lambda self, spans, device: steps.append(spans) or original(self, spans, device),
+    )
     engine = lora_engine(fast_forward=fast_forward)
     results = engine.generate([p for _, p, _ in jobs], [greedy(n, o) for n, _, o in jobs])
     assert [r.token_ids for r in results] == reference
@@ -101,8 +112,9 @@ def test_adapter_on_unsupported_module_is_refused_at_load(tmp_path):
 
 
 def test_dora_adapter_is_refused_at_load_naming_the_setting(tmp_path):
-    path = make_adapter(tmp_path / "dora", r=2, lora_alpha=2, target_modules=["q_proj"],
-                        use_dora=True)
+    path = make_adapter(
+        tmp_path / "dora", r=2, lora_alpha=2, target_modules=["q_proj"], use_dora=True
+    )
     with pytest.raises(ValueError, match=r"dora: use_dora=True is not supported"):
         lora_engine(lora_modules={"dora": str(path)})
 
@@ -111,9 +123,12 @@ def test_unknown_lora_name_gets_vllms_error_and_lora_off_refuses_any():
     engine = lora_engine()
     with pytest.raises(ValueError) as err:
         engine.add_request([5, 6, 7], greedy("bactrian", 2))
-    assert str(err.value) == "LoRA bactrian is not supported, we currently support ['doll', 'sheep']"
-    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir()), num_gpu_blocks_override=64,
-                                   max_model_len=128))
+    assert (
+        str(err.value) == "LoRA bactrian is not supported, we currently support ['doll', 'sheep']"
+    )
+    plain = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir()), num_gpu_blocks_override=64, max_model_len=128)
+    )
     with pytest.raises(ValueError, match="^LoRA feature is not enabled.$"):
         plain.add_request([5, 6, 7], greedy("doll", 2))
     assert engine.get_stats().max_loras == 2 and not engine.has_unfinished()
@@ -123,12 +138,20 @@ def test_engine_loop_refuses_an_unknown_adapter_in_the_callers_thread_and_serves
     from slipstream.engine.loop import EngineLoop
 
     jobs, reference = workload()
-    settings = dict(model=str(tiny_model_dir()), block_size=4, max_model_len=512,
-                    num_gpu_blocks_override=600, enable_lora=True,
-                    lora_modules={"doll": str(adapter_dir("doll"))})
+    settings = dict(
+        model=str(tiny_model_dir()),
+        block_size=4,
+        max_model_len=512,
+        num_gpu_blocks_override=600,
+        enable_lora=True,
+        lora_modules={"doll": str(adapter_dir("doll"))},
+    )
     with EngineLoop(EngineConfig(**settings)) as loop:
-        with pytest.raises(ValueError, match=r"^LoRA sheep is not supported, we currently "
-                                             r"support \['doll'\]$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^LoRA sheep is not supported, we currently "
+            r"support \['doll'\]$",
+        ):
             loop.submit("a text prompt", greedy("sheep", 2))  # refused before tokenizing
         name, prompt, max_tokens = jobs[1]
         assert name == "doll"

@@ -3,6 +3,7 @@ with ``enable_lora``, ``max_loras``, ``max_lora_rank`` and ``1/multi_lora.json``
 adapter directories (relative paths). Ports ``L0_multi_gpu_vllm/multi_lora`` (its error texts
 and the generate-endpoint checks of its test.sh); the expected texts are the PEFT-merged tiny
 model's greedy decoding, each request run alone, while the server batches them together."""
+
 import json
 import os
 import re
@@ -15,17 +16,29 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
-from support import http_generate, need_tritonserver  # noqa: E402
 from lora_support import adapter_dir, merged_greedy  # noqa: E402
-from vllm_backend_support import (SAMPLING_PARAMETERS, create_vllm_request,  # noqa: E402
-                                  stream_requests, tokenizer_of, write_model)
+from support import http_generate, need_tritonserver  # noqa: E402
+from vllm_backend_support import (  # noqa: E402
+    SAMPLING_PARAMETERS,
+    create_vllm_request,
+    stream_requests,
+    tokenizer_of,
+    write_model,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 MODEL = "vllm_llama_multi_lora"
-PROMPTS = ["Instruct: What do you think of Computer Science?\nOutput:",
-           "Instruct: Tell me more about soccer\nOutput:"]
+PROMPTS = [
+    "Instruct: What do you think of Computer Science?\nOutput:",
+    "Instruct: Tell me more about soccer\nOutput:",
+]
 NAMES = [None, "doll", "sheep"]
 MAX_TOKENS = 8
 UNKNOWN = "LoRA {} is not supported, we currently support ['doll', 'sheep']"
@@ -35,15 +48,20 @@ UNKNOWN = "LoRA {} is not supported, we currently support ['doll', 'sheep']"
 def server(tmp_path_factory):
     need_tritonserver()
     repo = tmp_path_factory.mktemp("lora_repo")
-    model_dir = write_model(repo, MODEL, parameters={"REPORT_CUSTOM_METRICS": "true"},
-                            model_json={"enable_lora": True, "max_loras": 2,
-                                        "max_lora_rank": 16, "block_size": 16})
+    model_dir = write_model(
+        repo,
+        MODEL,
+        parameters={"REPORT_CUSTOM_METRICS": "true"},
+        model_json={"enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "block_size": 16},
+    )
     for name in ("doll", "sheep"):
         shutil.copytree(adapter_dir(name), model_dir / "1" / "loras" / name)
     (model_dir / "1" / "multi_lora.json").write_text(
-        json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"}))
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, models=[MODEL],
-                      startup_timeout=600) as srv:
+        json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"})
+    )
+    with TritonServer(
+        repo, http_port=0, grpc_port=0, metrics_port=0, models=[MODEL], startup_timeout=600
+    ) as srv:
         yield srv
 
 
@@ -55,9 +73,13 @@ def expected_text(name, prompt: str) -> str:
 
 def lora_request(prompt: str, request_id, name, **extra) -> dict:
     sampling = {**SAMPLING_PARAMETERS, "max_tokens": MAX_TOKENS, "ignore_eos": True, **extra}
-    request = create_vllm_request(prompt, request_id, False,
-                                  {**sampling, **({"lora_name": name} if name else {})},
-                                  exclude_input_in_output=True)
+    request = create_vllm_request(
+        prompt,
+        request_id,
+        False,
+        {**sampling, **({"lora_name": name} if name else {})},
+        exclude_input_in_output=True,
+    )
     request["parameters"] = sampling  # as multi_lora_test.py sends them: without lora_name
     return request
 
@@ -78,16 +100,41 @@ def test_requests_on_two_adapters_and_the_base_model_batched_together_match_merg
 def test_unknown_lora_gets_vllm_backends_error_over_grpc_and_http(server):
     """multi_lora_test.py::test_none_exist_lora and test.sh's generate-endpoint checks."""
     prompt = "Instruct: What is the capital city of France?\nOutput:"
-    [(result, error)] = stream_requests(server.grpc_url, MODEL,
-                                        [lora_request(prompt, 0, "bactrian")])
+    [(result, error)] = stream_requests(
+        server.grpc_url, MODEL, [lora_request(prompt, 0, "bactrian")]
+    )
     assert result is None and error.message() == UNKNOWN.format("bactrian")
-    status, body = http_generate(server, MODEL, {"text_input": PROMPTS[1], "parameters": {
-        "stream": False, "temperature": 0, "top_p": 1, "lora_name": "unavailable",
-        "exclude_input_in_output": True}})
+    status, body = http_generate(
+        server,
+        MODEL,
+        {
+            "text_input": PROMPTS[1],
+            "parameters": {
+                "stream": False,
+                "temperature": 0,
+                "top_p": 1,
+                "lora_name": "unavailable",
+                "exclude_input_in_output": True,
+            },
+        },
+    )
     assert status == 400 and body == {"error": UNKNOWN.format("unavailable")}
-    status, body = http_generate(server, MODEL, {"text_input": PROMPTS[1], "parameters": {
-        "stream": False, "temperature": 0, "top_p": 1, "lora_name": "sheep", "max_tokens": 8,
-        "ignore_eos": True, "exclude_input_in_output": True}})
+    status, body = http_generate(
+        server,
+        MODEL,
+        {
+            "text_input": PROMPTS[1],
+            "parameters": {
+                "stream": False,
+                "temperature": 0,
+                "top_p": 1,
+                "lora_name": "sheep",
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "exclude_input_in_output": True,
+            },
+        },
+    )
     assert status == 200 and body["text_output"] == expected_text("sheep", PROMPTS[1])
 
 
@@ -95,7 +142,7 @@ def current_lora_info(server) -> str:
     """The labels of the newest vllm:lora_requests_info series (its value is when it was
     current, which is how vLLM's readers pick it)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    series = re.findall(r'^vllm:lora_requests_info{([^}]*)} ([0-9.e+]+)$', text, re.MULTILINE)
+    series = re.findall(r"^vllm:lora_requests_info{([^}]*)} ([0-9.e+]+)$", text, re.MULTILINE)
     return max(series, key=lambda s: float(s[1]))[0]
 
 
@@ -104,8 +151,12 @@ def test_lora_requests_info_reports_max_lora_and_the_running_adapter(server):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: None)
     request = lora_request(PROMPTS[0], "long", "doll", max_tokens=900)
-    client.async_stream_infer(model_name=MODEL, inputs=request["inputs"],
-                              request_id="long", parameters=request["parameters"])
+    client.async_stream_infer(
+        model_name=MODEL,
+        inputs=request["inputs"],
+        request_id="long",
+        parameters=request["parameters"],
+    )
     seen, deadline = "", time.monotonic() + 60
     while time.monotonic() < deadline and 'running_lora_adapters="doll"' not in seen:
         seen = current_lora_info(server)

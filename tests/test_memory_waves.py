@@ -1,6 +1,7 @@
 """Memory under repeated load: waves of concurrent gRPC and HTTP requests against a real
 tritonserver leave no per-request Python objects behind in the stub, and its heap levels off
 (``benchmarks/memory_waves.py`` is the full measurement, docs/robustness.md its figures)."""
+
 import json
 import os
 import sys
@@ -15,15 +16,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import memory_waves  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 CONCURRENCY = 40
 
 
 @pytest.mark.slow
 def test_waves_of_requests_leave_no_objects_behind_and_the_heap_levels_off(tmp_path):
     out = tmp_path / "figures.json"
-    assert memory_waves.main(["--waves", "4", "--concurrency", str(CONCURRENCY), "--trim",
-                              "--out", str(out)]) == 0
+    assert (
+        memory_waves.main(
+            ["--waves", "4", "--concurrency", str(CONCURRENCY), "--trim", "--out", str(out)]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())
     assert figures["errors"] == [0, 0, 0, 0]
     # After the first wave (imports, caches warming) fewer new Python objects than requests

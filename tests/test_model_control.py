@@ -1,6 +1,7 @@
 """Triton's model-repository API (load, unload, index) is closed by default: a client that
 reaches the HTTP or gRPC port cannot take the model away or load code, the launcher (which
 alone knows the key) still unloads for its clean stop, and an operator may open it."""
+
 import json
 import os
 import urllib.error
@@ -12,19 +13,30 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from slipstream.server.launch.launcher import (MODEL_CONTROL_HEADER, TritonServer,  # noqa: E402
-                                               render_model_repository)
-from test_server import OVERRIDES, REPO, run_stream, text_inputs, texts  # noqa: E402
-from test_server import tiny_model  # noqa: E402,F401 - a fixture
+from slipstream.server.launch.launcher import (  # noqa: E402
+    MODEL_CONTROL_HEADER,
+    TritonServer,
+    render_model_repository,
+)
+from test_server import (  # noqa: E402
+    OVERRIDES,
+    REPO,
+    run_stream,
+    text_inputs,
+    texts,
+    tiny_model,  # noqa: E402,F401 - a fixture
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def post(server, path, body=b"", headers=None):
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method="POST",
-                                 headers=headers or {})
+    req = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=body, method="POST", headers=headers or {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
@@ -34,33 +46,47 @@ def post(server, path, body=b"", headers=None):
 
 @pytest.mark.slow
 def test_unauthenticated_load_and_unload_are_refused_and_the_launcher_still_stops_cleanly(
-        tiny_model, tmp_path):  # noqa: F811
+    tiny_model, tmp_path
+):  # noqa: F811
     """Before: POST .../unload answered 200 and the model went not ready for everyone, and a
     load with a config override pointing at /etc was accepted."""
     repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                          exit_timeout=10).start()
+    server = TritonServer(
+        repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300, exit_timeout=10
+    ).start()
     try:
-        evil = json.dumps({"parameters": {"config": json.dumps(
-            {"backend": "python", "parameters": {"model": {"string_value": "/etc"}}})}}).encode()
-        for path, body in [("/v2/repository/models/slipstream/unload", b""),
-                           ("/v2/repository/models/slipstream/load", evil),
-                           ("/v2/repository/models/intruder/load", evil),
-                           ("/v2/repository/index", b"")]:
+        evil = json.dumps(
+            {
+                "parameters": {
+                    "config": json.dumps(
+                        {"backend": "python", "parameters": {"model": {"string_value": "/etc"}}}
+                    )
+                }
+            }
+        ).encode()
+        for path, body in [
+            ("/v2/repository/models/slipstream/unload", b""),
+            ("/v2/repository/models/slipstream/load", evil),
+            ("/v2/repository/models/intruder/load", evil),
+            ("/v2/repository/index", b""),
+        ]:
             status, text = post(server, path, body)
             assert status == 403 and "restricted" in text.lower(), (path, status, text)
             wrong = post(server, path, body, {MODEL_CONTROL_HEADER: "guess"})
             assert wrong[0] == 403, (path, wrong)
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
-            for call in (lambda: client.unload_model("slipstream"),
-                         lambda: client.load_model("slipstream"),
-                         lambda: client.get_model_repository_index()):
+            for call in (
+                lambda: client.unload_model("slipstream"),
+                lambda: client.load_model("slipstream"),
+                lambda: client.get_model_repository_index(),
+            ):
                 with pytest.raises(InferenceServerException, match="(?i)restricted"):
                     call()
             assert client.is_model_ready("slipstream")
         assert server.is_ready()
-        results, error = run_stream(server, text_inputs("still here", sampling={
-            "temperature": 0, "max_tokens": 3}))
+        results, error = run_stream(
+            server, text_inputs("still here", sampling={"temperature": 0, "max_tokens": 3})
+        )
         assert error is None and texts(results)
         assert server.model_states() == {"slipstream": "READY"}  # the launcher has the key
         code = server.stop()
@@ -72,8 +98,7 @@ def test_unauthenticated_load_and_unload_are_refused_and_the_launcher_still_stop
 
 def test_the_api_is_restricted_unless_the_operator_opens_it():
     closed = TritonServer(REPO, http_port=1, grpc_port=2, metrics_port=3)
-    opened = TritonServer(REPO, http_port=1, grpc_port=2, metrics_port=3,
-                          open_model_control=True)
+    opened = TritonServer(REPO, http_port=1, grpc_port=2, metrics_port=3, open_model_control=True)
     for server in (closed, opened):
         server.install = type("I", (), {"binary": "tritonserver", "backend_dir": None})()
     cmd = closed.command()
@@ -90,8 +115,11 @@ def test_the_api_is_restricted_unless_the_operator_opens_it():
 
 
 def test_the_container_and_manifests_do_not_open_the_model_control_api():
-    shipped = [ROOT / "Dockerfile", ROOT / "deploy" / "serve.sh",
-               *sorted((ROOT / "deploy").rglob("*.yaml"))]
+    shipped = [
+        ROOT / "Dockerfile",
+        ROOT / "deploy" / "serve.sh",
+        *sorted((ROOT / "deploy").rglob("*.yaml")),
+    ]
     assert len(shipped) > 3
     for path in shipped:
         text = path.read_text()

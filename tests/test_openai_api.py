@@ -1,6 +1,7 @@
 """The OpenAI-compatible API (``slipstream serve --openai-port``) against a real tritonserver,
 driven by the official ``openai`` SDK (sync and async, streaming) and plain HTTP. Every answer
 is compared with the same request through Triton's generate endpoint (greedy)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_support import adapter_dir
 from slipstream.server.launch.launcher import TritonServer
 from slipstream.server.openai.frontend import OpenAIFrontend
+from lora_support import adapter_dir
 from support import http_generate, need_tritonserver
 from vllm_backend_support import FAILING_HEALTH_MODEL_PY, tokenizer_of, write_model
 
@@ -35,31 +36,46 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("openai_repo")
-    model_dir = write_model(repo, MODEL, model_json={"enable_lora": True, "max_loras": 2,
-                                                     "max_lora_rank": 16})
+    model_dir = write_model(
+        repo, MODEL, model_json={"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    )
     for name in ("doll", "sheep"):
         shutil.copytree(adapter_dir(name), model_dir / "1" / "loras" / name)
     (model_dir / "1" / "multi_lora.json").write_text(
-        json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"}))
-    write_model(repo, QUEUED, parameters={"max_queue_size": "1", "max_num_seqs": "1",
-                                          "metrics_interval_ms": "100"})
-    write_model(repo, SICK, backend="python", model_py=FAILING_HEALTH_MODEL_PY,
-                parameters={"ENABLE_VLLM_HEALTH_CHECK": "true"})
+        json.dumps({"doll": "./loras/doll", "sheep": "./loras/sheep"})
+    )
+    write_model(
+        repo,
+        QUEUED,
+        parameters={"max_queue_size": "1", "max_num_seqs": "1", "metrics_interval_ms": "100"},
+    )
+    write_model(
+        repo,
+        SICK,
+        backend="python",
+        model_py=FAILING_HEALTH_MODEL_PY,
+        parameters={"ENABLE_VLLM_HEALTH_CHECK": "true"},
+    )
     return repo
 
 
 @pytest.fixture(scope="module")
 def server(repo):
     need_tritonserver()
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      models=[MODEL, QUEUED, SICK], startup_timeout=600) as srv:
+    with TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        models=[MODEL, QUEUED, SICK],
+        startup_timeout=600,
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def frontend(repo, server):
-    with OpenAIFrontend.for_repository(repo, server.grpc_url,
-                                       metrics_url=server.metrics_url) as f:
+    with OpenAIFrontend.for_repository(repo, server.grpc_url, metrics_url=server.metrics_url) as f:
         yield f
 
 
@@ -70,15 +86,24 @@ def client(frontend):
 
 def generate(server, model: str, prompt: str, **parameters) -> str:
     """The same request through Triton's generate endpoint: the reference."""
-    status, body = http_generate(server, model, {"text_input": prompt, "parameters": {
-        "stream": False, "exclude_input_in_output": True, **parameters}})
+    status, body = http_generate(
+        server,
+        model,
+        {
+            "text_input": prompt,
+            "parameters": {"stream": False, "exclude_input_in_output": True, **parameters},
+        },
+    )
     assert status == 200, body
     return body["text_output"]
 
 
 def post(frontend, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(frontend.url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        frontend.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -92,8 +117,9 @@ def scrape(server) -> list:
 
 
 def metric(server, name: str, model: str) -> float:
-    return sum(s.value for s in scrape(server)
-               if s.name == name and s.labels.get("model_name") == model)
+    return sum(
+        s.value for s in scrape(server) if s.name == name and s.labels.get("model_name") == model
+    )
 
 
 def wait_idle(server, model: str, timeout: float = 30) -> None:
@@ -118,26 +144,29 @@ def test_models_lists_each_model_and_lora_adapter(client):
 # ------------------------------------------------------------------------ equal to generate
 def test_chat_greedy_equals_generate_with_the_chat_template(server, client):
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-        max_tokens=12)
-    expected = generate(server, MODEL, QUESTION, temperature=0, max_tokens=12,
-                        apply_chat_template=True)
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=12
+    )
+    expected = generate(
+        server, MODEL, QUESTION, temperature=0, max_tokens=12, apply_chat_template=True
+    )
     assert answer.choices[0].message.content == expected
     assert answer.choices[0].message.role == "assistant"
     tokenizer = tokenizer_of()
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
-                                             add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+    )
     prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert answer.usage.prompt_tokens == len(prompt_ids)
-    assert answer.usage.completion_tokens == len(tokenizer(expected,
-                                                           add_special_tokens=False)["input_ids"])
-    assert answer.usage.total_tokens == answer.usage.prompt_tokens + \
-        answer.usage.completion_tokens
+    assert answer.usage.completion_tokens == len(
+        tokenizer(expected, add_special_tokens=False)["input_ids"]
+    )
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
 
 
 def test_completions_greedy_equals_generate(server, client):
-    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10,
-                                       extra_body={"ignore_eos": True})
+    answer = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10, extra_body={"ignore_eos": True}
+    )
     expected = generate(server, MODEL, PROMPT, temperature=0, max_tokens=10, ignore_eos=True)
     assert answer.choices[0].text == expected
     assert answer.choices[0].finish_reason == "length"
@@ -148,29 +177,50 @@ def test_completions_greedy_equals_generate(server, client):
 def test_lora_adapter_named_as_model_equals_generate_with_lora_name(server, client):
     texts = {}
     for name in ("doll", "sheep", MODEL):
-        texts[name] = client.completions.create(model=name, prompt=PROMPT, temperature=0,
-                                                max_tokens=8,
-                                                extra_body={"ignore_eos": True}).choices[0].text
+        texts[name] = (
+            client.completions.create(
+                model=name,
+                prompt=PROMPT,
+                temperature=0,
+                max_tokens=8,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
         lora = {} if name == MODEL else {"lora_name": name}
-        assert texts[name] == generate(server, MODEL, PROMPT, temperature=0, max_tokens=8,
-                                       ignore_eos=True, **lora)
+        assert texts[name] == generate(
+            server, MODEL, PROMPT, temperature=0, max_tokens=8, ignore_eos=True, **lora
+        )
     assert len(set(texts.values())) == 3  # the adapters really change the answer
 
 
 # ------------------------------------------------------------------------ streaming
 def test_async_chat_stream_with_usage_equals_the_whole_answer(client, frontend):
-    whole = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-        max_completion_tokens=16, extra_body={"ignore_eos": True}).choices[0].message.content
+    whole = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_completion_tokens=16,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
 
     async def stream():
-        aclient = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none",
-                                     max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
         chunks = []
         async for chunk in await aclient.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-                max_completion_tokens=16, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True}):
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_completion_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        ):
             chunks.append(chunk)
         await aclient.close()
         return chunks
@@ -189,9 +239,16 @@ def test_sync_completions_stream_n2_seeded_is_reproducible(client):
     def run() -> dict:
         texts: dict = {}
         finish: dict = {}
-        for chunk in client.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=7,
-                                               temperature=1.0, max_tokens=8, stream=True,
-                                               extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            n=2,
+            seed=7,
+            temperature=1.0,
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
             for c in chunk.choices:
                 texts[c.index] = texts.get(c.index, "") + c.text
                 if c.finish_reason:
@@ -207,8 +264,14 @@ def test_sync_completions_stream_n2_seeded_is_reproducible(client):
 # ------------------------------------------------------------------------ sampling fields
 def test_chat_logprobs_give_the_greedy_token_first_among_top_logprobs(client):
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-        max_tokens=5, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = answer.choices[0].logprobs.content
     assert len(content) == 5
     assert "".join(t.token for t in content) == answer.choices[0].message.content
@@ -221,88 +284,153 @@ def test_chat_logprobs_give_the_greedy_token_first_among_top_logprobs(client):
 
 
 def test_completions_logprobs_and_echo(client):
-    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4,
-                                       logprobs=2, extra_body={"ignore_eos": True})
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=4,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     lp = answer.choices[0].logprobs
     assert "".join(lp.tokens) == answer.choices[0].text and len(lp.token_logprobs) == 4
     assert all(len(top) in (2, 3) for top in lp.top_logprobs)
     assert lp.text_offset[0] == 0
-    echoed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4,
-                                       echo=True, extra_body={"ignore_eos": True})
+    echoed = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=4,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
     assert echoed.choices[0].text == PROMPT + answer.choices[0].text
 
 
 def test_stop_string_ends_with_finish_reason_stop(server, client):
     full = generate(server, MODEL, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
     stop = full.strip().split()[1] if len(full.split()) > 1 else full.strip()[:2]
-    answer = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12,
-                                       stop=[stop], extra_body={"ignore_eos": True})
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=12,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert answer.choices[0].finish_reason == "stop"
-    assert answer.choices[0].text == full[:full.index(stop)]
+    assert answer.choices[0].text == full[: full.index(stop)]
 
 
 def test_response_format_json_schema_constrains_the_answer(client):
-    schema = {"type": "object", "properties": {"answer": {"type": "string",
-                                                          "enum": ["yes", "no"]}},
-              "required": ["answer"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0,
-        max_tokens=40, response_format={"type": "json_schema",
-                                        "json_schema": {"name": "a", "schema": schema}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
     # the random test model may spend its budget on the whitespace JSON allows
     compact = re.sub(r"\s", "", answer.choices[0].message.content)
     assert any(full.startswith(compact) for full in ('{"answer":"yes"}', '{"answer":"no"}'))
     assert compact.startswith('{"answer"')
     tight = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0,
-        max_tokens=40, extra_body={"structured_outputs": {"json": schema,
-                                                          "disable_any_whitespace": True}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        temperature=0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+    )
     assert json.loads(tight.choices[0].message.content)["answer"] in ("yes", "no")
     obj = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], temperature=0,
-        max_tokens=20, response_format={"type": "json_object"})
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        temperature=0,
+        max_tokens=20,
+        response_format={"type": "json_object"},
+    )
     assert obj.choices[0].message.content.lstrip().startswith("{")
-    choice = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8,
-                                       extra_body={"structured_outputs":
-                                                   {"choice": ["Paris", "Rome"]}})
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}},
+    )
     assert choice.choices[0].text in ("Paris", "Rome")
 
 
 def test_min_tokens_top_k_and_penalties_reach_the_engine(server, client):
     answer = client.completions.create(
-        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, presence_penalty=0.5,
-        frequency_penalty=0.5, extra_body={"min_tokens": 6, "top_k": 5,
-                                           "repetition_penalty": 1.2})
-    expected = generate(server, MODEL, PROMPT, temperature=0, max_tokens=6, min_tokens=6,
-                        top_k=5, repetition_penalty=1.2, presence_penalty=0.5,
-                        frequency_penalty=0.5)
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=6,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"min_tokens": 6, "top_k": 5, "repetition_penalty": 1.2},
+    )
+    expected = generate(
+        server,
+        MODEL,
+        PROMPT,
+        temperature=0,
+        max_tokens=6,
+        min_tokens=6,
+        top_k=5,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
     assert answer.choices[0].text == expected and answer.usage.completion_tokens == 6
 
 
 # ------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("body, status, message", [
-    ({"model": "nope", "prompt": "x"}, 404, "The model `nope` does not exist."),
-    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400,
-     "unknown field 'frobnicate' (not supported)"),
-    ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
-    ({"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompts as token ids are not supported"),
-    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
-     "Stream options can only be defined when `stream=True`."),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "The model `nope` does not exist."),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        (
+            {"model": MODEL, "prompt": "x", "frobnicate": 1},
+            400,
+            "unknown field 'frobnicate' (not supported)",
+        ),
+        ({"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+        ({"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompts as token ids are not supported"),
+        (
+            {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "Stream options can only be defined when `stream=True`.",
+        ),
+    ],
+)
 def test_completion_errors_are_openai_error_bodies(frontend, body, status, message):
     got, answer = post(frontend, "/v1/completions", body)
     assert got == status, answer
     assert message in answer["error"]["message"] and answer["error"]["code"] == status
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools (function calling) are not supported"),
-    ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "content part of type 'image_url' is not supported"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools (function calling) are not supported",
+        ),
+        ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "content part of type 'image_url' is not supported",
+        ),
+    ],
+)
 def test_chat_errors_name_the_refused_field(frontend, extra, message):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
     got, answer = post(frontend, "/v1/chat/completions", body)
@@ -321,8 +449,9 @@ def test_full_queue_answers_429(frontend, server):
 
     def one(_):
         try:
-            client.completions.create(model=QUEUED, prompt=PROMPT, max_tokens=40,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(
+                model=QUEUED, prompt=PROMPT, max_tokens=40, extra_body={"ignore_eos": True}
+            )
             return 200
         except openai.APIStatusError as e:
             assert "overloaded" in e.message or "queue" in e.message
@@ -337,17 +466,27 @@ def test_full_queue_answers_429(frontend, server):
 def test_client_disconnect_cancels_the_request_in_the_engine(frontend, server):
     before = metric(server, "vllm:generation_tokens_total", QUEUED)
     conn = http.client.HTTPConnection(frontend.host, frontend.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(
-        {"model": QUEUED, "prompt": PROMPT, "max_tokens": 900, "stream": True,
-         "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "model": QUEUED,
+                "prompt": PROMPT,
+                "max_tokens": 900,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     response = conn.getresponse()
     assert response.status == 200
     for _ in range(3):
         assert response.readline().startswith(b"data: ")
         response.readline()
     deadline = time.monotonic() + 10
-    while metric(server, "vllm:num_requests_running", QUEUED) < 1 and \
-            time.monotonic() < deadline:
+    while metric(server, "vllm:num_requests_running", QUEUED) < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric(server, "vllm:num_requests_running", QUEUED) == 1
     conn.sock.shutdown(2)
@@ -365,8 +504,11 @@ def test_client_disconnect_cancels_the_request_in_the_engine(frontend, server):
 
 # ------------------------------------------------------------------------ health
 def test_health_fails_once_the_engine_is_dead(repo, server):
-    sick = [m for m in OpenAIFrontend.for_repository(repo, server.grpc_url).table.models
-            if m.name == SICK]
+    sick = [
+        m
+        for m in OpenAIFrontend.for_repository(repo, server.grpc_url).table.models
+        if m.name == SICK
+    ]
     with OpenAIFrontend(sick, server.grpc_url) as only_sick:
         health = f"{only_sick.url}/health"
         assert urllib.request.urlopen(health, timeout=10).status == 200
@@ -407,20 +549,25 @@ def dashboard_selectors() -> list[tuple[str, dict]]:
 
 
 def has_series(samples, name: str, labels: dict) -> bool:
-    return any(s.name == name and all(k in s.labels and (v is None or s.labels[k] == v)
-                                      for k, v in labels.items()) for s in samples)
+    return any(
+        s.name == name
+        and all(k in s.labels and (v is None or s.labels[k] == v) for k, v in labels.items())
+        for s in samples
+    )
 
 
 def test_metrics_contract_every_vllm_dashboard_series_exists_with_its_labels(server, client):
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     selectors = dashboard_selectors()
     assert len(selectors) >= 30
     deadline = time.monotonic() + 10
     while True:
         samples = scrape(server)
-        missing = [(name, labels) for name, labels in selectors
-                   if not has_series(samples, name, labels)]
+        missing = [
+            (name, labels) for name, labels in selectors if not has_series(samples, name, labels)
+        ]
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -439,9 +586,13 @@ def test_metrics_contract_gateway_gauges_and_info_series(server, frontend):
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     mine = [s for s in samples if s.labels.get("model_name") == MODEL]
     names = {s.name for s in mine}
-    assert {"vllm:num_requests_waiting", "vllm:num_requests_running",
-            "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
-            "vllm:lora_requests_info"} <= names
+    assert {
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:lora_requests_info",
+    } <= names
     for s in mine:
         if s.name == "vllm:kv_cache_usage_perc":
             assert 0.0 <= s.value <= 1.0
@@ -454,26 +605,41 @@ def test_metrics_contract_gateway_gauges_and_info_series(server, frontend):
     assert abs(newest.value - time.time()) < 24 * 3600  # a unix timestamp
 
 
-def test_metrics_contract_running_lora_and_gauges_refresh_within_the_interval(server,
-                                                                              frontend):
+def test_metrics_contract_running_lora_and_gauges_refresh_within_the_interval(server, frontend):
     """While a request on adapter doll decodes, the newest lora_requests_info names it and
     num_requests_running counts it, within the metrics interval (1 s) plus a scrape."""
     conn = http.client.HTTPConnection(frontend.host, frontend.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(
-        {"model": "doll", "prompt": PROMPT, "max_tokens": 600, "stream": True,
-         "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(
+            {
+                "model": "doll",
+                "prompt": PROMPT,
+                "max_tokens": 600,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ),
+        {"Content-Type": "application/json"},
+    )
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     started = time.monotonic()
 
     def newest_lora() -> dict:
-        infos = [s for s in scrape(server) if s.name == "vllm:lora_requests_info"
-                 and s.labels.get("model_name") == MODEL]
+        infos = [
+            s
+            for s in scrape(server)
+            if s.name == "vllm:lora_requests_info" and s.labels.get("model_name") == MODEL
+        ]
         return max(infos, key=lambda s: s.value).labels
+
     try:
         while time.monotonic() - started < 10 and (
-                newest_lora()["running_lora_adapters"] != "doll"
-                or metric(server, "vllm:num_requests_running", MODEL) < 1):
+            newest_lora()["running_lora_adapters"] != "doll"
+            or metric(server, "vllm:num_requests_running", MODEL) < 1
+        ):
             time.sleep(0.1)
         seen = time.monotonic() - started
         assert newest_lora()["running_lora_adapters"] == "doll"
@@ -487,10 +653,16 @@ def test_metrics_contract_counts_of_openai_requests(server, client):
     """vLLM's own metric assertions (tests/entrypoints/openai/test_metrics.py): per request
     its prompt and generation tokens, one success with its finish reason, one TPOT per
     request, inter-token latencies between the first token and the last."""
-    names = ("vllm:generation_tokens_total", "vllm:request_generation_tokens_sum",
-             'vllm:request_success_total', "vllm:request_time_per_output_token_seconds_count",
-             "vllm:request_max_num_generation_tokens_sum", "vllm:inter_token_latency_seconds_count",
-             "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_count")
+    names = (
+        "vllm:generation_tokens_total",
+        "vllm:request_generation_tokens_sum",
+        "vllm:request_success_total",
+        "vllm:request_time_per_output_token_seconds_count",
+        "vllm:request_max_num_generation_tokens_sum",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:prompt_tokens_total",
+        "vllm:e2e_request_latency_seconds_count",
+    )
 
     def values() -> dict:
         out = dict.fromkeys(names, 0.0)
@@ -506,16 +678,23 @@ def test_metrics_contract_counts_of_openai_requests(server, client):
     before = values()
     requests, tokens = 3, 5
     for _ in range(requests):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=tokens, temperature=0,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
     prompt_tokens = len(tokenizer_of()(PROMPT)["input_ids"])
-    expected = {"vllm:generation_tokens_total": requests * tokens,
-                "vllm:request_generation_tokens_sum": requests * tokens,
-                "vllm:request_success_total": requests,
-                "vllm:request_time_per_output_token_seconds_count": requests,
-                "vllm:request_max_num_generation_tokens_sum": requests * tokens,
-                "vllm:prompt_tokens_total": requests * prompt_tokens,
-                "vllm:e2e_request_latency_seconds_count": requests}
+    expected = {
+        "vllm:generation_tokens_total": requests * tokens,
+        "vllm:request_generation_tokens_sum": requests * tokens,
+        "vllm:request_success_total": requests,
+        "vllm:request_time_per_output_token_seconds_count": requests,
+        "vllm:request_max_num_generation_tokens_sum": requests * tokens,
+        "vllm:prompt_tokens_total": requests * prompt_tokens,
+        "vllm:e2e_request_latency_seconds_count": requests,
+    }
     deadline = time.monotonic() + 10
     while True:
         delta = {k: v - before[k] for k, v in values().items()}
@@ -540,15 +719,21 @@ def triton_frontend_inputs(stream: bool, sampling: dict) -> list:
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         return t
+
     text = np.array([QUESTION.encode()], dtype=np.object_)
-    return [tensor("text_input", text, "BYTES"),
-            tensor("stream", np.bool_([stream]), "BOOL"),
-            tensor("exclude_input_in_output", np.bool_([True]), "BOOL"),
-            tensor("sampling_parameters",
-                   np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
-            tensor("return_num_input_tokens", np.bool_([True]), "BOOL"),
-            tensor("return_num_output_tokens", np.bool_([True]), "BOOL"),
-            tensor("return_logprobs", np.bool_([True]), "BOOL")]
+    return [
+        tensor("text_input", text, "BYTES"),
+        tensor("stream", np.bool_([stream]), "BOOL"),
+        tensor("exclude_input_in_output", np.bool_([True]), "BOOL"),
+        tensor(
+            "sampling_parameters",
+            np.array([json.dumps(sampling).encode()], dtype=np.object_),
+            "BYTES",
+        ),
+        tensor("return_num_input_tokens", np.bool_([True]), "BOOL"),
+        tensor("return_num_output_tokens", np.bool_([True]), "BOOL"),
+        tensor("return_logprobs", np.bool_([True]), "BOOL"),
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -559,12 +744,22 @@ def test_triton_openai_frontend_request_shape_is_served(server, stream):
     from vllm_backend_support import stream_requests
 
     tool_schema = {"type": "object", "properties": {"city": {"type": "string"}}}
-    sampling = {"frequency_penalty": 0, "presence_penalty": 0, "n": 1, "temperature": 0,
-                "top_p": 1, "max_tokens": 6, "logprobs": 2, "ignore_eos": True,
-                "logit_bias": {"11": 0}, "lora_name": "doll",
-                "structured_outputs": json.dumps({"json": json.dumps(tool_schema)})}
-    responses = stream_requests(server.grpc_url, MODEL, [
-        {"inputs": triton_frontend_inputs(stream, sampling)}])
+    sampling = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "n": 1,
+        "temperature": 0,
+        "top_p": 1,
+        "max_tokens": 6,
+        "logprobs": 2,
+        "ignore_eos": True,
+        "logit_bias": {"11": 0},
+        "lora_name": "doll",
+        "structured_outputs": json.dumps({"json": json.dumps(tool_schema)}),
+    }
+    responses = stream_requests(
+        server.grpc_url, MODEL, [{"inputs": triton_frontend_inputs(stream, sampling)}]
+    )
     assert all(error is None for _, error in responses), [str(e) for _, e in responses]
     results = [r for r, _ in responses]
     assert len(results) == (len(results) if stream else 1)
@@ -586,9 +781,11 @@ def test_triton_openai_frontend_request_shape_is_served(server, stream):
 
 # ------------------------------------------------------------------------ vLLM's benchmark client
 PEER_PYTHON = Path.home() / ".cache" / "slipstream" / "peers" / "venv" / "bin" / "python"
-VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-              "from vllm.benchmarks.serve import add_cli_args, main; "
-              "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+VLLM_BENCH = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 
 
 def test_vllm_bench_serve_openai_chat_completes_every_request(frontend, tmp_path):
@@ -601,13 +798,42 @@ def test_vllm_bench_serve_openai_chat_completes_every_request(frontend, tmp_path
         pytest.skip(f"no vLLM peer virtualenv ({PEER_PYTHON}; scripts/setup_peers.py)")
     from support import tiny_model_dir
 
-    cmd = [str(PEER_PYTHON), "-c", VLLM_BENCH, "--backend", "openai-chat",
-           "--endpoint", "/v1/chat/completions", "--base-url", frontend.url, "--model", MODEL,
-           "--tokenizer", str(tiny_model_dir("llama")), "--dataset-name", "random",
-           "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "8",
-           "--request-rate", "inf", "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000",
-           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json",
-           "--seed", "0"]
+    cmd = [
+        str(PEER_PYTHON),
+        "-c",
+        VLLM_BENCH,
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        frontend.url,
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(tiny_model_dir("llama")),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--num-prompts",
+        "8",
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--result-filename",
+        "bench.json",
+        "--seed",
+        "0",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -619,8 +845,9 @@ def test_vllm_bench_serve_openai_chat_completes_every_request(frontend, tmp_path
 def test_chat_render_returns_the_prompt_tokens_the_engine_prefills(frontend, client):
     # vllm-router's kv_aware policy matches these ids against the replica's KV events
     messages = [{"role": "user", "content": QUESTION}]
-    status, body = post(frontend, "/v1/chat/completions/render",
-                        {"model": MODEL, "messages": messages})
+    status, body = post(
+        frontend, "/v1/chat/completions/render", {"model": MODEL, "messages": messages}
+    )
     assert status == 200, body
     tokenizer = tokenizer_of()
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -630,20 +857,32 @@ def test_chat_render_returns_the_prompt_tokens_the_engine_prefills(frontend, cli
 
 
 def test_completion_render_returns_one_token_list_per_prompt(frontend, client):
-    status, body = post(frontend, "/v1/completions/render",
-                        {"model": MODEL, "prompt": [PROMPT, QUESTION]})
+    status, body = post(
+        frontend, "/v1/completions/render", {"model": MODEL, "prompt": [PROMPT, QUESTION]}
+    )
     assert status == 200, body
     assert [len(r["token_ids"]) for r in body] == [
         client.completions.create(model=MODEL, prompt=p, max_tokens=1).usage.prompt_tokens
-        for p in (PROMPT, QUESTION)]
+        for p in (PROMPT, QUESTION)
+    ]
 
 
 def test_router_added_fields_do_not_change_the_answer(client):
     messages = [{"role": "user", "content": QUESTION}]
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
-                                           temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0
+    )
     routed = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, temperature=0,
-        extra_body={"no_stop_trim": True, "separate_reasoning": True, "stream_reasoning": True,
-                    "return_hidden_states": False, "include_reasoning": True})
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={
+            "no_stop_trim": True,
+            "separate_reasoning": True,
+            "stream_reasoning": True,
+            "return_hidden_states": False,
+            "include_reasoning": True,
+        },
+    )
     assert routed.choices[0].message.content == plain.choices[0].message.content

@@ -1,4 +1,5 @@
 """The package and the ops dispatch must work when OpenAI Triton is not installed."""
+
 import subprocess
 import sys
 import textwrap
@@ -26,8 +27,9 @@ def test_dispatch_without_triton_falls_back_to_torch_ops():
             raise AssertionError("forcing triton without triton must raise")
         print("OK")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -47,8 +49,9 @@ def test_cpu_kernels_can_be_turned_off():
             raise AssertionError("forcing the CPU kernel while it is off must raise")
         print("OK")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -63,4 +66,6 @@ def test_every_ops_module_implements_the_attention_ops_interface():
         for name in ("store_step_kv", "paged_attention"):
             want = list(inspect.signature(getattr(AttentionOps, name)).parameters)[1:]  # no self
             assert list(inspect.signature(getattr(module, name)).parameters) == want, (
-                module.__name__, name)
+                module.__name__,
+                name,
+            )

@@ -1,5 +1,6 @@
 """Overload: a bounded waiting queue refuses what does not fit at once, everything admitted
 completes, nothing leaks; a prompt that could never fit in the KV cache is refused."""
+
 from __future__ import annotations
 
 import random
@@ -22,17 +23,28 @@ THREADS, PER_THREAD = 8, 8  # 64 requests, 8 times what runs plus what may wait
 def config(**overrides) -> EngineConfig:
     # 24 blocks of 4 tokens: four running requests of up to 46 tokens do not all fit, so
     # the admitted ones also preempt each other.
-    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=32,
-                    max_num_seqs=MAX_SEQS, max_model_len=128, num_gpu_blocks_override=24,
-                    max_queue_size=MAX_QUEUE)
+    settings = dict(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=128,
+        num_gpu_blocks_override=24,
+        max_queue_size=MAX_QUEUE,
+    )
     settings.update(overrides)
     return EngineConfig(**settings)
 
 
 def workload(seed: int = 0) -> list:
     rng = random.Random(seed)
-    return [([rng.randrange(100, 40000) for _ in range(rng.choice((5, 12, 20, 30)))],
-             rng.randrange(4, 17)) for _ in range(THREADS * PER_THREAD)]
+    return [
+        (
+            [rng.randrange(100, 40000) for _ in range(rng.choice((5, 12, 20, 30)))],
+            rng.randrange(4, 17),
+        )
+        for _ in range(THREADS * PER_THREAD)
+    ]
 
 
 def client(loop: EngineLoop, jobs: list, start: threading.Barrier, results: dict) -> None:
@@ -42,8 +54,9 @@ def client(loop: EngineLoop, jobs: list, start: threading.Barrier, results: dict
     start.wait()
     for index, (prompt, max_tokens) in jobs:
         try:
-            streams.append((index, loop.submit(prompt, SamplingParams(max_tokens=max_tokens,
-                                                                      **GREEDY))))
+            streams.append(
+                (index, loop.submit(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+            )
         except OverloadedError as exc:
             results[index] = exc
         time.sleep(rng.uniform(0, 0.05))  # several times what the engine serves, spread out
@@ -60,9 +73,12 @@ def test_stress_admitted_complete_refused_get_overloaded_no_leaks():
     loop = EngineLoop(config()).start()
     loop.generate([1, 2], SamplingParams(max_tokens=2))  # warm up: the first step is slow
     start = threading.Barrier(THREADS)
-    threads = [threading.Thread(target=client, args=(loop, list(enumerate(jobs))[t::THREADS],
-                                                     start, results))
-               for t in range(THREADS)]
+    threads = [
+        threading.Thread(
+            target=client, args=(loop, list(enumerate(jobs))[t::THREADS], start, results)
+        )
+        for t in range(THREADS)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -122,7 +138,9 @@ def test_request_that_can_never_fit_is_refused_clearly():
     with pytest.raises(ValueError, match="prompt has 40 tokens and can never fit"):
         engine.add_request(list(range(100, 140)))  # no room left for a generated token
     assert not engine.has_unfinished()
-    assert engine.scheduler.max_seq_len == 40  # the cache, not max_model_len (128), bounds a sequence
+    assert (
+        engine.scheduler.max_seq_len == 40
+    )  # the cache, not max_model_len (128), bounds a sequence
     # A request that would outgrow the whole cache ends there ("length"), like at
     # max_model_len, instead of preempting itself forever.
     out = engine.generate([list(range(100, 110))], SamplingParams(max_tokens=500, **GREEDY))[0]

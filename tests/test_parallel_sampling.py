@@ -1,5 +1,6 @@
 """n / best_of, prompt logprobs and top-k logprobs in the engine, against Hugging Face's own
 outputs and logits for the same prompt."""
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,9 @@ def test_seeded_n_is_reproducible_and_sequence_i_samples_with_seed_plus_i():
     engine = make_engine()
     first = engine.generate_sequences([PROMPT], SamplingParams(n=3, **params))[0]
     again = make_engine(seed=99).generate_sequences(
-        [[7, 8, 9], PROMPT], [SamplingParams(max_tokens=5, temperature=1.0),
-                              SamplingParams(n=3, **params)])[1]
+        [[7, 8, 9], PROMPT],
+        [SamplingParams(max_tokens=5, temperature=1.0), SamplingParams(n=3, **params)],
+    )[1]
     assert [s.token_ids for s in first] == [s.token_ids for s in again]
     assert len({tuple(s.token_ids) for s in first}) == 3
     alone = engine.generate([PROMPT], SamplingParams(**{**params, "seed": 6}))[0]
@@ -85,10 +87,16 @@ def test_abort_ends_every_sequence_and_frees_every_block():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forked_sequences_survive_preemption_with_hf_outputs(mode):
-    prompts = [[random.Random(i).randrange(100, 40000) for _ in range(n)]
-               for i, n in enumerate((18, 30, 42))]
-    engine = make_engine(num_gpu_blocks_override=40, preemption_mode=mode,
-                         swap_space_bytes=64 * 1024 * 1024, max_num_seqs=12)
+    prompts = [
+        [random.Random(i).randrange(100, 40000) for _ in range(n)]
+        for i, n in enumerate((18, 30, 42))
+    ]
+    engine = make_engine(
+        num_gpu_blocks_override=40,
+        preemption_mode=mode,
+        swap_space_bytes=64 * 1024 * 1024,
+        max_num_seqs=12,
+    )
     results = engine.generate_sequences(prompts, SamplingParams(n=3, max_tokens=24, **GREEDY))
     assert engine.scheduler.num_preemptions > 0
     if mode == "swap":
@@ -155,8 +163,9 @@ def test_sampled_top_logprobs_match_hf():
 def test_invalid_n_and_best_of_are_refused_with_vllm_messages():
     with pytest.raises(ValueError, match=r"n must be at least 1, got 0\."):
         SamplingParams(n=0)
-    with pytest.raises(ValueError, match="best_of must be greater than or equal to n, got n=3 "
-                                         "and best_of=2."):
+    with pytest.raises(
+        ValueError, match="best_of must be greater than or equal to n, got n=3 and best_of=2."
+    ):
         SamplingParams(n=3, best_of=2)
     engine = make_engine(max_num_seqs=4)
     with pytest.raises(ValueError, match="max_num_seqs=4"):

@@ -6,6 +6,7 @@ by ``sample``. The clock is a fake one that advances a fixed amount per step, so
 measured in steps and the tests do not depend on the machine's speed. One engine test at the
 end checks that requests preempted for an urgent one still produce the model's tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,14 +17,19 @@ from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import Request
 from slipstream.core.scheduler import SchedulerBase
 from slipstream.engine import LLMEngine
-from scheduler_support import (FakeClock, check_step, make_request, make_scheduler,
-                               no_stop_strings, sample)
+from scheduler_support import (
+    FakeClock,
+    check_step,
+    make_request,
+    make_scheduler,
+    no_stop_strings,
+    sample,
+)
 from support import hf_greedy, tiny_model_dir
 
 STEP_SECONDS = 0.1  # fake time per step
 # max_num_seqs=1: one request runs at a time, so the completion order is the service order.
-ONE_AT_A_TIME = dict(block_size=4, max_num_batched_tokens=64, max_num_seqs=1,
-                     max_model_len=256)
+ONE_AT_A_TIME = dict(block_size=4, max_num_batched_tokens=64, max_num_seqs=1, max_model_len=256)
 
 
 @pytest.fixture
@@ -58,8 +64,14 @@ def step_once(s: SchedulerBase, clock: FakeClock, run: Run, every: list[Request]
     clock.now += STEP_SECONDS
 
 
-def run_until_idle(s: SchedulerBase, clock: FakeClock, every: list[Request],
-                   arrivals=None, run: Run | None = None, max_steps: int = 2000) -> Run:
+def run_until_idle(
+    s: SchedulerBase,
+    clock: FakeClock,
+    every: list[Request],
+    arrivals=None,
+    run: Run | None = None,
+    max_steps: int = 2000,
+) -> Run:
     """Step until idle; ``arrivals(step)`` may return requests to add before each step."""
     run = run or Run()
     while run.steps < max_steps:
@@ -88,13 +100,21 @@ def add_all(s: SchedulerBase, clock: FakeClock, specs: list[tuple[int, int]]) ->
 SPECS = [(8, 2), (2, 0), (5, 3), (1, 1)]  # (max_tokens, priority) of r0..r3
 
 
-@pytest.mark.parametrize("policy, specs, order", [
-    ("fifo", SPECS, ["r0", "r1", "r2", "r3"]),
-    ("priority", SPECS, ["r1", "r3", "r0", "r2"]),  # a lower priority value first
-    ("priority", [(3, 1), (1, 0), (2, 1), (1, 1)], ["r1", "r0", "r2", "r3"]),  # ties: FIFO
-    ("sjf", SPECS, ["r3", "r1", "r2", "r0"]),  # fewest requested tokens first
-], ids=["fifo-arrival-order", "priority-lower-value-first", "priority-ties-fifo",
-        "sjf-fewest-tokens-first"])
+@pytest.mark.parametrize(
+    "policy, specs, order",
+    [
+        ("fifo", SPECS, ["r0", "r1", "r2", "r3"]),
+        ("priority", SPECS, ["r1", "r3", "r0", "r2"]),  # a lower priority value first
+        ("priority", [(3, 1), (1, 0), (2, 1), (1, 1)], ["r1", "r0", "r2", "r3"]),  # ties: FIFO
+        ("sjf", SPECS, ["r3", "r1", "r2", "r0"]),  # fewest requested tokens first
+    ],
+    ids=[
+        "fifo-arrival-order",
+        "priority-lower-value-first",
+        "priority-ties-fifo",
+        "sjf-fewest-tokens-first",
+    ],
+)
 def test_policy_serves_requests_in_its_order(clock, policy, specs, order):
     s = make_scheduler(num_blocks=200, policy=policy, **ONE_AT_A_TIME)
     reqs = add_all(s, clock, specs)
@@ -107,11 +127,19 @@ def urgent_arrival(policy: str, mode: str, clock: FakeClock) -> tuple[SchedulerB
     """Two low-priority requests (16-token prompts) fill most of a 20-block cache, then an
     urgent request arrives (40 tokens: 10 blocks of 4) that needs more blocks than are free.
     Returns the scheduler, the run and the step the urgent request arrived before."""
-    s = make_scheduler(num_blocks=20, policy=policy, max_num_seqs=4, max_num_batched_tokens=64,
-                       enable_prefix_caching=False, aging_seconds=0, preemption_mode=mode,
-                       swap_blocks=32)
-    low = [make_request(f"low{i}", 16, 20, first_token=2000 + 100 * i, priority=5)
-           for i in range(2)]
+    s = make_scheduler(
+        num_blocks=20,
+        policy=policy,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        aging_seconds=0,
+        preemption_mode=mode,
+        swap_blocks=32,
+    )
+    low = [
+        make_request(f"low{i}", 16, 20, first_token=2000 + 100 * i, priority=5) for i in range(2)
+    ]
     for req in low:
         s.add(req)
     run = Run()
@@ -147,13 +175,13 @@ def test_fifo_never_preempts_an_earlier_arrival_for_a_later_one(clock):
 
 
 # -- aging: no starvation -----------------------------------------------------------------
-def starvation_run(policy: str, aging_seconds: float, clock: FakeClock,
-                   stream_steps: int = 60) -> tuple[int, int]:
+def starvation_run(
+    policy: str, aging_seconds: float, clock: FakeClock, stream_steps: int = 60
+) -> tuple[int, int]:
     """One big (sjf: long; priority: low-priority) request arrives with a continuous stream
     of small urgent ones, one per step, for ``stream_steps`` steps.
     Returns (step the big request finished, step the last small one finished)."""
-    s = make_scheduler(num_blocks=200, policy=policy, aging_seconds=aging_seconds,
-                       **ONE_AT_A_TIME)
+    s = make_scheduler(num_blocks=200, policy=policy, aging_seconds=aging_seconds, **ONE_AT_A_TIME)
     big = make_request("big", 6, 10, first_token=1000, priority=1)
     s.add(big)
     clock.now += 0.001
@@ -196,10 +224,20 @@ URGENT = list(range(5000, 5040))  # 40 tokens = 10 blocks of 4
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_requests_preempted_for_an_urgent_one_still_match_hf_greedy(mode):
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=64,
-        max_num_seqs=4, max_model_len=256, num_gpu_blocks_override=20, policy="priority",
-        enable_prefix_caching=False, aging_seconds=0, preemption_mode=mode))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=4,
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            max_model_len=256,
+            num_gpu_blocks_override=20,
+            policy="priority",
+            enable_prefix_caching=False,
+            aging_seconds=0,
+            preemption_mode=mode,
+        )
+    )
     greedy = dict(temperature=0, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
 
@@ -208,12 +246,14 @@ def test_requests_preempted_for_an_urgent_one_still_match_hf_greedy(mode):
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
 
     for i, p in enumerate(LOW):
-        engine.add_request(p, SamplingParams(max_tokens=20, **greedy), request_id=f"low{i}",
-                           priority=5)
+        engine.add_request(
+            p, SamplingParams(max_tokens=20, **greedy), request_id=f"low{i}", priority=5
+        )
     for _ in range(7):
         step()
-    engine.add_request(URGENT, SamplingParams(max_tokens=5, **greedy), request_id="urgent",
-                       priority=0)
+    engine.add_request(
+        URGENT, SamplingParams(max_tokens=5, **greedy), request_id="urgent", priority=0
+    )
     while engine.has_unfinished():
         step()
     assert engine.scheduler.num_preemptions > 0  # the urgent request did evict one

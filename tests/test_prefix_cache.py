@@ -1,6 +1,7 @@
 """Prefix caching pays off: many requests behind one long shared system prompt compute the
 prompt once. Measured with the engine's counters (prefill tokens computed, steps to the
 first token), never with timings, and the outputs equal those without caching."""
+
 from __future__ import annotations
 
 import random
@@ -28,10 +29,17 @@ PROMPTS = [SYSTEM + user_turn(i) for i in range(N)]
 def serve(caching: bool, prompts: list = PROMPTS) -> dict:
     """All requests arrive together; returns outputs, counters and, per request, the step
     of its first token (time to first token counted in engine steps)."""
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_model_dir("llama")), block_size=BLOCK, max_num_batched_tokens=128,
-        max_num_seqs=N, max_model_len=256, num_gpu_blocks_override=400,
-        enable_prefix_caching=caching))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=BLOCK,
+            max_num_batched_tokens=128,
+            max_num_seqs=N,
+            max_model_len=256,
+            num_gpu_blocks_override=400,
+            enable_prefix_caching=caching,
+        )
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
     reqs = [engine.add_request(p, params) for p in prompts]
     tokens = {r.request_id: [] for r in reqs}
@@ -40,9 +48,12 @@ def serve(caching: bool, prompts: list = PROMPTS) -> dict:
         for out in engine.step():
             tokens[out.request_id].extend(out.token_ids)
             first_token_step.setdefault(out.request_id, engine.stats.steps)
-    return {"engine": engine, "tokens": [tokens[r.request_id] for r in reqs],
-            "cached": [r.num_cached_tokens for r in reqs],
-            "ttft_steps": [first_token_step[r.request_id] for r in reqs]}
+    return {
+        "engine": engine,
+        "tokens": [tokens[r.request_id] for r in reqs],
+        "cached": [r.num_cached_tokens for r in reqs],
+        "ttft_steps": [first_token_step[r.request_id] for r in reqs],
+    }
 
 
 @pytest.fixture(scope="module")

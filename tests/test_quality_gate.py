@@ -1,5 +1,6 @@
 """The quality gate of reduced-precision CPU weights on the real default SmolLM2 model:
 bf16 and int8 linear layers against the Hugging Face fp32 model (slipstream_bench.quality)."""
+
 import pytest
 import torch
 

@@ -1,6 +1,7 @@
 """A full waiting queue answers like a server: refused at once with code UNAVAILABLE and a
 Retry-After-style message (HTTP 503 where Triton maps the code, gRPC UNAVAILABLE), and a
 server ships with a bounded queue by default."""
+
 import json
 import os
 import shutil
@@ -19,7 +20,8 @@ from slipstream.server.stub.model_config import DEFAULT_MAX_QUEUE_SIZE, load_set
 from test_server import OVERRIDES, REPO, http_post, tiny_model  # noqa: E402,F401
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 UNARY = "slipstream_unary"
 # long enough that both held requests are still there when the third arrives (a 40-token
 # request on the tiny model ended within the 0.3 s between submissions on an idle machine)
@@ -40,9 +42,12 @@ def test_a_server_bounds_its_queue_by_default(tmp_path):
 
 
 def infer_body(sampling):
-    return {"inputs": [
-        {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]},
-        {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES", "data": [sampling]}]}
+    return {
+        "inputs": [
+            {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]},
+            {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES", "data": [sampling]},
+        ]
+    }
 
 
 def grpc_inputs(sampling):
@@ -55,24 +60,39 @@ def grpc_inputs(sampling):
 
 
 @pytest.mark.slow
-def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(
-        tiny_model, tmp_path):  # noqa: F811
+def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, tmp_path):  # noqa: F811
     """One request runs, one waits (max_num_seqs 1, max_queue_size 1): the next is refused at
     once. Before: "retry later" with no hint of when; HTTP 400 on every endpoint."""
     src = tmp_path / "src"
     shutil.copytree(REPO, src)
     shutil.copytree(src / "slipstream", src / UNARY)
     config = src / UNARY / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "slipstream"', f'name: "{UNARY}"')
-                      .replace("model_transaction_policy {\n  decoupled: true\n}\n", "")
-                      + 'parameters: {\n  key: "decoupled"\n'
-                      '  value: { string_value: "false" }\n}\n')
-    repo = render_model_repository(src, tmp_path / "repo", {
-        "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                      models=["slipstream", UNARY]) as server:
-        held = [threading.Thread(target=http_post, args=(
-            server, f"/v2/models/{UNARY}/infer", infer_body(LONG))) for _ in range(2)]
+    config.write_text(
+        config.read_text()
+        .replace('name: "slipstream"', f'name: "{UNARY}"')
+        .replace("model_transaction_policy {\n  decoupled: true\n}\n", "")
+        + 'parameters: {\n  key: "decoupled"\n'
+        '  value: { string_value: "false" }\n}\n'
+    )
+    repo = render_model_repository(
+        src,
+        tmp_path / "repo",
+        {"model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1},
+    )
+    with TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        startup_timeout=300,
+        models=["slipstream", UNARY],
+    ) as server:
+        held = [
+            threading.Thread(
+                target=http_post, args=(server, f"/v2/models/{UNARY}/infer", infer_body(LONG))
+            )
+            for _ in range(2)
+        ]
         for thread in held:
             thread.start()
             time.sleep(0.3)  # the first runs before the second arrives, which waits
@@ -90,6 +110,9 @@ def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(
             assert not thread.is_alive()
         # The decoupled model's generate: Triton 2.51 answers 400 for any model error
         # there (docs/robustness.md), so the message is what tells a client to retry.
-        status, body = http_post(server, "/v2/models/slipstream/generate",
-                                 {"text_input": "x", "parameters": {"max_tokens": 2}})
+        status, body = http_post(
+            server,
+            "/v2/models/slipstream/generate",
+            {"text_input": "x", "parameters": {"max_tokens": 2}},
+        )
         assert status == 200, body

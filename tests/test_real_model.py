@@ -1,4 +1,5 @@
 """The embedded SmolLM2-135M-Instruct: the engine matches model.generate and answers sensibly."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="default", block_size=8, max_num_batched_tokens=32,
-                                  max_num_seqs=4, max_model_len=512,
-                                  kv_cache_memory_bytes=64 * 2**20))
+    return LLMEngine(
+        EngineConfig(
+            model="default",
+            block_size=8,
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+            max_model_len=512,
+            kv_cache_memory_bytes=64 * 2**20,
+        )
+    )
 
 
 def test_default_model_is_gqa(engine):
@@ -28,8 +36,12 @@ def test_default_model_is_gqa(engine):
 
 
 def test_greedy_matches_generate_for_several_requests(engine):
-    prompts = ["The capital of France is", "def fibonacci(n):",
-               "List three colors:", "Water boils at"]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "List three colors:",
+        "Water boils at",
+    ]
     ids = [engine.tokenize(p) for p in prompts]
     results = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, r in zip(ids, results):
@@ -37,8 +49,11 @@ def test_greedy_matches_generate_for_several_requests(engine):
 
 
 def test_chat_template_answer(engine):
-    out = engine.generate(["What is the capital of France?"],
-                          SamplingParams(max_tokens=24, temperature=0), apply_chat_template=True)[0]
+    out = engine.generate(
+        ["What is the capital of France?"],
+        SamplingParams(max_tokens=24, temperature=0),
+        apply_chat_template=True,
+    )[0]
     assert "Paris" in out.text
 
 

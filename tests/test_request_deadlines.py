@@ -2,6 +2,7 @@
 ``max_request_seconds`` end it with a clear error and free its KV blocks. This is also what
 bounds a dropped non-streaming HTTP ``generate``, which Triton 2.51 never tells the model
 about (docs/robustness.md)."""
+
 import json
 import os
 import queue
@@ -12,13 +13,21 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.stub.deadlines import request_deadline  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
-from test_server import (OVERRIDES, REPO, http_post, metrics, text_inputs,  # noqa: E402
-                         tiny_model, wait_metric)  # noqa: F401 - tiny_model is a fixture
+from slipstream.server.stub.deadlines import request_deadline  # noqa: E402
+from test_server import (  # noqa: E402
+    OVERRIDES,
+    REPO,
+    http_post,
+    metrics,
+    text_inputs,
+    tiny_model,  # noqa: F401 - tiny_model is a fixture
+    wait_metric,
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 ENDLESS = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
 
 
@@ -34,10 +43,12 @@ def test_the_earliest_limit_wins():
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):  # noqa: F811
-    repo = render_model_repository(REPO, tmp_path_factory.mktemp("deadline") / "repo", {
-        "model": str(tiny_model), **OVERRIDES, "max_request_seconds": 1})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    repo = render_model_repository(
+        REPO,
+        tmp_path_factory.mktemp("deadline") / "repo",
+        {"model": str(tiny_model), **OVERRIDES, "max_request_seconds": 1},
+    )
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         yield srv
 
 
@@ -45,8 +56,9 @@ def server(tiny_model, tmp_path_factory):  # noqa: F811
 def test_max_request_seconds_ends_a_long_generate_with_a_clear_error(server):
     """Before: a 1000-token request ran to its end however long that took."""
     started = time.monotonic()
-    status, body = http_post(server, "/v2/models/slipstream/generate",
-                             {"text_input": "x", "parameters": ENDLESS})
+    status, body = http_post(
+        server, "/v2/models/slipstream/generate", {"text_input": "x", "parameters": ENDLESS}
+    )
     took = time.monotonic() - started
     assert status == 400 and "request timed out" in body and "max_request_seconds (1 s)" in body
     assert took < 5, took
@@ -55,14 +67,21 @@ def test_max_request_seconds_ends_a_long_generate_with_a_clear_error(server):
 
 @pytest.mark.slow
 def test_the_requests_own_timeout_is_honoured_over_http_and_grpc(server):
-    status, body = http_post(server, "/v2/models/slipstream/generate",
-                             {"text_input": "x", "parameters": {**ENDLESS, "timeout": 500_000}})
+    status, body = http_post(
+        server,
+        "/v2/models/slipstream/generate",
+        {"text_input": "x", "parameters": {**ENDLESS, "timeout": 500_000}},
+    )
     assert status == 400 and "past the request's timeout (0.5 s)" in body, body
     results = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put(error))
-    client.async_stream_infer("slipstream", text_inputs("y", sampling=ENDLESS),
-                              enable_empty_final_response=True, timeout=700_000)
+    client.async_stream_infer(
+        "slipstream",
+        text_inputs("y", sampling=ENDLESS),
+        enable_empty_final_response=True,
+        timeout=700_000,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -83,9 +102,13 @@ def test_a_dropped_non_streaming_generate_stops_at_max_request_seconds(server):
     host, port = server.http_url.split(":")
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v2/models/slipstream/generate HTTP/1.1\r\nHost: t\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.sendall(
+                b"POST /v2/models/slipstream/generate HTTP/1.1\r\nHost: t\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             time.sleep(0.2)
     wait_metric(server, "slipstream_requests_running", lambda v: v == 3, timeout=5)
     dropped = time.monotonic()

@@ -1,5 +1,6 @@
 """Values one request could use to fail a step it shares with others are refused at submit
 (or made safe), with a message naming the field; the engine never sees them."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,14 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                  max_model_len=128, num_gpu_blocks_override=64))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=4,
+            max_model_len=128,
+            num_gpu_blocks_override=64,
+        )
+    )
 
 
 def s(text):
@@ -36,10 +43,12 @@ def test_temperature_below_epsilon_is_greedy_and_tiny_ones_are_raised():
 
 
 def test_seed_must_fit_what_torch_generator_accepts():
-    assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1
-    assert SamplingParams(seed=-(2 ** 63)).seed == -(2 ** 63)
-    for bad in (2 ** 64, -(2 ** 63) - 1, 10 ** 30):
-        with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"):
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for bad in (2**64, -(2**63) - 1, 10**30):
+        with pytest.raises(
+            ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"
+        ):
             SamplingParams(seed=bad)
 
 
@@ -74,11 +83,18 @@ def test_error_messages_stay_short_for_huge_or_deep_values():
 
 def test_stop_token_ids_and_end_id_beyond_the_vocabulary_are_refused(engine):
     vocab = engine.logits_vocab_size
-    for ids in ([10 ** 12], [vocab], [5, 2 ** 31 - 1]):
-        with pytest.raises(ValueError, match=f"stop_token_ids must be < the vocabulary size {vocab}"):
+    for ids in ([10**12], [vocab], [5, 2**31 - 1]):
+        with pytest.raises(
+            ValueError, match=f"stop_token_ids must be < the vocabulary size {vocab}"
+        ):
             engine.make_request("hello", SamplingParams(stop_token_ids=ids, min_tokens=2))
-    parsed = parse_request({"text_input": s("hi"), "end_id": np.array([2 ** 31 - 1], np.int32),
-                            "min_tokens": np.array([2], np.int32)})
+    parsed = parse_request(
+        {
+            "text_input": s("hi"),
+            "end_id": np.array([2**31 - 1], np.int32),
+            "min_tokens": np.array([2], np.int32),
+        }
+    )
     with pytest.raises(ValueError, match="vocabulary size"):
         engine.make_request(parsed.prompt, parsed.params)
     assert engine.make_request("hello", SamplingParams(stop_token_ids=[vocab - 1]))
@@ -96,8 +112,9 @@ def test_oversized_prompt_is_refused_by_size_before_tokenizing(engine):
 
 def test_max_model_len_above_the_model_positions_is_refused_at_load(tmp_path):
     gpt2 = make_tiny_model_dir(tmp_path / "gpt2-64", "gpt2", n_positions=64)
-    with pytest.raises(ValueError, match="max_model_len 512 is larger than the model's position "
-                                         "limit 64"):
+    with pytest.raises(
+        ValueError, match="max_model_len 512 is larger than the model's position limit 64"
+    ):
         LLMEngine(EngineConfig(model=str(gpt2), max_model_len=512))
     engine = LLMEngine(EngineConfig(model=str(gpt2), num_gpu_blocks_override=32, block_size=4))
     assert engine.config.max_model_len == 64  # unset: the model's limit
@@ -108,7 +125,11 @@ def test_max_model_len_above_the_model_positions_is_refused_at_load(tmp_path):
 def test_position_limit_reads_every_naming_and_rope_stretching():
     class Config:
         max_position_embeddings = 4096
-        rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+        }
 
     assert position_limit(Config()) == 8192
     Config.rope_scaling = {"rope_type": "llama3", "factor": 8.0}
@@ -121,7 +142,9 @@ def test_position_limit_reads_every_naming_and_rope_stretching():
 
 def test_deeply_nested_sampling_parameters_are_a_bad_request():
     for body in ("[" * 100_000 + "]" * 100_000, '{"stop": ' + "[" * 100_000 + "]" * 100_000 + "}"):
-        with pytest.raises(BadRequestError, match="input 'sampling_parameters' is nested too deeply"):
+        with pytest.raises(
+            BadRequestError, match="input 'sampling_parameters' is nested too deeply"
+        ):
             parse_request({"text_input": s("hi"), "sampling_parameters": s(body)})
     with pytest.raises(BadRequestError, match="nested too deeply"):
         parse_request({"text_input": s("hi")}, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -135,8 +158,9 @@ def test_oversized_json_and_stop_word_tensors_are_refused_before_parsing():
     with pytest.raises(BadRequestError, match="'stop_words' has 100000 strings"):
         parse_request({"text_input": s("hi"), "stop_words": words})
     with pytest.raises(BadRequestError, match="at most 64 are allowed"):
-        parse_request({"text_input": s("hi"),
-                       "sampling_parameters": s(json.dumps({"stop": ["a"] * 65}))})
+        parse_request(
+            {"text_input": s("hi"), "sampling_parameters": s(json.dumps({"stop": ["a"] * 65}))}
+        )
 
 
 def test_every_parse_of_request_json_is_bounded():
@@ -146,5 +170,6 @@ def test_every_parse_of_request_json_is_bounded():
 
     deep = s("[" * 100_000 + "]" * 100_000)
     assert lora_error({"text_input": s("hi"), "sampling_parameters": deep}) is None
-    assert lora_error({"text_input": s("hi")}, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}") \
-        is None
+    assert (
+        lora_error({"text_input": s("hi")}, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
+    )

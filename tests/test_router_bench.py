@@ -1,6 +1,7 @@
 """The multi-replica router benchmark's pieces that need no router or server: the workload
 shares each system prompt among its users and is reproducible, the router commands wire
 every replica (and, for kv_aware, its KV event source), the table reads its rows."""
+
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
 
 
-SPEC = conversations.WorkloadSpec(num_systems=2, system_tokens=60, num_users=5, turns=3,
-                                  user_tokens=8, user_rate=2.0)
+SPEC = conversations.WorkloadSpec(
+    num_systems=2, system_tokens=60, num_users=5, turns=3, user_tokens=8, user_rate=2.0
+)
 
 
 def test_users_share_their_system_prompt_and_the_workload_is_reproducible(tokenizer):
@@ -34,8 +36,10 @@ def test_users_share_their_system_prompt_and_the_workload_is_reproducible(tokeni
 
 
 def replicas(n: int) -> list:
-    return [Replica(i, i, 9000 + i, 9100 + i, 9200 + i, 9300 + i, Path(f"/tmp/r{i}.log"))
-            for i in range(n)]
+    return [
+        Replica(i, i, 9000 + i, 9100 + i, 9200 + i, 9300 + i, Path(f"/tmp/r{i}.log"))
+        for i in range(n)
+    ]
 
 
 def test_kv_aware_router_subscribes_to_every_replicas_events():
@@ -43,8 +47,10 @@ def test_kv_aware_router_subscribes_to_every_replicas_events():
     assert cmd[0] == "/r/vllm-router/bin/vllm-router"
     assert cmd[cmd.index("--policy") + 1] == "kv_aware"
     sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
-    assert sources == ["http://127.0.0.1:9000=tcp://127.0.0.1:9300",
-                       "http://127.0.0.1:9001=tcp://127.0.0.1:9301"]
+    assert sources == [
+        "http://127.0.0.1:9000=tcp://127.0.0.1:9300",
+        "http://127.0.0.1:9001=tcp://127.0.0.1:9301",
+    ]
     assert cmd[cmd.index("--kv-event-block-size") + 1] == "16"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
 
@@ -53,7 +59,7 @@ def test_sglang_router_talks_openai_to_every_replica_on_loopback():
     cmd = routers.SPECS["sglang-cache"].command(Path("/r"), 30000, replicas(2), "/model")
     assert cmd[cmd.index("--backend") + 1] == "openai"
     start = cmd.index("--worker-urls") + 1
-    assert cmd[start:start + 2] == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert cmd[start : start + 2] == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
 
 

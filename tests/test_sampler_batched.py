@@ -3,6 +3,7 @@ path alike, draws from exactly the distribution ``Sampler.probabilities`` descri
 token depends only on its own logits and its own uniform number; logprobs are the raw
 model's, ranked only for the requests that asked; penalties as one scatter match them row
 by row."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,10 +15,15 @@ from slipstream.worker import token_draw
 from slipstream.worker.sampler import Sampler
 
 VOCAB = 400
-PARAMS = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0, top_k=20),
-          dict(temperature=0.7, top_k=50, top_p=0.8), dict(temperature=1.0, min_p=0.1),
-          dict(temperature=1.3), dict(temperature=0.9, min_p=0.05, top_p=0.7),
-          dict(temperature=0.5, top_p=0.3)]
+PARAMS = [
+    dict(temperature=0.8, top_p=0.95),
+    dict(temperature=1.0, top_k=20),
+    dict(temperature=0.7, top_k=50, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.3),
+    dict(temperature=0.9, min_p=0.05, top_p=0.7),
+    dict(temperature=0.5, top_p=0.3),
+]
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -51,13 +57,17 @@ def test_draws_cover_exactly_the_reference_distribution(path, kw):
 def test_a_rows_token_is_the_same_alone_and_in_any_batch(path):
     logits = flat_logits(len(PARAMS), seed=3)
     params = [SamplingParams(**kw) for kw in PARAMS]
-    uniforms = torch.rand(len(PARAMS), generator=torch.Generator().manual_seed(5),
-                          dtype=torch.float64)
+    uniforms = torch.rand(
+        len(PARAMS), generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
     batch = token_draw.sample_rows(logits.clone(), params, uniforms)
-    alone = [int(token_draw.sample_rows(logits[i:i + 1].clone(), [p], uniforms[i:i + 1])[0])
-             for i, p in enumerate(params)]
-    reversed_batch = token_draw.sample_rows(logits.flip(0).contiguous(), params[::-1],
-                                            uniforms.flip(0))
+    alone = [
+        int(token_draw.sample_rows(logits[i : i + 1].clone(), [p], uniforms[i : i + 1])[0])
+        for i, p in enumerate(params)
+    ]
+    reversed_batch = token_draw.sample_rows(
+        logits.flip(0).contiguous(), params[::-1], uniforms.flip(0)
+    )
     assert batch.tolist() == alone == reversed_batch.flip(0).tolist()
 
 
@@ -67,9 +77,12 @@ def request(rid: str, **params) -> Request:
 
 def test_logprobs_are_the_raw_models_and_ranked_only_where_asked(path):
     logits = flat_logits(4, seed=7) * 4
-    reqs = [request("greedy", temperature=0), request("sampled", temperature=0.9, top_p=0.9),
-            request("ranked", temperature=0.9, logprobs=3),
-            request("allowed", temperature=1.0, allowed_token_ids=[10, 11, 12])]
+    reqs = [
+        request("greedy", temperature=0),
+        request("sampled", temperature=0.9, top_p=0.9),
+        request("ranked", temperature=0.9, logprobs=3),
+        request("allowed", temperature=1.0, allowed_token_ids=[10, 11, 12]),
+    ]
     raw = torch.log_softmax(logits, dim=-1)
     result = Sampler(seed=1)(logits.clone(), reqs)
     assert result.token_ids[0] == int(logits[0].argmax())
@@ -84,9 +97,11 @@ def test_logprobs_are_the_raw_models_and_ranked_only_where_asked(path):
 
 def test_penalties_on_the_whole_batch_match_them_row_by_row():
     logits = flat_logits(3, seed=9) * 3
-    reqs = [request("rep", temperature=1.0, repetition_penalty=1.3),
-            request("freq", temperature=1.0, frequency_penalty=0.7, presence_penalty=0.4),
-            request("none", temperature=1.0)]
+    reqs = [
+        request("rep", temperature=1.0, repetition_penalty=1.3),
+        request("freq", temperature=1.0, frequency_penalty=0.7, presence_penalty=0.4),
+        request("none", temperature=1.0),
+    ]
     for req, out in zip(reqs, ([8, 8, 9], [8, 8, 9, 11], [1])):
         for t in out:
             req.append_token(t)

@@ -1,5 +1,6 @@
 """The sampler fails only the requests whose own rows cannot be sampled, and the other rows
 (seeded ones included) get exactly the tokens they would have got without them."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,12 @@ def logits(rows, seed=0):
 
 
 def test_a_nan_row_fails_its_request_only_and_seeded_rows_keep_their_tokens():
-    reqs = [request("greedy", temperature=0), request("seeded", temperature=1.0, seed=7),
-            request("broken", temperature=1.0, seed=3), request("plain", temperature=0.8)]
+    reqs = [
+        request("greedy", temperature=0),
+        request("seeded", temperature=1.0, seed=7),
+        request("broken", temperature=1.0, seed=3),
+        request("plain", temperature=0.8),
+    ]
     batch = logits(4)
     batch[2, 5] = float("nan")
     clean = batch.clone()
@@ -56,9 +61,11 @@ def test_every_row_of_one_request_fails_together():
 
 def test_extreme_penalties_and_temperatures_stay_finite():
     low, high = FLOAT32_NORMAL_RANGE
-    reqs = [request("low", temperature=1.0, repetition_penalty=low),
-            request("high", temperature=0.01, repetition_penalty=high),
-            request("hot", temperature=1e30)]
+    reqs = [
+        request("low", temperature=1.0, repetition_penalty=low),
+        request("high", temperature=0.01, repetition_penalty=high),
+        request("hot", temperature=1e30),
+    ]
     result = Sampler()(logits(3) * 1e3, reqs)  # no PerRequestError: every row computes
     assert all(0 <= t < VOCAB for t in result.token_ids)
 

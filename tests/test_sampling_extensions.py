@@ -4,6 +4,7 @@ Each constrained greedy run is checked step by step against the tiny model's own
 the same constraint applied (``hf_constrained_greedy``), so a constraint applied at the wrong
 time, to the wrong row or not at all fails here.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,16 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                                  max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
-                                  num_gpu_blocks_override=200))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            block_size=4,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_gpu_blocks_override=200,
+        )
+    )
 
 
 def hf_constrained_greedy(prompt: list, steps: int, adjust) -> list:
@@ -69,12 +77,14 @@ def test_bad_words_ban_their_last_token_after_their_prefix(engine):
     plain = hf_greedy(tiny_model_dir("llama"), PROMPT, 8)
     word = engine.tokenizer.decode(plain[2:4])  # a two-token stretch the model would produce
     out = run(engine, max_tokens=8, bad_words=[word])
-    sequences = engine.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"], \
-        engine.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+    sequences = (
+        engine.tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"],
+        engine.tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"],
+    )
 
     def ban(logits, generated):
         for seq in sequences:
-            if len(seq) == 1 or generated[len(generated) - len(seq) + 1:] == seq[:-1]:
+            if len(seq) == 1 or generated[len(generated) - len(seq) + 1 :] == seq[:-1]:
                 logits[seq[-1]] = float("-inf")
 
     assert out.token_ids == hf_constrained_greedy(PROMPT, 8, ban)
@@ -92,7 +102,7 @@ def test_logprobs_carry_rank_and_top_alternatives(engine):
     model = reference_model(tiny_model_dir("llama"))
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + out.token_ids])).logits[0].float()
-    expected = torch.log_softmax(logits[len(PROMPT) - 1:-1], dim=-1)
+    expected = torch.log_softmax(logits[len(PROMPT) - 1 : -1], dim=-1)
     for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert isinstance(lp, TokenLogprob) and lp.rank == 1  # greedy picks the top token
         assert float(lp) == pytest.approx(float(expected[step, token]), abs=1e-4)
@@ -136,8 +146,10 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
     special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
     forced = {str(special): 100}
     assert "<|im_start|>" not in run(engine, max_tokens=2, logit_bias=forced).text
-    assert run(engine, max_tokens=2, logit_bias=forced,
-               skip_special_tokens=False).text == "<|im_start|>" * 2
+    assert (
+        run(engine, max_tokens=2, logit_bias=forced, skip_special_tokens=False).text
+        == "<|im_start|>" * 2
+    )
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
@@ -151,14 +163,17 @@ def test_detokenize_false_gives_tokens_without_text(engine):
     assert out.text == "" and out.token_ids == run(engine, max_tokens=4).token_ids
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids contains out-of-vocab token id!"),
-    ({"logit_bias": {"99999999": 1}}, "in logit_bias contain out-of-vocab token ids"),
-    ({"allowed_token_ids": []}, "non-empty"),
-    ({"min_p": 1.5}, "min_p must be in [0, 1]"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"detokenize": False, "stop": ["x"]}, "only supported when detokenize is True"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids contains out-of-vocab token id!"),
+        ({"logit_bias": {"99999999": 1}}, "in logit_bias contain out-of-vocab token ids"),
+        ({"allowed_token_ids": []}, "non-empty"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"detokenize": False, "stop": ["x"]}, "only supported when detokenize is True"),
+    ],
+)
 def test_invalid_extensions_are_refused_at_submission(engine, params, message):
     with pytest.raises(ValueError) as err:
         engine.make_request(PROMPT, SamplingParams.from_dict(params))

@@ -1,6 +1,7 @@
 """Model-free scheduler tests: a real Scheduler and BlockManager, no model, no torch
 (the harness is ``scheduler_support``). Every step is checked against the invariants.
 """
+
 from __future__ import annotations
 
 import random
@@ -23,21 +24,32 @@ from scheduler_support import (
 @pytest.mark.parametrize("policy", ["fifo", "priority", "sjf"])
 @pytest.mark.parametrize("num_blocks", [24, 200])  # 24 forces preemption
 @pytest.mark.parametrize("chunked", [True, False])
-def test_random_workload_keeps_budget_seq_limit_progress_and_block_invariants(policy, num_blocks,
-                                                                              chunked):
+def test_random_workload_keeps_budget_seq_limit_progress_and_block_invariants(
+    policy, num_blocks, chunked
+):
     rng = random.Random(f"{policy}{num_blocks}{chunked}")
     # Without chunking, a whole prompt must fit one step's budget (the config enforces it).
     budget = dict(max_num_batched_tokens=32, max_model_len=32 if not chunked else 256)
-    s = make_scheduler(num_blocks=num_blocks, policy=policy, enable_chunked_prefill=chunked, **budget)
+    s = make_scheduler(
+        num_blocks=num_blocks, policy=policy, enable_chunked_prefill=chunked, **budget
+    )
     shared = rng.randrange(0, 3)
-    reqs = [make_request(f"r{i}", rng.randrange(3, 30), rng.randrange(1, 20),
-                         first_token=100 + 1000 * (i % 3 if shared else i),
-                         priority=rng.randrange(0, 3)) for i in range(20)]
+    reqs = [
+        make_request(
+            f"r{i}",
+            rng.randrange(3, 30),
+            rng.randrange(1, 20),
+            first_token=100 + 1000 * (i % 3 if shared else i),
+            priority=rng.randrange(0, 3),
+        )
+        for i in range(20)
+    ]
     run_to_completion(s, reqs)
     for req in reqs:  # max_tokens, or max_model_len / the cache's capacity, ends each one
         assert req.status is RequestStatus.FINISHED_LENGTH
-        assert req.num_output_tokens == min(req.params.max_tokens,
-                                            s.max_seq_len - req.num_prompt_tokens)
+        assert req.num_output_tokens == min(
+            req.params.max_tokens, s.max_seq_len - req.num_prompt_tokens
+        )
     assert s.bm.num_used_blocks == 0
     if num_blocks == 24:
         assert s.num_preemptions > 0
@@ -66,7 +78,9 @@ def test_running_decodes_are_scheduled_before_a_new_prefill_and_share_the_budget
     s.add(late)
     sched = s.schedule()
     assert [(i.request.request_id, i.num_new_tokens) for i in sched.scheduled] == [
-        ("first", 1), ("late", 15)]
+        ("first", 1),
+        ("late", 15),
+    ]
 
 
 def test_without_chunked_prefill_a_prompt_over_the_budget_waits():
@@ -106,8 +120,13 @@ def test_recompute_preemption_resets_progress_and_frees_the_victims_blocks():
 
 
 def test_swap_preemption_keeps_progress_and_lists_the_copies_in_order():
-    s = make_scheduler(num_blocks=9, max_num_batched_tokens=64, enable_prefix_caching=False,
-                       preemption_mode="swap", swap_blocks=32)
+    s = make_scheduler(
+        num_blocks=9,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+        swap_blocks=32,
+    )
     # 8 usable blocks hold 32 tokens: each request fits alone (27), not both at once.
     a, b = make_request("a", 12, 15), make_request("b", 12, 15, first_token=500)
     for r in (a, b):
@@ -123,7 +142,10 @@ def test_swap_preemption_keeps_progress_and_lists_the_copies_in_order():
                 assert len(transfer.cpu_blocks) == len(transfer.device_blocks)
             else:
                 in_seen = True
-                assert transfer.device_blocks == transfer.request.block_table[:len(transfer.cpu_blocks)]
+                assert (
+                    transfer.device_blocks
+                    == transfer.request.block_table[: len(transfer.cpu_blocks)]
+                )
         s.update_from_output(sched, sample(sched), no_stop_strings)
         check_step(s, sched, [a, b])
         s.swap.check_invariants()
@@ -141,13 +163,21 @@ def test_update_from_output_rolls_back_rejected_drafts_and_keeps_accepted_ones()
     assert req.num_tokens == 9 and req.num_computed_tokens == 8
     req.spec_token_ids = [11, 12, 13]
     sched = s.schedule()
-    assert sched.scheduled[0].num_new_tokens == 4 and sched.scheduled[0].spec_token_ids == [11, 12, 13]
-    updates = s.update_from_output(sched, sample(sched, token=9, agree_with_drafts=2), no_stop_strings)
+    assert sched.scheduled[0].num_new_tokens == 4 and sched.scheduled[0].spec_token_ids == [
+        11,
+        12,
+        13,
+    ]
+    updates = s.update_from_output(
+        sched, sample(sched, token=9, agree_with_drafts=2), no_stop_strings
+    )
     # drafts 11, 12 accepted, 13 rejected: the target's token 9 replaces it
     assert updates[0].new_token_ids == [11, 12, 9]
     assert updates[0].num_drafted == 3 and updates[0].num_accepted == 2
     assert req.output_token_ids == [7, 11, 12, 9]
-    assert req.num_computed_tokens == req.num_tokens - 1 == 11  # the rejected draft's KV is not kept
+    assert (
+        req.num_computed_tokens == req.num_tokens - 1 == 11
+    )  # the rejected draft's KV is not kept
     assert req.spec_token_ids == []
 
 
@@ -212,7 +242,10 @@ def test_sampled_errors_fail_only_the_named_requests():
     sampled.errors["r1"] = "internal error: bad row"
     updates = s.update_from_output(sched, sampled, no_stop_strings)
     assert [u.request.request_id for u in updates] == ["r0", "r1", "r2"]
-    assert reqs[1].status is RequestStatus.FINISHED_ERROR and reqs[1].error == "internal error: bad row"
+    assert (
+        reqs[1].status is RequestStatus.FINISHED_ERROR
+        and reqs[1].error == "internal error: bad row"
+    )
     assert reqs[0].num_output_tokens == reqs[2].num_output_tokens == 1
     assert reqs[1].block_table == []
 
@@ -235,7 +268,11 @@ def test_static_batching_pads_to_the_batch_size_and_the_longest_prompt():
         s.add(r)
     sched = s.schedule()
     assert sched.padding.padded_prompt_len == 7 and sched.padding.num_padding_seqs == 2
-    assert sched.padding.row_lengths(sched.scheduled) == [4, 7, 7]  # 7-3 padded tokens, 2 empty rows
+    assert sched.padding.row_lengths(sched.scheduled) == [
+        4,
+        7,
+        7,
+    ]  # 7-3 padded tokens, 2 empty rows
     s.update_from_output(sched, sample(sched), no_stop_strings)
     s.add(make_request("late", 3, 1, first_token=900))
     steps = 1

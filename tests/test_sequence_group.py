@@ -1,6 +1,7 @@
 """Model-free tests of parallel sampling's bookkeeping: a real Scheduler, BlockManager and
 SequenceGroup, no model. The worker is replaced by ``sample``, which answers as the engine
 does (one row per sequence in the step that completes a group's prompt)."""
+
 from __future__ import annotations
 
 import random
@@ -13,8 +14,12 @@ from scheduler_support import EOS, make_scheduler
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int, n: int, **params) -> Request:
-    req = Request(rid, list(range(100, 100 + prompt_len)),
-                  SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n, **params), EOS)
+    req = Request(
+        rid,
+        list(range(100, 100 + prompt_len)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n, **params),
+        EOS,
+    )
     SequenceGroup.create(req)
     return req
 
@@ -93,12 +98,23 @@ def test_group_is_admitted_only_with_seats_for_every_sequence():
 def test_random_groups_with_preemption_and_swap_end_with_every_refcount_at_zero():
     for mode, swap_blocks in (("recompute", 0), ("swap", 40)):
         rng = random.Random(3)
-        s = make_scheduler(num_blocks=30, block_size=4, swap_blocks=swap_blocks,
-                           preemption_mode=mode, max_num_seqs=16, max_num_batched_tokens=48)
+        s = make_scheduler(
+            num_blocks=30,
+            block_size=4,
+            swap_blocks=swap_blocks,
+            preemption_mode=mode,
+            max_num_seqs=16,
+            max_num_batched_tokens=48,
+        )
         groups = []
         for i in range(6):
-            req = make_group(f"g{i}", rng.randrange(3, 30), rng.randrange(4, 20),
-                             n=rng.randrange(1, 4), best_of=None)
+            req = make_group(
+                f"g{i}",
+                rng.randrange(3, 30),
+                rng.randrange(4, 20),
+                n=rng.randrange(1, 4),
+                best_of=None,
+            )
             groups.append(req)
             s.add(req)
         preempted = 0

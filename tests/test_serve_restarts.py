@@ -4,6 +4,7 @@ ending ``serve`` (seen in CI: a restart killed right after its model loaded took
 The launcher's side of this contract (start raising TritonServerError, kill) is exercised
 against the real server in test_server_lifecycle; here the loop's decisions are checked with a
 stand-in whose starts fail as scripted."""
+
 import subprocess
 import sys
 

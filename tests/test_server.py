@@ -5,6 +5,7 @@ expected texts come from an in-process EngineLoop on the same model directory an
 The last test runs ``slipstream serve --prompt ... --exit-after-prompt`` on the real default
 model (SmolLM2-135M-Instruct).
 """
+
 import json
 import os
 import queue
@@ -22,16 +23,24 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
+from slipstream.server.launch.launcher import (  # noqa: E402
+    TritonServer,
+    find_tritonserver,
+    read_parameters,
+    render_model_repository,
+)
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
-from slipstream.server.launch.launcher import (TritonServer, find_tritonserver,  # noqa: E402
-                                               read_parameters, render_model_repository)
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODEL = "slipstream"
 MAX_MODEL_LEN = 1024  # the tiny model's position limit: the longest request a cancel must cut short
-OVERRIDES = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": MAX_MODEL_LEN,
-             "max_num_seqs": 32, "metrics_interval_ms": 50}
+OVERRIDES = {
+    "kv_cache_memory_bytes": 8 * 1024 * 1024,
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_seqs": 32,
+    "metrics_interval_ms": 50,
+}
 PROMPTS = [
     "Hello there",
     "The quick brown fox jumps over the lazy dog",
@@ -54,7 +63,8 @@ PROMPTS = [
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 
 # ------------------------------------------------------------------------------- fixtures
@@ -65,8 +75,11 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def repo(tiny_model, tmp_path_factory):
-    return render_model_repository(REPO, tmp_path_factory.mktemp("repo") / "model_repository",
-                                   {"model": str(tiny_model), **OVERRIDES})
+    return render_model_repository(
+        REPO,
+        tmp_path_factory.mktemp("repo") / "model_repository",
+        {"model": str(tiny_model), **OVERRIDES},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +90,7 @@ def server(repo):
         if os.environ.get("CI"):  # CI installs the server: its absence is a failure there
             raise
         pytest.skip(f"no tritonserver: {e}")
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         yield srv
 
 
@@ -108,9 +120,12 @@ def reference(repo):
 # ------------------------------------------------------------------------------- helpers
 def tensor(name, value):
     value = np.asarray(value)
-    dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind) or \
-        {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64",
-         np.dtype(np.int64): "INT64"}[value.dtype]
+    dtype = {"O": "BYTES", "b": "BOOL"}.get(value.dtype.kind) or {
+        np.dtype(np.int32): "INT32",
+        np.dtype(np.float32): "FP32",
+        np.dtype(np.uint64): "UINT64",
+        np.dtype(np.int64): "INT64",
+    }[value.dtype]
     t = grpcclient.InferInput(name, list(value.shape), dtype)
     t.set_data_from_numpy(value)
     return t
@@ -118,8 +133,10 @@ def tensor(name, value):
 
 def text_inputs(prompt, stream=True, sampling=None, **extra):
     prompt = prompt if isinstance(prompt, bytes) else prompt.encode()
-    inputs = [tensor("text_input", np.array([prompt], dtype=object)),
-              tensor("stream", np.array([stream]))]
+    inputs = [
+        tensor("text_input", np.array([prompt], dtype=object)),
+        tensor("stream", np.array([stream])),
+    ]
     if sampling is not None:
         body = sampling if isinstance(sampling, str) else json.dumps(sampling)
         inputs.append(tensor("sampling_parameters", np.array([body.encode()], dtype=object)))
@@ -145,8 +162,9 @@ class StreamClient:
 
     def send(self, request_id, inputs):
         self.queues[request_id] = queue.Queue()
-        self.client.async_stream_infer(MODEL, inputs, request_id=request_id,
-                                       enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            MODEL, inputs, request_id=request_id, enable_empty_final_response=True
+        )
 
     def responses(self, request_id, timeout=120):
         out = []
@@ -191,8 +209,11 @@ def texts(results):
 
 
 def http_post(server, path, body, timeout=120):
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.http_url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -201,9 +222,11 @@ def http_post(server, path, body, timeout=120):
 
 
 def sse_events(server, body, timeout=120):
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate_stream",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{MODEL}/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     events = []
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -213,8 +236,9 @@ def sse_events(server, body, timeout=120):
                     events.append(json.loads(line[5:]))
     except urllib.error.HTTPError as e:  # the error comes as one SSE event too
         body = e.read().decode()
-        return e.code, [json.loads(line[5:]) for line in body.splitlines()
-                        if line.startswith("data:")] or [{"error": body}]
+        return e.code, [
+            json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")
+        ] or [{"error": body}]
     return 200, events
 
 
@@ -224,8 +248,9 @@ def metrics(server):
     for line in text.splitlines():
         if line.startswith("slipstream_"):
             name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0] + ("" if "le=" not in name else name[name.index("le="):])] = \
-                float(value)
+            values[
+                name.split("{")[0] + ("" if "le=" not in name else name[name.index("le=") :])
+            ] = float(value)
     return values
 
 
@@ -243,10 +268,18 @@ def wait_metric(server, name, predicate, timeout=15):
 # ------------------------------------------------------------------------------- tests
 def test_grpc_streaming(server, reference):
     prompt = PROMPTS[1]
-    results, error = run_stream(server, text_inputs(
-        prompt, sampling={**GREEDY, "logprobs": 0}, return_finish_reason=np.array([True]),
-        return_num_input_tokens=np.array([True]), return_num_output_tokens=np.array([True]),
-        return_logprobs=np.array([True]), return_cumulative_logprob=np.array([True])))
+    results, error = run_stream(
+        server,
+        text_inputs(
+            prompt,
+            sampling={**GREEDY, "logprobs": 0},
+            return_finish_reason=np.array([True]),
+            return_num_input_tokens=np.array([True]),
+            return_num_output_tokens=np.array([True]),
+            return_logprobs=np.array([True]),
+            return_cumulative_logprob=np.array([True]),
+        ),
+    )
     assert error is None
     pieces = texts(results)
     assert len(results) >= 2  # token by token, not one blob
@@ -258,8 +291,9 @@ def test_grpc_streaming(server, reference):
     per_token = [entry for r in results for entry in json.loads(r.as_numpy("logprobs")[0])]
     logprobs = np.array([next(iter(e.values()))["logprob"] for e in per_token])
     assert len(logprobs) == n_out and (logprobs <= 0).all()
-    assert final.as_numpy("cumulative_logprob")[0] == pytest.approx(logprobs.sum(), rel=1e-4,
-                                                                    abs=1e-3)
+    assert final.as_numpy("cumulative_logprob")[0] == pytest.approx(
+        logprobs.sum(), rel=1e-4, abs=1e-3
+    )
     assert int(final.as_numpy("num_input_tokens")) > 0  # a UINT32 scalar, as vLLM sends it
     if final.as_numpy("finish_reason")[0] == b"length":
         assert n_out == GREEDY["max_tokens"]
@@ -279,31 +313,52 @@ def test_grpc_non_streaming(server, reference):
     assert error is None
     assert len(results) == 1  # one response carrying the whole text, flagged final
     assert texts(results) == [prompt + reference(prompt)]
-    results, error = run_stream(server, text_inputs(
-        prompt, stream=False, sampling=GREEDY, exclude_input_in_output=np.array([True]),
-        return_num_output_tokens=np.array([True])))
+    results, error = run_stream(
+        server,
+        text_inputs(
+            prompt,
+            stream=False,
+            sampling=GREEDY,
+            exclude_input_in_output=np.array([True]),
+            return_num_output_tokens=np.array([True]),
+        ),
+    )
     assert error is None and texts(results) == [reference(prompt)]
     assert 0 < int(results[0].as_numpy("num_output_tokens")[0]) <= GREEDY["max_tokens"]
 
 
 def test_typed_inputs_over_grpc(server, reference):
     prompt = PROMPTS[3]
-    results, error = run_stream(server, text_inputs(
-        prompt, temperature=np.array([0.0], np.float32), max_tokens=np.array([12], np.int32),
-        seed=np.array([7], np.uint64)))
+    results, error = run_stream(
+        server,
+        text_inputs(
+            prompt,
+            temperature=np.array([0.0], np.float32),
+            max_tokens=np.array([12], np.int32),
+            seed=np.array([7], np.uint64),
+        ),
+    )
     assert error is None
     assert "".join(texts(results)) == reference(prompt)
 
 
 def test_http_generate(server, reference):
     prompt = PROMPTS[0]
-    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
-                             {"text_input": prompt, "parameters": GREEDY})
+    status, body = http_post(
+        server, f"/v2/models/{MODEL}/generate", {"text_input": prompt, "parameters": GREEDY}
+    )
     assert status == 200, body
     assert json.loads(body)["text_output"] == prompt + reference(prompt)
-    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
-                             {"text_input": prompt, "exclude_input_in_output": True,
-                              "return_finish_reason": True, "parameters": GREEDY})
+    status, body = http_post(
+        server,
+        f"/v2/models/{MODEL}/generate",
+        {
+            "text_input": prompt,
+            "exclude_input_in_output": True,
+            "return_finish_reason": True,
+            "parameters": GREEDY,
+        },
+    )
     assert status == 200, body
     data = json.loads(body)
     assert data["text_output"] == reference(prompt)
@@ -312,8 +367,9 @@ def test_http_generate(server, reference):
 
 def test_http_generate_stream(server, reference):
     prompt = PROMPTS[5]
-    status, events = sse_events(server, {"text_input": prompt, "stream": True,
-                                         "parameters": GREEDY})
+    status, events = sse_events(
+        server, {"text_input": prompt, "stream": True, "parameters": GREEDY}
+    )
     assert status == 200, events
     assert not any("error" in e for e in events), events
     assert len(events) >= 2
@@ -329,8 +385,11 @@ def test_concurrent_streams_match_single_request_output(server, reference):
         assert client.errors.empty()
     finally:
         client.close()
-    mismatches = {PROMPTS[i]: (text, reference(PROMPTS[i])) for i, text in got.items()
-                  if text != reference(PROMPTS[i])}
+    mismatches = {
+        PROMPTS[i]: (text, reference(PROMPTS[i]))
+        for i, text in got.items()
+        if text != reference(PROMPTS[i])
+    }
     assert not mismatches
 
 
@@ -339,9 +398,13 @@ def test_cancel_long_stream_frees_kv_blocks(server):
     before = metrics(server)["slipstream_generation_tokens_total"]
     budget = MAX_MODEL_LEN - 16
     client = StreamClient(server.grpc_url)
-    client.send("long", text_inputs("Tell me a very long story",
-                                    sampling={"temperature": 0, "max_tokens": budget,
-                                              "ignore_eos": True}))
+    client.send(
+        "long",
+        text_inputs(
+            "Tell me a very long story",
+            sampling={"temperature": 0, "max_tokens": budget, "ignore_eos": True},
+        ),
+    )
     for _ in range(5):  # it is generating
         client.queues["long"].get(timeout=60)
     # the engine counts it as running (the gauge lags by up to one metrics interval)
@@ -367,8 +430,10 @@ BAD_REQUESTS = {
     "too long": (None, "max_model_len"),
     "empty prompt": (None, "empty"),
     "stream without exclude_input_in_output": (
-        None, "Error generating stream: When streaming, `exclude_input_in_output` = False is not "
-              "allowed."),
+        None,
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+        "allowed.",
+    ),
 }
 
 
@@ -409,11 +474,13 @@ def test_bad_request_fails_alone(server, reference, kind):
 
 
 def test_http_error_message(server):
-    status, body = http_post(server, f"/v2/models/{MODEL}/generate",
-                             {"text_input": "hi", "parameters": {"top_p": 7}})
+    status, body = http_post(
+        server, f"/v2/models/{MODEL}/generate", {"text_input": "hi", "parameters": {"top_p": 7}}
+    )
     assert status == 400 and "top_p" in json.loads(body)["error"]
-    status, events = sse_events(server, {"text_input": "hi", "stream": True,
-                                         "parameters": {"top_p": 7}})
+    status, events = sse_events(
+        server, {"text_input": "hi", "stream": True, "parameters": {"top_p": 7}}
+    )
     assert status == 400 and "top_p must be in (0, 1]" in events[0]["error"]
 
 
@@ -431,12 +498,15 @@ def test_metrics(server):
     # two short requests in a cache with room to spare: nothing preempted, and the counter
     # is served
     assert m["slipstream_preemptions_total"] == preemptions_before
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "e2e_request_latency_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    ):
         count = m[f"slipstream_{name}_count"]
         assert count >= 2
         assert 0 < m[f"slipstream_{name}_sum"] / count < 60
-        assert m[f'slipstream_{name}_bucket' + 'le="+Inf"}'] == count
+        assert m[f"slipstream_{name}_bucket" + 'le="+Inf"}'] == count
     ttft = m["slipstream_time_to_first_token_seconds_sum"]
     e2e = m["slipstream_e2e_request_latency_seconds_sum"]
     assert ttft <= e2e
@@ -444,10 +514,12 @@ def test_metrics(server):
 
 def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
     """max_queue_size: a request beyond the waiting limit gets UNAVAILABLE, the others finish."""
-    repo = render_model_repository(REPO, tmp_path / "repo", {
-        "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    repo = render_model_repository(
+        REPO,
+        tmp_path / "repo",
+        {"model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1},
+    )
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         client = StreamClient(srv.grpc_url)
         try:
             long = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
@@ -456,8 +528,9 @@ def test_overloaded_queue_is_refused_with_unavailable(tiny_model, tmp_path):
             client.send("waiting", text_inputs("second", sampling=GREEDY))
             results, error = run_stream(srv, text_inputs("third", sampling=GREEDY))
             assert error is not None and "overloaded" in str(error), (texts(results), error)
-            status, body = http_post(srv, f"/v2/models/{MODEL}/generate",
-                                     {"text_input": "fourth", "parameters": GREEDY})
+            status, body = http_post(
+                srv, f"/v2/models/{MODEL}/generate", {"text_input": "fourth", "parameters": GREEDY}
+            )
             # the error carries code UNAVAILABLE; Triton 2.51 answers 400 for any model error
             assert status in (400, 503) and "overloaded" in body, (status, body)
             assert client.responses("running")[-1] is not None
@@ -471,10 +544,10 @@ def test_a_request_cancelled_while_it_waits_is_noticed_and_ends_cancelled(tiny_m
     """A request with nothing to send yet is asked about cancellation less often than a
     streaming one (CancelPolls.idle_s), but still asked: cancelled in the queue, it ends
     CANCELLED within a few seconds, and the running request goes on to its end."""
-    repo = render_model_repository(REPO, tmp_path / "repo", {
-        "model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    repo = render_model_repository(
+        REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1}
+    )
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         runner, waiter = StreamClient(srv.grpc_url), StreamClient(srv.grpc_url)
         try:
             long = {"temperature": 0, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
@@ -498,11 +571,25 @@ def test_a_request_cancelled_while_it_waits_is_noticed_and_ends_cancelled(tiny_m
 @pytest.mark.slow
 def test_serve_cli_default_model_answers_paris():
     """The README demo: `slipstream serve --prompt ... --exit-after-prompt` on SmolLM2."""
-    cmd = [sys.executable, "-m", "slipstream.server", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--prompt", "What is the capital of France?",
-           "--max-tokens", "24", "--exit-after-prompt"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          stdin=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.server",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+        "--exit-after-prompt",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     answer = proc.stdout.split(">>> What is the capital of France?", 1)[1]
     assert "Paris" in answer, proc.stdout

@@ -1,6 +1,7 @@
 """Scheduling and memory features end to end through a real tritonserver: priority policy,
 swap preemption and n-gram speculative decoding all at once on a KV pool too small for the
 load; every stream must still equal the plain engine's output for its prompt alone."""
+
 import json
 import os
 
@@ -12,23 +13,43 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
-from test_server import (OVERRIDES, PROMPTS, REPO, StreamClient, metrics,  # noqa: E402
-                         text_inputs, texts, tiny_model)  # tiny_model is a fixture
+from test_server import (  # noqa: E402
+    OVERRIDES,
+    PROMPTS,
+    REPO,
+    StreamClient,
+    metrics,
+    text_inputs,  # tiny_model is a fixture
+    texts,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 LONG = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
-FEATURES = {"policy": "priority", "preemption_mode": "swap", "speculative_method": "ngram",
-            "num_speculative_tokens": 3, "block_size": 8, "num_gpu_blocks_override": 24,
-            "max_num_batched_tokens": 64}
+FEATURES = {
+    "policy": "priority",
+    "preemption_mode": "swap",
+    "speculative_method": "ngram",
+    "num_speculative_tokens": 3,
+    "block_size": 8,
+    "num_gpu_blocks_override": 24,
+    "max_num_batched_tokens": 64,
+}
 
 
 @pytest.fixture(scope="module")
 def plain_texts(tiny_model):
     """Greedy text per prompt from the engine alone: no speculation, roomy KV, FIFO."""
-    loop = EngineLoop(EngineConfig(model=str(tiny_model), max_model_len=OVERRIDES["max_model_len"],
-                                   kv_cache_memory_bytes=OVERRIDES["kv_cache_memory_bytes"])).start()
+    loop = EngineLoop(
+        EngineConfig(
+            model=str(tiny_model),
+            max_model_len=OVERRIDES["max_model_len"],
+            kv_cache_memory_bytes=OVERRIDES["kv_cache_memory_bytes"],
+        )
+    ).start()
     try:
         return {p: loop.generate(p, SamplingParams.from_dict(LONG)).text for p in PROMPTS[:12]}
     finally:
@@ -37,18 +58,20 @@ def plain_texts(tiny_model):
 
 def test_priority_swap_and_speculation_through_triton(tiny_model, plain_texts, tmp_path):
     trace_file = tmp_path / "trace.json"
-    repo = render_model_repository(REPO, tmp_path / "repo",
-                                   {"model": str(tiny_model), **OVERRIDES, **FEATURES,
-                                    "trace_file": str(trace_file)})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    repo = render_model_repository(
+        REPO,
+        tmp_path / "repo",
+        {"model": str(tiny_model), **OVERRIDES, **FEATURES, "trace_file": str(trace_file)},
+    )
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         client = StreamClient(srv.grpc_url)
         try:
             for i, prompt in enumerate(plain_texts):
-                client.send(f"r{i}", text_inputs(prompt, sampling=LONG,
-                                                  priority=np.array([i % 3], np.int32)))
-            got = {p: "".join(texts(client.responses(f"r{i}")))
-                   for i, p in enumerate(plain_texts)}
+                client.send(
+                    f"r{i}",
+                    text_inputs(prompt, sampling=LONG, priority=np.array([i % 3], np.int32)),
+                )
+            got = {p: "".join(texts(client.responses(f"r{i}"))) for i, p in enumerate(plain_texts)}
             assert client.errors.empty()
         finally:
             client.close()

@@ -2,6 +2,7 @@
 server for the module): each class of value that used to fail a whole engine step, or to
 slow every other request down, runs beside a greedy stream that must come out
 byte-identical to its solo run, and gets a clear error of its own (or is served safely)."""
+
 import json
 import os
 import socket
@@ -14,11 +15,23 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
-from test_server import (MAX_MODEL_LEN, MODEL, OVERRIDES, REPO, StreamClient,  # noqa: E402
-                         http_post, run_stream, text_inputs, texts, tiny_model, wait_metric)  # tiny_model: a fixture
+from test_server import (  # noqa: E402
+    MAX_MODEL_LEN,
+    MODEL,
+    OVERRIDES,
+    REPO,
+    StreamClient,
+    http_post,  # tiny_model: a fixture
+    run_stream,
+    text_inputs,
+    texts,
+    tiny_model,
+    wait_metric,
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 GOOD_PROMPT = "Paged attention stores keys and values in blocks"
 GOOD = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
@@ -27,10 +40,12 @@ VOCAB = 49152  # the tiny model uses SmolLM2's tokenizer
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    repo = render_model_repository(REPO, tmp_path_factory.mktemp("repo") / "model_repository",
-                                   {"model": str(tiny_model), **OVERRIDES})
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout=300) as srv:
+    repo = render_model_repository(
+        REPO,
+        tmp_path_factory.mktemp("repo") / "model_repository",
+        {"model": str(tiny_model), **OVERRIDES},
+    )
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300) as srv:
         yield srv
 
 
@@ -49,24 +64,38 @@ def nested(depth):
 # name -> (inputs of the other request, text its error must contain; None = it must succeed)
 CLASSES = {
     "temperature 1e-300 (greedy)": (dict(sampling={"temperature": 1e-300, "max_tokens": 8}), None),
-    "repetition_penalty 1e-300": (dict(sampling={"temperature": 1, "repetition_penalty": 1e-300,
-                                                 "max_tokens": 8}), "repetition_penalty"),
-    "seed 2**64": (dict(sampling={"seed": 2 ** 64, "temperature": 1}), "seed must be"),
-    "seed -2**63-1": (dict(sampling={"seed": -2 ** 63 - 1, "temperature": 1}), "seed must be"),
-    "stop_token_ids 10**12": (dict(sampling={"stop_token_ids": [10 ** 12], "min_tokens": 2}),
-                              "vocabulary size"),
-    "stop_token_ids = vocab size": (dict(sampling={"stop_token_ids": [VOCAB], "min_tokens": 2}),
-                                    "vocabulary size"),
-    "typed end_id 2**31-1": (dict(sampling={"min_tokens": 2},
-                                  end_id=np.array([2 ** 31 - 1], np.int32)), "vocabulary size"),
-    "sampling_parameters nested 100,000 deep": (dict(sampling=nested(100_000)),
-                                                "nested too deeply"),
-    "100,000 stop strings (1.4 MB)": (dict(sampling={"stop": [f"stop{i}" for i in range(100_000)]}),
-                                      "at most"),
+    "repetition_penalty 1e-300": (
+        dict(sampling={"temperature": 1, "repetition_penalty": 1e-300, "max_tokens": 8}),
+        "repetition_penalty",
+    ),
+    "seed 2**64": (dict(sampling={"seed": 2**64, "temperature": 1}), "seed must be"),
+    "seed -2**63-1": (dict(sampling={"seed": -(2**63) - 1, "temperature": 1}), "seed must be"),
+    "stop_token_ids 10**12": (
+        dict(sampling={"stop_token_ids": [10**12], "min_tokens": 2}),
+        "vocabulary size",
+    ),
+    "stop_token_ids = vocab size": (
+        dict(sampling={"stop_token_ids": [VOCAB], "min_tokens": 2}),
+        "vocabulary size",
+    ),
+    "typed end_id 2**31-1": (
+        dict(sampling={"min_tokens": 2}, end_id=np.array([2**31 - 1], np.int32)),
+        "vocabulary size",
+    ),
+    "sampling_parameters nested 100,000 deep": (
+        dict(sampling=nested(100_000)),
+        "nested too deeply",
+    ),
+    "100,000 stop strings (1.4 MB)": (
+        dict(sampling={"stop": [f"stop{i}" for i in range(100_000)]}),
+        "at most",
+    ),
     "65 stop strings": (dict(sampling={"stop": [f"s{i}" for i in range(65)]}), "at most 64"),
     "a 1,000-character stop string": (dict(sampling={"stop": ["x" * 1000]}), "at most 256"),
-    "100,000 typed stop_words": (dict(stop_words=np.array([b"w%d" % i for i in range(100_000)],
-                                                          dtype=object)), "at most 64"),
+    "100,000 typed stop_words": (
+        dict(stop_words=np.array([b"w%d" % i for i in range(100_000)], dtype=object)),
+        "at most 64",
+    ),
     "8 MB prompt": (dict(prompt="word " * (8 * 1024 * 1024 // 5)), "bytes"),
     "prompt over max_model_len": (dict(prompt="word " * (MAX_MODEL_LEN + 50)), "max_model_len"),
 }
@@ -103,6 +132,7 @@ def test_bad_value_fails_alone_beside_a_byte_identical_greedy_stream(server, sol
 def test_hostile_request_does_not_slow_a_greedy_stream(server, solo):
     """The stream's time with a hostile request beside it stays within 3x of its solo time
     (it was 18-97x with 100,000 stop strings, and 7-25 s of stall behind an 8 MB prompt)."""
+
     def timed(hostile):
         good = StreamClient(server.grpc_url)
         try:
@@ -110,8 +140,10 @@ def test_hostile_request_does_not_slow_a_greedy_stream(server, solo):
             good.send("good", text_inputs(GOOD_PROMPT, sampling=GOOD))
             good.queues["good"].get(timeout=60)
             if hostile:
-                for body in ({"stop": [f"stop{i}" for i in range(100_000)]},
-                             {"stop": ["ab"] * 64, "max_tokens": 60}):
+                for body in (
+                    {"stop": [f"stop{i}" for i in range(100_000)]},
+                    {"stop": ["ab"] * 64, "max_tokens": 60},
+                ):
                     run_stream(server, text_inputs("hello", sampling=body))
                 run_stream(server, text_inputs("word " * (8 * 1024 * 1024 // 5)))
             text = "".join(texts(good.responses("good")))
@@ -130,14 +162,20 @@ def test_a_failed_start_names_the_model_load_error(tmp_path):
     the model's own error, read from Triton's log, not only the log's tail."""
     log = tmp_path / "triton.log"
     log.write_text(
-        'E1123 19:56:07.078239 2385 model_lifecycle.cc:642] "failed to load \'slipstream\' '
+        "E1123 19:56:07.078239 2385 model_lifecycle.cc:642] \"failed to load 'slipstream' "
         "version 1: Internal: ValueError: max_model_len 512 is larger than the model's position "
-        'limit 64 (max_position_embeddings in its config.json): set max_model_len <= 64\\n\\nAt:'
-        '\\n  model_loader.py(141): fit_max_model_len"\n')
+        "limit 64 (max_position_embeddings in its config.json): set max_model_len <= 64\\n\\nAt:"
+        '\\n  model_loader.py(141): fit_max_model_len"\n'
+    )
     server = TritonServer(REPO, http_port=1, grpc_port=1, metrics_port=1, log_path=log)
-    assert server.load_errors() == [("slipstream", "ValueError: max_model_len 512 is larger than "
-                                     "the model's position limit 64 (max_position_embeddings in "
-                                     "its config.json): set max_model_len <= 64")]
+    assert server.load_errors() == [
+        (
+            "slipstream",
+            "ValueError: max_model_len 512 is larger than "
+            "the model's position limit 64 (max_position_embeddings in "
+            "its config.json): set max_model_len <= 64",
+        )
+    ]
 
 
 def test_http_typed_input_names_with_string_values_are_triton_conversion_errors(server):
@@ -148,13 +186,21 @@ def test_http_typed_input_names_with_string_values_are_triton_conversion_errors(
     path = f"/v2/models/{MODEL}/generate"
     status, body = http_post(server, path, {"text_input": "hi", "parameters": {"max_tokens": "3"}})
     assert status == 500 and "Converting keyword: 'parameters'" in body
-    status, body = http_post(server, path, {"text_input": "hi", "exclude_input_in_output": True,
-                                            "sampling_parameters": json.dumps(
-                                                {"max_tokens": "3", "temperature": "0",
-                                                 "seed": str(2 ** 64 - 1)})})
+    status, body = http_post(
+        server,
+        path,
+        {
+            "text_input": "hi",
+            "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(
+                {"max_tokens": "3", "temperature": "0", "seed": str(2**64 - 1)}
+            ),
+        },
+    )
     assert status == 200, body
-    status, body = http_post(server, path, {"text_input": "hi", "sampling_parameters": json.dumps(
-        {"seed": str(2 ** 64)})})
+    status, body = http_post(
+        server, path, {"text_input": "hi", "sampling_parameters": json.dumps({"seed": str(2**64)})}
+    )
     assert status == 400 and "seed must be" in json.loads(body)["error"]
 
 
@@ -164,15 +210,20 @@ def test_dropped_generate_stream_connection_is_cancelled(server):
     generate cannot be seen (see docs/robustness.md)."""
     wait_metric(server, "slipstream_kv_blocks_used", lambda v: v == 0)
     host, port = server.http_url.split(":")
-    body = json.dumps({"text_input": "tell me a long story", "stream": True,
-                       "parameters": {"temperature": 0, "max_tokens": 400,
-                                      "ignore_eos": True}}).encode()
+    body = json.dumps(
+        {
+            "text_input": "tell me a long story",
+            "stream": True,
+            "parameters": {"temperature": 0, "max_tokens": 400, "ignore_eos": True},
+        }
+    ).encode()
     socks = []
     for _ in range(3):
         s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: t\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % (MODEL.encode(), len(body))
-                  + body)
+        s.sendall(
+            b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: t\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % (MODEL.encode(), len(body)) + body
+        )
         assert s.recv(64).startswith(b"HTTP/1.1 200")
         socks.append(s)
     wait_metric(server, "slipstream_requests_running", lambda v: v >= 3)

@@ -2,6 +2,7 @@
 
 Each test owns its server, since each ends it. What every one checks at the end: no client
 left hanging, no process of the server's group and no shared-memory region left behind."""
+
 import glob
 import http.client
 import json
@@ -17,20 +18,33 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launch.launcher import (TritonServer, TritonServerError,  # noqa: E402
-                                               free_port, render_model_repository)
-from test_server import (OVERRIDES, REPO, run_stream, text_inputs, texts,  # noqa: E402
-                         tiny_model)  # tiny_model is a fixture
+from slipstream.server.launch.launcher import (  # noqa: E402
+    TritonServer,
+    TritonServerError,
+    free_port,
+    render_model_repository,
+)
+from test_server import (  # noqa: E402
+    OVERRIDES,
+    REPO,
+    run_stream,
+    text_inputs,
+    texts,
+    tiny_model,  # tiny_model is a fixture
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}
 
 
 def leftovers(shm_prefix):
     """Processes (stubs, watchdogs) and shared-memory regions of one server still around."""
-    procs = subprocess.run(["pgrep", "-f", shm_prefix], capture_output=True, text=True).stdout.split()
+    procs = subprocess.run(
+        ["pgrep", "-f", shm_prefix], capture_output=True, text=True
+    ).stdout.split()
     return procs, glob.glob(f"/dev/shm/{shm_prefix}*")
 
 
@@ -68,16 +82,19 @@ class Clients:
             t.start()
 
     def _grpc(self, i):
-        results, error = run_stream(self.server, text_inputs(f"story {i}", sampling=self.sampling),
-                                    timeout=120)
+        results, error = run_stream(
+            self.server, text_inputs(f"story {i}", sampling=self.sampling), timeout=120
+        )
         self.results[f"grpc{i}"] = ("error", str(error)) if error else ("ok", len(results))
         self.last_end = max(self.last_end, time.monotonic())
 
     def _http(self):
         req = urllib.request.Request(
             f"http://{self.server.http_url}/v2/models/slipstream/generate_stream",
-            data=json.dumps({"text_input": "x", "stream": True,
-                             "parameters": self.sampling}).encode())
+            data=json.dumps(
+                {"text_input": "x", "stream": True, "parameters": self.sampling}
+            ).encode(),
+        )
         events = []
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
@@ -100,8 +117,11 @@ def wait_streaming(server, n, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-        running = [float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("slipstream_requests_running")]
+        running = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("slipstream_requests_running")
+        ]
         if running and running[0] >= n:
             return
         time.sleep(0.1)
@@ -114,11 +134,17 @@ def cancel_after_final(server, n=20):
     for i in range(n):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         done = threading.Event()
-        client.start_stream(callback=lambda result, error: (
-            error or result.get_response().parameters["triton_final_response"].bool_param)
-            and done.set())
-        client.async_stream_infer("slipstream", text_inputs(f"hi {i}", sampling={
-            "temperature": 0, "max_tokens": 3}), enable_empty_final_response=True)
+        client.start_stream(
+            callback=lambda result, error: (
+                (error or result.get_response().parameters["triton_final_response"].bool_param)
+                and done.set()
+            )
+        )
+        client.async_stream_infer(
+            "slipstream",
+            text_inputs(f"hi {i}", sampling={"temperature": 0, "max_tokens": 3}),
+            enable_empty_final_response=True,
+        )
         assert done.wait(60)
         client.stop_stream(cancel_requests=True)
         client.close()
@@ -132,11 +158,21 @@ def test_sigterm_past_the_exit_timeout_ends_every_stream_with_an_error(tiny_mode
     stub outliving it. Now each client's stream ends with an error saying why, the model
     finalizes and tritonserver exits 0 within its timeout."""
     repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                          exit_timeout=3, model_control="none").start()
+    server = TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        startup_timeout=300,
+        exit_timeout=3,
+        model_control="none",
+    ).start()
     try:  # (no stream cancelled before: Triton's race below would keep the model loaded)
-        clients = [Clients(server, num_grpc=7), Clients(server, num_grpc=0),
-                   Clients(server, num_grpc=0)]
+        clients = [
+            Clients(server, num_grpc=7),
+            Clients(server, num_grpc=0),
+            Clients(server, num_grpc=0),
+        ]
         wait_streaming(server, 10)
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
@@ -148,8 +184,11 @@ def test_sigterm_past_the_exit_timeout_ends_every_stream_with_an_error(tiny_mode
     assert code == 0, f"tritonserver ended with {code}:\n{server.log_tail()}"
     assert took < 3 + 2, took
     assert "slipstream: finalized in" in server.log_path.read_text()
-    results = {f"{i}:{name}": result for i, group in enumerate(clients)
-               for name, result in group.results.items()}
+    results = {
+        f"{i}:{name}": result
+        for i, group in enumerate(clients)
+        for name, result in group.results.items()
+    }
     assert len(results) == 10
     for name, (how, detail) in results.items():
         assert how == "error" and "shutting down" in detail, (name, how, detail)
@@ -161,8 +200,9 @@ def test_stop_unloads_first_so_an_idle_keepalive_connection_costs_nothing(tiny_m
     finish, an idle HTTP keep-alive connection does not hold the exit for the 30 s timeout,
     the model finalizes, nothing is left behind. Before: 30 s, exit 1, no finalize."""
     repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                          exit_timeout=30).start()
+    server = TritonServer(
+        repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300, exit_timeout=30
+    ).start()
     idle = http.client.HTTPConnection(*server.http_url.split(":"))
     try:
         idle.request("GET", "/v2/health/ready")
@@ -192,13 +232,28 @@ def test_killed_stub_errors_clients_at_once_and_serve_brings_the_server_back(tin
     clients get a connection error), ``slipstream serve`` starts it again, it serves, and a
     SIGTERM to ``serve`` exits 0 leaving nothing behind."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "slipstream.server", "--model", str(tiny_model),
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
-           str(metrics_port), "--exit-timeout", "5", "--startup-timeout", "300"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.server",
+        "--model",
+        str(tiny_model),
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--exit-timeout",
+        "5",
+        "--startup-timeout",
+        "300",
+    ]
     cmd += [arg for key, value in OVERRIDES.items() for arg in ("--set", f"{key}={value}")]
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server = TritonServer(REPO, http_port=http_port, grpc_port=grpc_port,
-                          metrics_port=metrics_port)  # only to reach serve's endpoints
+    server = TritonServer(
+        REPO, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port
+    )  # only to reach serve's endpoints
     output = []
     reader = threading.Thread(target=lambda: output.extend(serve.stdout), daemon=True)
     reader.start()
@@ -210,8 +265,9 @@ def test_killed_stub_errors_clients_at_once_and_serve_brings_the_server_back(tin
             time.sleep(0.2)
         clients = Clients(server, num_grpc=5, http=False)
         wait_streaming(server, 5)
-        stub = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"],
-                              capture_output=True, text=True).stdout.split()
+        stub = subprocess.run(
+            ["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"], capture_output=True, text=True
+        ).stdout.split()
         assert len(stub) == 1
         killed_at = time.monotonic()
         os.kill(int(stub[0]), signal.SIGKILL)
@@ -224,8 +280,9 @@ def test_killed_stub_errors_clients_at_once_and_serve_brings_the_server_back(tin
             assert serve.poll() is None and time.monotonic() < deadline, "".join(output)
             time.sleep(0.2)
         assert server.is_ready()
-        results, error = run_stream(server, text_inputs("back again", sampling={
-            "temperature": 0, "max_tokens": 4}))
+        results, error = run_stream(
+            server, text_inputs("back again", sampling={"temperature": 0, "max_tokens": 4})
+        )
         assert error is None and texts(results)
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(60) == 0, "".join(output)
@@ -261,11 +318,14 @@ def test_engine_failing_every_step_takes_the_server_down(tiny_model, tmp_path):
     steps in a row here), restarts are exhausted (none allowed here) and the server goes
     away so that its supervisor replaces it; nothing is left behind."""
     model = nan_model(tiny_model, tmp_path / "nan-model")
-    repo = render_model_repository(REPO, tmp_path / "repo", {
-        "model": str(model), **OVERRIDES, "engine_failure_threshold": 2,
-        "max_engine_restarts": 0})
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300,
-                          exit_timeout=5).start()
+    repo = render_model_repository(
+        REPO,
+        tmp_path / "repo",
+        {"model": str(model), **OVERRIDES, "engine_failure_threshold": 2, "max_engine_restarts": 0},
+    )
+    server = TritonServer(
+        repo, http_port=0, grpc_port=0, metrics_port=0, startup_timeout=300, exit_timeout=5
+    ).start()
     errors = []
     try:
         for i in range(2):
@@ -281,15 +341,24 @@ def test_engine_failing_every_step_takes_the_server_down(tiny_model, tmp_path):
 
 
 def test_a_stub_killed_before_serve_saw_ready_is_a_crash_to_restart_not_a_failed_start(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     """Seen in CI: the stub died after tritonserver was listening but before ``serve``'s own
     readiness poll saw it, and ``serve`` exited 1 as if the server could not start. The
     launcher now tells the two apart from this run's log: ``came_up`` is True here, so
     ``serve`` hands it to the restart loop; a server that never listened raises as before."""
     repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), startup_timeout=300, log_path=tmp_path / "log")
-    (tmp_path / "log").write_text("Started GRPCInferenceService\nStarted HTTPService\n")  # an older run's
+    server = TritonServer(
+        repo,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        startup_timeout=300,
+        log_path=tmp_path / "log",
+    )
+    (tmp_path / "log").write_text(
+        "Started GRPCInferenceService\nStarted HTTPService\n"
+    )  # an older run's
     server.start(wait=False)
     try:
         assert not server.came_up()  # only this run's lines count
@@ -297,8 +366,11 @@ def test_a_stub_killed_before_serve_saw_ready_is_a_crash_to_restart_not_a_failed
         while not server.is_ready():  # the test, not the launcher, sees it ready
             assert server.running and time.monotonic() < deadline
             time.sleep(0.1)
-        stub = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-                              capture_output=True, text=True).stdout.split()
+        stub = subprocess.run(
+            ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         assert len(stub) == 1
         os.kill(int(stub[0]), signal.SIGKILL)
         server.process.wait(60)  # the watchdog stops tritonserver

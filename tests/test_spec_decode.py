@@ -1,4 +1,5 @@
 """Speculative decoding: ngram and draft-model proposals never change what is generated."""
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,14 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(arch="llama", **overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=400)
+    settings = dict(
+        model=str(tiny_model_dir(arch)),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=400,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -31,7 +38,7 @@ def workload(n=8, seed=0):
             prompts.append([rng.randrange(100, 40000) for _ in range(rng.randrange(3, 30))])
         else:
             pattern = [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 7))]
-            prompts.append((pattern * 10)[:rng.randrange(8, 40)])
+            prompts.append((pattern * 10)[: rng.randrange(8, 40)])
     params = [SamplingParams(max_tokens=rng.randrange(6, 30), **GREEDY) for _ in prompts]
     return prompts, params
 
@@ -56,10 +63,12 @@ def plain_outputs():
             prompts, params = workload()
             cache[arch] = [r.token_ids for r in make_engine(arch).generate(prompts, params)]
         return cache[arch]
+
     return get
 
 
 # -- ngram ----------------------------------------------------------------------------------
+
 
 def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 1, 3) == [7, 8]
@@ -117,15 +126,18 @@ def test_ngram_with_preemption_prefix_cache_and_max_model_len(plain_outputs):
 def test_requests_with_penalties_or_min_tokens_do_not_speculate():
     engine = make_engine("gpt2", speculative_method="ngram")
     prompt = [500, 600] * 6
-    for params in (SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY),
-                   SamplingParams(max_tokens=12, frequency_penalty=0.5, **GREEDY),
-                   SamplingParams(max_tokens=12, use_speculation=False, **GREEDY)):
+    for params in (
+        SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY),
+        SamplingParams(max_tokens=12, frequency_penalty=0.5, **GREEDY),
+        SamplingParams(max_tokens=12, use_speculation=False, **GREEDY),
+    ):
         out = engine.generate([prompt], params)[0]
         assert out.num_output_tokens == 12
         assert engine.get_stats().spec_draft_tokens == 0, params
     # min_tokens: no drafts until min_tokens outputs exist, then speculation resumes.
-    plain = make_engine("gpt2").generate([prompt], SamplingParams(max_tokens=20, min_tokens=10,
-                                                                  temperature=0))[0]
+    plain = make_engine("gpt2").generate(
+        [prompt], SamplingParams(max_tokens=20, min_tokens=10, temperature=0)
+    )[0]
     out = engine.generate([prompt], SamplingParams(max_tokens=20, min_tokens=10, temperature=0))[0]
     assert out.token_ids == plain.token_ids
     assert engine.get_stats().spec_draft_tokens > 0
@@ -136,8 +148,9 @@ def test_min_tokens_with_ignore_eos_and_no_stop_tokens_still_speculates(plain_ou
     """Then min_tokens blocks nothing (EOS is not blocked under ignore_eos), so drafts are
     exact: the benchmark's exact-length requests (min_tokens = max_tokens) speculate."""
     prompts, params = workload()
-    exact = [SamplingParams(max_tokens=p.max_tokens, min_tokens=p.max_tokens, **GREEDY)
-             for p in params]
+    exact = [
+        SamplingParams(max_tokens=p.max_tokens, min_tokens=p.max_tokens, **GREEDY) for p in params
+    ]
     engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=3)
     assert [r.token_ids for r in engine.generate(prompts, exact)] == plain_outputs("gpt2")
     assert engine.get_stats().spec_accepted_tokens > 0
@@ -161,8 +174,9 @@ def test_row_budget_caps_each_requests_drafts_by_the_running_batch(plain_outputs
     """One row per running request plus its drafts stays within ``speculative_row_budget``:
     no drafts at all once the batch alone fills it; outputs stay exact."""
     prompts, params = workload()
-    engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=4,
-                         speculative_row_budget=budget)
+    engine = make_engine(
+        "gpt2", speculative_method="ngram", num_speculative_tokens=4, speculative_row_budget=budget
+    )
     p = SamplingParams(max_tokens=24, **GREEDY)
     seen = _drafts_per_step(engine, prompts, p)
     assert all(n + n * drafts <= budget for n, drafts in seen if drafts), seen
@@ -183,8 +197,12 @@ def test_seeded_sampled_requests_keep_their_text_whatever_the_batch_under_a_row_
 
     def run(neighbours: int) -> list:
         # A draft model drafts every step (prompt lookup finds nothing in random text).
-        engine = make_engine("gpt2", speculative_method="draft", speculative_row_budget=12,
-                             speculative_model=str(tiny_model_dir("gpt2")))
+        engine = make_engine(
+            "gpt2",
+            speculative_method="draft",
+            speculative_row_budget=12,
+            speculative_model=str(tiny_model_dir("gpt2")),
+        )
         for _ in range(neighbours):
             engine.add_request(prompt, SamplingParams(max_tokens=16, **GREEDY))
         mine = engine.add_request(prompt, seeded).request_id
@@ -199,8 +217,12 @@ def test_seeded_sampled_requests_keep_their_text_whatever_the_batch_under_a_row_
 
 def test_disable_by_batch_size_stops_drafting_above_that_many_running_requests():
     prompts, _ = workload()
-    engine = make_engine("gpt2", speculative_method="ngram", num_speculative_tokens=4,
-                         speculative_disable_by_batch_size=3)
+    engine = make_engine(
+        "gpt2",
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        speculative_disable_by_batch_size=3,
+    )
     seen = _drafts_per_step(engine, prompts, SamplingParams(max_tokens=24, **GREEDY))
     assert all(n <= 3 for n, drafts in seen if drafts), seen
     assert any(drafts for _, drafts in seen) and any(n > 3 for n, _ in seen)
@@ -222,11 +244,13 @@ def test_stop_string_inside_accepted_drafts_stops_at_the_same_token():
 
 # -- draft model ------------------------------------------------------------------------------
 
+
 def test_draft_equal_to_target_accepts_nearly_everything(plain_outputs):
     prompts, params = workload()
     path = str(tiny_model_dir("llama"))
-    engine = make_engine(speculative_method="draft", speculative_model=path,
-                         num_speculative_tokens=4)
+    engine = make_engine(
+        speculative_method="draft", speculative_model=path, num_speculative_tokens=4
+    )
     assert engine.proposer.model is engine.model  # shared weights, separate KV cache
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs("llama")
@@ -241,8 +265,12 @@ def test_draft_equal_to_target_accepts_nearly_everything(plain_outputs):
 
 def test_unrelated_draft_model_is_rejected_but_outputs_stay_exact(plain_outputs):
     prompts, params = workload()
-    engine = make_engine(speculative_method="draft", speculative_model=str(tiny_model_dir("qwen2")),
-                         num_speculative_tokens=2, num_gpu_blocks_override=60)
+    engine = make_engine(
+        speculative_method="draft",
+        speculative_model=str(tiny_model_dir("qwen2")),
+        num_speculative_tokens=2,
+        num_gpu_blocks_override=60,
+    )
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == plain_outputs("llama")
     stats = engine.get_stats()
@@ -253,8 +281,9 @@ def test_unrelated_draft_model_is_rejected_but_outputs_stay_exact(plain_outputs)
 def test_draft_cache_resyncs_after_aborts_and_preemption(plain_outputs):
     prompts, params = workload()
     path = str(tiny_model_dir("llama"))
-    engine = make_engine(speculative_method="draft", speculative_model=path,
-                         num_gpu_blocks_override=40)
+    engine = make_engine(
+        speculative_method="draft", speculative_model=path, num_gpu_blocks_override=40
+    )
     victim = engine.add_request([300, 301, 302] * 5, SamplingParams(max_tokens=200, **GREEDY))
     got = {}
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -274,6 +303,7 @@ def test_draft_cache_resyncs_after_aborts_and_preemption(plain_outputs):
 
 # -- sampling ---------------------------------------------------------------------------------
 
+
 def test_seeded_sampling_with_speculation_is_reproducible():
     prompt = [500, 600] * 6
     params = SamplingParams(max_tokens=16, temperature=0.8, top_k=3, seed=7, ignore_eos=True)
@@ -281,11 +311,14 @@ def test_seeded_sampling_with_speculation_is_reproducible():
     mate_params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     alone = make_engine("gpt2", speculative_method="ngram").generate([prompt], params)[0]
     crowd = make_engine("gpt2", speculative_method="ngram", seed=3).generate(
-        mates + [prompt], [mate_params] * 5 + [params])[-1]
+        mates + [prompt], [mate_params] * 5 + [params]
+    )[-1]
     assert crowd.token_ids == alone.token_ids and len(alone.token_ids) == 16
     other = SamplingParams(max_tokens=16, temperature=0.8, top_k=3, seed=8, ignore_eos=True)
-    assert make_engine("gpt2", speculative_method="ngram").generate([prompt], other)[0].token_ids \
+    assert (
+        make_engine("gpt2", speculative_method="ngram").generate([prompt], other)[0].token_ids
         != alone.token_ids
+    )
 
 
 def test_speculative_sampling_preserves_the_target_distribution():
@@ -307,11 +340,19 @@ def test_speculative_sampling_preserves_the_target_distribution():
         for t2, p2 in top2([t1]).items():
             for t3, p3 in top2([t1, t2]).items():
                 exact[(t1, t2, t3)] = p1 * p2 * p3
-    engine = make_engine(arch, speculative_method="draft", speculative_model=str(path),
-                         num_speculative_tokens=2, max_num_seqs=64, max_num_batched_tokens=256,
-                         num_gpu_blocks_override=300)
-    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=i, ignore_eos=True)
-              for i in range(n)]
+    engine = make_engine(
+        arch,
+        speculative_method="draft",
+        speculative_model=str(path),
+        num_speculative_tokens=2,
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=300,
+    )
+    params = [
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=i, ignore_eos=True)
+        for i in range(n)
+    ]
     outs = engine.generate([prompt] * n, params)
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert set(counts) <= set(exact)
@@ -338,12 +379,12 @@ def test_verification_chunks_and_prompt_chunks_are_flagged_to_the_attention(monk
         return build(meta)
 
     monkeypatch.setattr(cpu_kernels, "_build_plan", record)
-    engine = make_engine(speculative_method="ngram", num_speculative_tokens=3,
-                         attention_ops="cpu")
+    engine = make_engine(speculative_method="ngram", num_speculative_tokens=3, attention_ops="cpu")
     prompts, params = workload()
     engine.generate(prompts, params)
-    flagged = [(n, v, p) for q_lens, verify, prompt in seen
-               for n, v, p in zip(q_lens, verify, prompt)]
+    flagged = [
+        (n, v, p) for q_lens, verify, prompt in seen for n, v, p in zip(q_lens, verify, prompt)
+    ]
     assert any(v and n > 1 for n, v, _ in flagged), "no verification chunk reached the attention"
     assert all(n > 1 and not p for n, v, p in flagged if v)  # drafts, after the prompt
     assert all(n == 1 for n, v, p in flagged if not v and not p)  # the rest: decode rows

@@ -1,6 +1,7 @@
 """Stall-free batching (``tpot_target_ms``): the cost model learns step times, and the
 scheduler admits only the prompt tokens that keep a step with decodes within the target,
 never beyond ``max_num_batched_tokens``, while prompts still get in every step."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,10 +44,16 @@ def run(sched, arrivals: dict, steps: int) -> list:
         out = sched.schedule()
         if out.is_empty:
             break
-        decoding = sum(1 for item in out.scheduled
-                       if item.num_computed_before >= item.request.num_prompt_tokens)
-        prompt = sum(item.num_new_tokens for item in out.scheduled
-                     if item.num_computed_before < item.request.num_prompt_tokens)
+        decoding = sum(
+            1
+            for item in out.scheduled
+            if item.num_computed_before >= item.request.num_prompt_tokens
+        )
+        prompt = sum(
+            item.num_new_tokens
+            for item in out.scheduled
+            if item.num_computed_before < item.request.num_prompt_tokens
+        )
         sched.update_from_output(out, sample(out), lambda r: None)
         sched.observe_step(out, step_time(out.num_tokens, len(out.scheduled)))
         seen.append((out.num_tokens, len(out.scheduled), decoding, prompt))
@@ -63,8 +70,9 @@ def decodes_then_long_prompts() -> dict:
 
 def test_steps_with_decodes_stay_within_the_target_while_prompts_still_get_in():
     target_ms = 60.0
-    sched = make_scheduler(num_blocks=512, max_num_batched_tokens=512, tpot_target_ms=target_ms,
-                           max_num_seqs=16)
+    sched = make_scheduler(
+        num_blocks=512, max_num_batched_tokens=512, tpot_target_ms=target_ms, max_num_seqs=16
+    )
     steps = run(sched, decodes_then_long_prompts(), 60)
     warm = [s for s in steps[20:] if s[2] > 0]  # the model has learned; decodes running
     assert warm, "no step with decodes after warm-up"
@@ -82,8 +90,9 @@ def test_without_a_target_prompt_chunks_fill_max_num_batched_tokens():
 
 
 def test_max_num_batched_tokens_stays_the_hard_limit_under_a_generous_target():
-    sched = make_scheduler(num_blocks=512, max_num_batched_tokens=128, tpot_target_ms=10_000.0,
-                           max_num_seqs=16)
+    sched = make_scheduler(
+        num_blocks=512, max_num_batched_tokens=128, tpot_target_ms=10_000.0, max_num_seqs=16
+    )
     steps = run(sched, decodes_then_long_prompts(), 40)
     assert max(s[0] for s in steps) == 128
     assert sched.step_budget.tokens(decode_tokens=6, decode_rows=6) == 128

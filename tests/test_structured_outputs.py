@@ -1,5 +1,6 @@
 """Structured outputs in the engine: JSON schema / regex / choice / grammar masks in the
 batched sampler, with the tiny random model (only the grammar can make its output valid)."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,14 @@ JSON_SPEC = {"json": SCHEMA, "disable_any_whitespace": True}
 
 
 def make_engine(**overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir()), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=400)
+    settings = dict(
+        model=str(tiny_model_dir()),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=400,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -64,8 +71,12 @@ def check(kind: str, text: str) -> None:
         assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", text), text
 
 
-SPECS = {"json": JSON_SPEC, "regex": {"regex": REGEX}, "choice": {"choice": CHOICES},
-         "grammar": {"grammar": GRAMMAR}}
+SPECS = {
+    "json": JSON_SPEC,
+    "regex": {"regex": REGEX},
+    "choice": {"choice": CHOICES},
+    "grammar": {"grammar": GRAMMAR},
+}
 
 
 def test_constrained_outputs_match_their_spec_in_a_batch_with_free_requests(engine):
@@ -87,18 +98,23 @@ def test_constrained_outputs_match_their_spec_in_a_batch_with_free_requests(engi
 
 def test_free_requests_are_bit_identical_with_constrained_neighbours(engine):
     prompts, outs = random_workload(4, seed=3, lengths=(5, 17, 30))
-    free = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True, logprobs=2)
-            for o in outs[:2]]
-    free += [SamplingParams(max_tokens=o, temperature=0.9, seed=7 + i, ignore_eos=True)
-             for i, o in enumerate(outs[2:])]
+    free = [
+        SamplingParams(max_tokens=o, temperature=0, ignore_eos=True, logprobs=2) for o in outs[:2]
+    ]
+    free += [
+        SamplingParams(max_tokens=o, temperature=0.9, seed=7 + i, ignore_eos=True)
+        for i, o in enumerate(outs[2:])
+    ]
     alone = engine.generate(prompts, free)
     neighbours = [constrained(SPECS[k]) for k in ("json", "regex", "choice", "grammar")]
     mixed = engine.generate(prompts + prompts, free + neighbours)[:4]
     for a, m in zip(alone, mixed):
         assert m.token_ids == a.token_ids
         assert m.logprobs == a.logprobs  # the raw logprobs, bit for bit
-        ranked = [[(getattr(lp, "rank", None), getattr(lp, "top", None)) for lp in r.logprobs]
-                  for r in (a, m)]
+        ranked = [
+            [(getattr(lp, "rank", None), getattr(lp, "top", None)) for lp in r.logprobs]
+            for r in (a, m)
+        ]
         assert ranked[0] == ranked[1]
 
 
@@ -106,7 +122,8 @@ def test_every_sequence_of_a_parallel_sampled_request_follows_the_grammar(engine
     """n=4 sampled sequences fork from one prefill: each gets its own matcher (sharing the
     parent's would let one sequence's tokens advance the others' grammar)."""
     [seqs] = engine.generate_sequences(
-        [[7, 8, 9, 10]], [constrained({"regex": REGEX}, n=4, temperature=1.0, seed=5)])
+        [[7, 8, 9, 10]], [constrained({"regex": REGEX}, n=4, temperature=1.0, seed=5)]
+    )
     assert len(seqs) == 4
     for out in seqs:
         assert out.finish_reason == "stop", out.text
@@ -122,36 +139,50 @@ def test_grammar_completion_ends_the_request_as_stop_without_eos_text(engine):
     assert tokenizer.decode(out.token_ids[:-1]) == "ok!"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"json": {"type": "bogus"}}, "invalid JSON schema"),
-    ({"json": "{not json"}, "invalid JSON schema"),
-    ({"regex": "a(b"}, "invalid regex"),
-    ({"grammar": "root ::= ( unclosed"}, "invalid grammar"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"json": {"type": "bogus"}}, "invalid JSON schema"),
+        ({"json": "{not json"}, "invalid JSON schema"),
+        ({"regex": "a(b"}, "invalid regex"),
+        ({"grammar": "root ::= ( unclosed"}, "invalid grammar"),
+    ],
+)
 def test_invalid_spec_is_refused_for_that_request_alone(engine, spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.make_request([1, 2, 3], constrained(spec))
     # The engine goes on serving, constrained and free requests alike.
-    ok = engine.generate([[7, 8, 9], [10, 11]], [constrained({"choice": CHOICES}),
-                                                 SamplingParams(max_tokens=4)])
+    ok = engine.generate(
+        [[7, 8, 9], [10, 11]], [constrained({"choice": CHOICES}), SamplingParams(max_tokens=4)]
+    )
     assert ok[0].text in CHOICES and len(ok[1].token_ids) <= 4
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"json": SCHEMA, "regex": "a"}, "You can only use one kind of structured outputs constraint"),
-    ({"disable_any_whitespace": True}, "You must use one kind of structured outputs constraint"),
-    ({"choice": []}, "'choice' must be a list of 1 to"),
-    ({"regex": "a", "colour": 1}, "unknown field(s) ['colour']"),
-    ({"structural_tag": "{}"}, "'structural_tag' is not supported"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"json": SCHEMA, "regex": "a"},
+            "You can only use one kind of structured outputs constraint",
+        ),
+        (
+            {"disable_any_whitespace": True},
+            "You must use one kind of structured outputs constraint",
+        ),
+        ({"choice": []}, "'choice' must be a list of 1 to"),
+        ({"regex": "a", "colour": 1}, "unknown field(s) ['colour']"),
+        ({"structural_tag": "{}"}, "'structural_tag' is not supported"),
+    ],
+)
 def test_malformed_structured_outputs_get_vllm_errors(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(structured_outputs=spec)
 
 
 def test_grammars_are_compiled_once_per_distinct_spec_and_the_cache_is_bounded(engine):
-    compiler = GrammarCompiler(engine.tokenizer, engine.logits_vocab_size, engine.eos_token_id,
-                               cache_size=2)
+    compiler = GrammarCompiler(
+        engine.tokenizer, engine.logits_vocab_size, engine.eos_token_id, cache_size=2
+    )
     specs = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "a+", "c+", "b+")]
     states = [compiler.state_for(s) for s in specs]
     # The second "a+" is a hit; "c+" evicts "b+" (least recently used), which compiles again.
@@ -166,8 +197,9 @@ def test_preemption_and_chunked_prefill_keep_the_matcher_in_step():
     kinds = ["json", "regex", "grammar", "json"] * 2
     params = [constrained(SPECS[k]) for k in kinds]
     roomy = make_engine().generate(prompts, params)
-    tight = make_engine(num_gpu_blocks_override=60, max_num_batched_tokens=16,
-                        enable_prefix_caching=False)
+    tight = make_engine(
+        num_gpu_blocks_override=60, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
     squeezed = tight.generate(prompts, [constrained(SPECS[k]) for k in kinds])
     assert tight.scheduler.num_preemptions > 0
     for kind, a, b in zip(kinds, roomy, squeezed):
@@ -187,6 +219,7 @@ def test_constrained_requests_never_speculate_and_match_plain_decoding():
     def propose(reqs):
         original(reqs)
         seen_drafts.extend((r.grammar is not None, bool(r.spec_token_ids)) for r in reqs)
+
     spec_engine._propose = propose
     fast = spec_engine.generate(prompts, [constrained(SPECS["json"]), free])
     assert [r.token_ids for r in fast] == [r.token_ids for r in plain]
@@ -204,34 +237,55 @@ def spec_of(inputs: dict, parameters=None) -> StructuredOutputsParams:
     return parse_request({"text_input": s("hi"), **inputs}, parameters).params.structured_outputs
 
 
-@pytest.mark.parametrize("sampling, expected", [
-    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputsParams(regex="[0-9]+")),
-    ({"structured_outputs": json.dumps({"choice": ["a", "b"]})},
-     StructuredOutputsParams(choice=("a", "b"))),
-    ({"guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}},
-     StructuredOutputsParams(json=SCHEMA)),
-    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " ?"},
-     StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?")),
-    ({"guided_regex": "x+", "guided_decoding_backend": "outlines"},
-     StructuredOutputsParams(regex="x+")),
-    ({"guided_choice": ["a"]}, StructuredOutputsParams(choice=("a",))),
-    ({"guided_grammar": GRAMMAR}, StructuredOutputsParams(grammar=GRAMMAR)),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-     StructuredOutputsParams(json=SCHEMA)),
-    ({"response_format": {"type": "text"}}, None),
-])
+@pytest.mark.parametrize(
+    "sampling, expected",
+    [
+        ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputsParams(regex="[0-9]+")),
+        (
+            {"structured_outputs": json.dumps({"choice": ["a", "b"]})},
+            StructuredOutputsParams(choice=("a", "b")),
+        ),
+        (
+            {"guided_decoding": {"json": SCHEMA, "backend": "xgrammar"}},
+            StructuredOutputsParams(json=SCHEMA),
+        ),
+        (
+            {"guided_json": SCHEMA, "guided_whitespace_pattern": " ?"},
+            StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?"),
+        ),
+        (
+            {"guided_regex": "x+", "guided_decoding_backend": "outlines"},
+            StructuredOutputsParams(regex="x+"),
+        ),
+        ({"guided_choice": ["a"]}, StructuredOutputsParams(choice=("a",))),
+        ({"guided_grammar": GRAMMAR}, StructuredOutputsParams(grammar=GRAMMAR)),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            StructuredOutputsParams(json=SCHEMA),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)
 def test_vllm_request_shapes_become_structured_outputs(sampling, expected):
     assert spec_of({"sampling_parameters": s(json.dumps(sampling))}) == expected
     assert spec_of({}, sampling) == expected  # HTTP generate "parameters" too
 
 
-@pytest.mark.parametrize("guide_type, guide, expected", [
-    ("json_schema", json.dumps(SCHEMA), StructuredOutputsParams(json=json.dumps(SCHEMA))),
-    ("json", None, StructuredOutputsParams(json={"type": ["object", "array"]})),
-    ("regex", r"\d+", StructuredOutputsParams(regex=r"\d+")),
-    ("ebnf_grammar", "root ::= [0-9]+", StructuredOutputsParams(grammar="root ::= [0-9]+")),
-])
+@pytest.mark.parametrize(
+    "guide_type, guide, expected",
+    [
+        ("json_schema", json.dumps(SCHEMA), StructuredOutputsParams(json=json.dumps(SCHEMA))),
+        ("json", None, StructuredOutputsParams(json={"type": ["object", "array"]})),
+        ("regex", r"\d+", StructuredOutputsParams(regex=r"\d+")),
+        ("ebnf_grammar", "root ::= [0-9]+", StructuredOutputsParams(grammar="root ::= [0-9]+")),
+    ],
+)
 def test_trtllm_guided_decoding_inputs_become_structured_outputs(guide_type, guide, expected):
     inputs = {"guided_decoding_guide_type": s(guide_type)}
     if guide is not None:
@@ -239,16 +293,29 @@ def test_trtllm_guided_decoding_inputs_become_structured_outputs(guide_type, gui
     assert spec_of(inputs) == expected
 
 
-@pytest.mark.parametrize("inputs, parameters, message", [
-    ({"guided_decoding_guide_type": s("xml")}, None, "guided_decoding_guide_type must be one of"),
-    ({"guided_decoding_guide_type": s("regex")}, None, "needs a 'guided_decoding_guide'"),
-    ({"guided_decoding_guide": s("x")}, None, "needs 'guided_decoding_guide_type'"),
-    ({"guided_decoding_guide_type": s("regex"), "guided_decoding_guide": s("x")},
-     {"guided_regex": "y"}, "structured outputs are given more than once"),
-    ({}, {"guided_json": SCHEMA, "guided_regex": "y"},
-     "You can only use one kind of structured outputs constraint"),
-    ({}, {"response_format": {"type": "yaml"}}, "response_format type must be"),
-])
+@pytest.mark.parametrize(
+    "inputs, parameters, message",
+    [
+        (
+            {"guided_decoding_guide_type": s("xml")},
+            None,
+            "guided_decoding_guide_type must be one of",
+        ),
+        ({"guided_decoding_guide_type": s("regex")}, None, "needs a 'guided_decoding_guide'"),
+        ({"guided_decoding_guide": s("x")}, None, "needs 'guided_decoding_guide_type'"),
+        (
+            {"guided_decoding_guide_type": s("regex"), "guided_decoding_guide": s("x")},
+            {"guided_regex": "y"},
+            "structured outputs are given more than once",
+        ),
+        (
+            {},
+            {"guided_json": SCHEMA, "guided_regex": "y"},
+            "You can only use one kind of structured outputs constraint",
+        ),
+        ({}, {"response_format": {"type": "yaml"}}, "response_format type must be"),
+    ],
+)
 def test_malformed_structured_requests_are_bad_requests(inputs, parameters, message):
     with pytest.raises(BadRequestError, match=re.escape(message)):
         spec_of(inputs, parameters)

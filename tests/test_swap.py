@@ -1,4 +1,5 @@
 """Preemption by swap: KV blocks go to the CPU pool and come back bit-exact."""
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,14 @@ PREFIXED = [SHARED + p[:20] for p in PROMPTS]
 
 
 def make_engine(**overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=64,
-                    max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=400)
+    settings = dict(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=512,
+        num_gpu_blocks_override=400,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -54,8 +61,11 @@ def assert_clean(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("workload", ["plain", "prefixed"])
 def test_swap_preemption_matches_unpreempted_run(reference, mode, workload):
     prompts = PROMPTS if workload == "plain" else PREFIXED
-    engine = make_engine(num_gpu_blocks_override=45, preemption_mode=mode,
-                         enable_prefix_caching=workload == "prefixed")
+    engine = make_engine(
+        num_gpu_blocks_override=45,
+        preemption_mode=mode,
+        enable_prefix_caching=workload == "prefixed",
+    )
     results = engine.generate(prompts, params())
     assert [r.token_ids for r in results] == reference[workload]
     pool = engine.scheduler.swap
@@ -71,8 +81,12 @@ def test_swap_preemption_matches_unpreempted_run(reference, mode, workload):
 
 def test_full_pool_falls_back_to_recompute(reference):
     bytes_per_block = make_engine().kv_cache.geometry.bytes_per_block
-    engine = make_engine(num_gpu_blocks_override=45, preemption_mode="swap",
-                         enable_prefix_caching=False, swap_space_bytes=12 * bytes_per_block)
+    engine = make_engine(
+        num_gpu_blocks_override=45,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+        swap_space_bytes=12 * bytes_per_block,
+    )
     pool = engine.scheduler.swap
     assert pool.num_cpu_blocks == 12
     results = engine.generate(PROMPTS, params())
@@ -135,8 +149,9 @@ def test_swap_copies_run_in_the_order_the_scheduler_decided():
 
 
 def test_abort_while_swapped_returns_pool_blocks():
-    engine = make_engine(num_gpu_blocks_override=45, preemption_mode="swap",
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        num_gpu_blocks_override=45, preemption_mode="swap", enable_prefix_caching=False
+    )
     reqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params())]
     pool = engine.scheduler.swap
     for _ in range(200):

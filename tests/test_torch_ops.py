@@ -1,4 +1,5 @@
 """The torch attention path: grouping decode sequences by length changes nothing but speed."""
+
 import pytest
 import torch
 
@@ -47,10 +48,16 @@ def mixed_step(q_lens: list, seq_lens: list, bs: int, hkv: int, d: int) -> tuple
     tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long), cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
-        query_lens_host=q_lens, seq_lens_host=seq_lens)
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        block_size=bs,
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
     return tables, kc, vc, meta
 
 
@@ -63,25 +70,27 @@ def test_grouped_decode_equals_padded_decode():
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     for kw in ({}, {"sliding_window": 9}, {"softcap": 5.0}):
         padded = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
-        grouped = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw,
-                                                   seq_lens_host=lens)
+        grouped = torch_ops.paged_decode_attention(
+            q, kc, vc, tables, seq_lens, 0.3, **kw, seq_lens_host=lens
+        )
         torch.testing.assert_close(grouped, padded, rtol=1e-5, atol=1e-6)
         small = kc[0].numel() * kc.element_size() * 30  # gathers of at most 30 blocks
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch_ops, "MAX_GATHER_BYTES", small)
-            capped = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw,
-                                                      seq_lens_host=lens)
+            capped = torch_ops.paged_decode_attention(
+                q, kc, vc, tables, seq_lens, 0.3, **kw, seq_lens_host=lens
+            )
         torch.testing.assert_close(capped, padded, rtol=1e-5, atol=1e-6)
         # and both equal a per-sequence softmax over exactly the visible keys
         for i, n in enumerate(lens):
-            blocks = tables[i, :-(-n // bs)].long()
+            blocks = tables[i, : -(-n // bs)].long()
             k = kc[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, 1)
             v = vc[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, 1)
             s = torch.einsum("hd,lhd->hl", q[i], k) * 0.3
             if "softcap" in kw:
                 s = torch.tanh(s / 5.0) * 5.0
             if "sliding_window" in kw:
-                s[:, :max(n - 9, 0)] = float("-inf")
+                s[:, : max(n - 9, 0)] = float("-inf")
             ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
             torch.testing.assert_close(grouped[i], ref, rtol=1e-5, atol=1e-5)
 
@@ -92,10 +101,10 @@ def _reference(q, kc, vc, tables, q_lens, seq_lens, scale, window=None, softcap=
     h = q.shape[1]
     out, start = [], 0
     for i, (n, total) in enumerate(zip(q_lens, seq_lens)):
-        blocks = tables[i, :-(-total // bs)].long()
+        blocks = tables[i, : -(-total // bs)].long()
         k = kc[blocks].reshape(-1, hkv, d)[:total].repeat_interleave(h // hkv, 1)
         v = vc[blocks].reshape(-1, hkv, d)[:total].repeat_interleave(h // hkv, 1)
-        s = torch.einsum("thd,lhd->htl", q[start:start + n], k) * scale
+        s = torch.einsum("thd,lhd->htl", q[start : start + n], k) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         q_pos = torch.arange(total - n, total).view(1, -1, 1)
@@ -118,12 +127,14 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
     q_lens = [1, 5, 1, 1, 9, 1]
     seq_lens = [3, 12, 60, 2, 9, 33]
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
-    for layer, kw in enumerate(({}, {"sliding_window": 7}, {}, {"softcap": 3.0},
-                                {"sliding_window": 7, "softcap": 3.0})):
+    for layer, kw in enumerate(
+        ({}, {"sliding_window": 7}, {}, {"softcap": 3.0}, {"sliding_window": 7, "softcap": 3.0})
+    ):
         q = torch.randn(sum(q_lens), h, d)
         got = torch_ops.paged_attention(q, kc, vc, meta, 0.4, **kw)
-        want = _reference(q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"),
-                          kw.get("softcap"))
+        want = _reference(
+            q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
+        )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"layer {layer} {kw}")
     plan = meta.plan
     assert len(plan.decode) > 1 and len(plan.prefill) == 2

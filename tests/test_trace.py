@@ -1,4 +1,5 @@
 """The per-step scheduler trace and its Chrome trace export."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,16 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(**overrides) -> LLMEngine:
-    settings = dict(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=16,
-                    max_num_seqs=4, max_model_len=256, num_gpu_blocks_override=200,
-                    enable_prefix_caching=False, trace_steps=True)
+    settings = dict(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=256,
+        num_gpu_blocks_override=200,
+        enable_prefix_caching=False,
+        trace_steps=True,
+    )
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -140,8 +148,10 @@ def test_chrome_trace_json(tmp_path):
 
 def test_static_batching_padding_is_traced():
     engine = make_engine(batching="static", max_batch_size=4, max_num_batched_tokens=256)
-    engine.generate([[5, 6, 7], list(range(100, 110))],
-                    [SamplingParams(max_tokens=2, **GREEDY), SamplingParams(max_tokens=6, **GREEDY)])
+    engine.generate(
+        [[5, 6, 7], list(range(100, 110))],
+        [SamplingParams(max_tokens=2, **GREEDY), SamplingParams(max_tokens=6, **GREEDY)],
+    )
     records = list(engine.tracer.records)
     assert records[0].num_padding_seqs == 2  # two rows of the batch of 4 were never filled
     assert records[0].num_padding_tokens == 7 + 2 * 10  # the short prompt padded to 10
@@ -158,8 +168,9 @@ def test_static_batching_padding_is_traced():
 def test_speculative_drafts_count_as_decode_tokens():
     # The target as its own draft model: drafts are proposed (and accepted) every step.
     path = str(tiny_model_dir("llama"))
-    engine = make_engine(speculative_method="draft", speculative_model=path,
-                         num_speculative_tokens=3)
+    engine = make_engine(
+        speculative_method="draft", speculative_model=path, num_speculative_tokens=3
+    )
     seen = capture_scheduled_tokens(engine)
     engine.generate([[11, 12, 13], list(range(50, 70))], SamplingParams(max_tokens=12, **GREEDY))
     for rec, scheduled in seen:
@@ -167,8 +178,9 @@ def test_speculative_drafts_count_as_decode_tokens():
     entries = [e for r in engine.tracer.records for e in r.entries]
     drafted = [e for e in entries if e.num_spec_tokens]
     assert drafted, "the repetitive prompt should be drafted from"
-    assert all(e.num_decode_tokens == 1 + e.num_spec_tokens and not e.num_prefill_tokens
-               for e in drafted)
+    assert all(
+        e.num_decode_tokens == 1 + e.num_spec_tokens and not e.num_prefill_tokens for e in drafted
+    )
     assert sum(e.num_spec_tokens for e in entries) == engine.stats.spec_drafted
 
 
@@ -192,9 +204,15 @@ def test_tracing_is_off_by_default_and_trace_file_turns_it_on(tmp_path):
 
 def test_engine_loop_writes_trace_file_on_shutdown(tmp_path):
     path = tmp_path / "trace.json"
-    config = EngineConfig(model=str(tiny_model_dir("llama")), block_size=4,
-                          max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128,
-                          num_gpu_blocks_override=100, trace_file=str(path))
+    config = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=128,
+        num_gpu_blocks_override=100,
+        trace_file=str(path),
+    )
     loop = EngineLoop(config).start()
     outs = [loop.generate(p, SamplingParams(max_tokens=3, **GREEDY)) for p in ("hello", "bye")]
     assert not path.exists()

@@ -6,6 +6,7 @@ fp32 accumulation) is checked here by a full ``triton.compile`` down to a cubin 
 wheel bundles ``ptxas``). ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, and the
 test session sets it, so the compile runs in a child process with it unset.
 """
+
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent(r'''
+SCRIPT = textwrap.dedent(r"""
     import json, os, sys, time
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
@@ -69,8 +70,8 @@ SCRIPT = textwrap.dedent(r'''
                 "Out": DT[dt], "MidO": "*fp32", "MidLse": "*fp32"}
         run(f"decode {dt} H={h} Hkv={hkv} D={d} splits={splits} window={window} softcap={cap}",
             tk._decode_kernel, cfg, ptrs, ("scale", "softcap"))
-    run("decode_reduce bf16 D=64 splits=4", tk._decode_reduce_kernel, tk.decode_reduce_config(64, 4),
-        {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16"})
+    run("decode_reduce bf16 D=64 splits=4", tk._decode_reduce_kernel,
+        tk.decode_reduce_config(64, 4), {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16"})
 
     for dt, h, hkv, d, window, cap in (("bf16", 9, 3, 64, 4096, 50.0),
                                         ("bf16", 32, 8, 128, 0, 0.0),
@@ -81,20 +82,22 @@ SCRIPT = textwrap.dedent(r'''
         run(f"prefill {dt} H={h} Hkv={hkv} D={d} window={window} softcap={cap}",
             tk._prefill_kernel, cfg, ptrs, ("scale", "softcap"))
     print("RESULTS " + json.dumps(results))
-''')
+""")
 
 
 def test_kernels_compile_to_sm90_cubin(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence the 3.9 default-change warning
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert line, proc.stdout
     import json
-    results = json.loads(line[-1][len("RESULTS "):])
+
+    results = json.loads(line[-1][len("RESULTS ") :])
     assert len(results) == 9
     for name, info in results.items():
         # H100 allows 227 KB of shared memory per block; stay well inside it.

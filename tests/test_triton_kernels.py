@@ -4,6 +4,7 @@ Small shapes on purpose (the interpreter runs one program at a time), with tiny 
 (block_size 4, BLOCK_N 8/16) so that a few dozen tokens still cross page, tile and split
 boundaries.
 """
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
@@ -13,8 +14,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from slipstream.worker.ops import torch_ops as ref  # noqa: E402
-from slipstream.worker.ops import triton_kernels as tk  # noqa: E402
+from slipstream.worker.ops import (
+    torch_ops as ref,  # noqa: E402
+    triton_kernels as tk,  # noqa: E402
+)
 from slipstream.worker.ops.metadata import AttentionMetadata  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -37,7 +40,7 @@ def make_block_tables(seq_lens, num_blocks, width=None, seed=0):
     bt = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        bt[i, :n] = perm[at:at + n].to(torch.int32)
+        bt[i, :n] = perm[at : at + n].to(torch.int32)
         at += n
     return bt
 
@@ -51,16 +54,22 @@ def check(out, expect, dtype):
 # ----------------------------------------------------------------------------- store_kv
 
 
-@pytest.mark.parametrize("src_dtype,cache_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float16, torch.float16), (torch.float32, torch.float16),
-    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "src_dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype):
     t, hkv, d, nb = 7, 3, 80, 6
     g = torch.Generator().manual_seed(3)
     # Non-contiguous key/value rows (views of a packed qkv-like tensor).
     packed = torch.randn(t, 2 * hkv + 1, d, generator=g).to(src_dtype)
-    key, value = packed[:, :hkv], packed[:, hkv:2 * hkv]
+    key, value = packed[:, :hkv], packed[:, hkv : 2 * hkv]
     slots = torch.tensor([5, -1, 0, 23, 12, -1, 8], dtype=torch.int64)
     kc_ref, vc_ref = make_cache(nb, hkv, d, cache_dtype, seed=4)
     kc, vc = kc_ref.clone(), vc_ref.clone()
@@ -68,8 +77,8 @@ def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype):
     tk.store_kv(key, value, kc, vc, slots)
     if src_dtype == torch.float32 and cache_dtype == torch.bfloat16:
         # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): 1 ulp.
-        torch.testing.assert_close(kc, kc_ref, atol=0, rtol=2 ** -7)
-        torch.testing.assert_close(vc, vc_ref, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(kc, kc_ref, atol=0, rtol=2**-7)
+        torch.testing.assert_close(vc, vc_ref, atol=0, rtol=2**-7)
     else:
         assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     # Slots -1 wrote nothing: every other slot keeps its old contents.
@@ -102,11 +111,12 @@ def test_decode_matches_reference(h, hkv, d, kw, dtype):
     bt = make_block_tables(seq_lens_list, nb, width=10)
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
     q = torch.randn(len(seq_lens_list), h, d, generator=torch.Generator().manual_seed(7)).to(dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     expect = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, scale, **kw)
     for splits in (1, 3):  # direct store, and flash-decoding split + log-sum-exp reduce
-        out = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, scale, num_splits=splits,
-                                        block_n=8, **kw)
+        out = tk.paged_decode_attention(
+            q, kc, vc, bt, seq_lens, scale, num_splits=splits, block_n=8, **kw
+        )
         check(out, expect, dtype)
 
 
@@ -137,8 +147,7 @@ def test_decode_padding_rows_are_zero_not_nan():
     seq_lens = torch.tensor([6, 1, 1], dtype=torch.int32)
     q = torch.randn(3, h, d)
     for splits in (1, 2):
-        out = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.2, num_splits=splits,
-                                        block_n=8)
+        out = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.2, num_splits=splits, block_n=8)
         assert torch.isfinite(out).all()
         assert torch.equal(out[1:], torch.zeros_like(out[1:]))
         expect = ref.paged_decode_attention(q[:1], kc, vc, bt[:1], seq_lens[:1], 0.2)
@@ -174,11 +183,23 @@ def test_prefill_matches_reference(h, hkv, d, kw, dtype):
     q, cu, q_lens, lens = ragged_batch(h, d, dtype)
     bt = make_block_tables(lens, nb, width=6)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    scale = d ** -0.5
+    scale = d**-0.5
     expect = ref.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, scale, **kw)
     # Tiles of 16 flattened (token, head) rows and 8 keys: several query and KV tiles per seq.
-    out = tk.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, scale, query_lens_host=q_lens,
-                                     seq_lens_host=lens, block_m=16, block_n=8, **kw)
+    out = tk.paged_prefill_attention(
+        q,
+        kc,
+        vc,
+        bt,
+        cu,
+        seq_lens,
+        scale,
+        query_lens_host=q_lens,
+        seq_lens_host=lens,
+        block_m=16,
+        block_n=8,
+        **kw,
+    )
     check(out, expect, dtype)
 
 
@@ -197,11 +218,17 @@ def test_prefill_default_tiles_without_host_lists():
 
 def _meta(q_lens, lens, bt, slots):
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu,
-                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=bt,
-                             max_seqlen_q=max(q_lens), max_seqlen_k=max(lens),
-                             block_size=BLOCK_SIZE, query_lens_host=list(q_lens),
-                             seq_lens_host=list(lens))
+    return AttentionMetadata(
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=bt,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(lens),
+        block_size=BLOCK_SIZE,
+        query_lens_host=list(q_lens),
+        seq_lens_host=list(lens),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -223,8 +250,13 @@ def test_store_then_paged_attention_steps(dtype):
     steps = [(_meta(q_lens, lens, bt, slots), sum(q_lens))]
     # Step 2: decode-only, one new token each (seq0 crosses into its third page).
     lens2 = [12, 11]
-    slots2 = torch.tensor([int(bt[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-                           for i, n in enumerate(lens2)], dtype=torch.int64)
+    slots2 = torch.tensor(
+        [
+            int(bt[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+            for i, n in enumerate(lens2)
+        ],
+        dtype=torch.int64,
+    )
     steps.append((_meta([1, 1], lens2, bt, slots2), 2))
     for meta, t in steps:
         q = torch.randn(t, h, d, generator=g).to(dtype)
@@ -234,7 +266,7 @@ def test_store_then_paged_attention_steps(dtype):
         for name in ("ref", "tk"):
             kc, vc = caches[name]
             ops[name].store_kv(k, v, kc, vc, meta.slot_mapping)
-            outs[name] = ops[name].paged_attention(q, kc, vc, meta, d ** -0.5, sliding_window=8)
+            outs[name] = ops[name].paged_attention(q, kc, vc, meta, d**-0.5, sliding_window=8)
         assert torch.equal(caches["tk"][0], caches["ref"][0])
         check(outs["tk"], outs["ref"], dtype)
 

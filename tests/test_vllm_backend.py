@@ -9,6 +9,7 @@ expected texts are Hugging Face greedy decoding of that model instead of upstrea
 strings. One server per module, explicit model control (as upstream runs these): the models
 the tests share load at start, in parallel; the load / unload tests load their own.
 """
+
 import json
 import os
 import re
@@ -26,21 +27,37 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
-from vllm_backend_support import (FAILING_HEALTH_MODEL_PY, SAMPLING_PARAMETERS,  # noqa: E402
-                                  VLLM_DEFAULT_MAX_TOKENS, bool_input, create_vllm_request, hf_completion,
-                                  hf_stream_pieces, parse_vllm_metrics, stream_requests,
-                                  tokenizer_of, write_model)
+from vllm_backend_support import (  # noqa: E402
+    FAILING_HEALTH_MODEL_PY,
+    SAMPLING_PARAMETERS,
+    VLLM_DEFAULT_MAX_TOKENS,
+    bool_input,
+    create_vllm_request,
+    hf_completion,
+    hf_stream_pieces,
+    parse_vllm_metrics,
+    stream_requests,
+    tokenizer_of,
+    write_model,
+)
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1")
+    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
+)
 
 PROMPTS = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
 MODEL = "vllm_opt"
 # Each model is a backend stub process: they are few, and shared where the features are apart
 # (vllm_metrics also has the health check on: upstream's health_check_enabled configuration).
-STARTUP_MODELS = [MODEL, "vllm_metrics", "vllm_metrics_false", "vllm_log_stats_off",
-                  "vllm_failing_unchecked", "vllm_failing_checked"]
-ADD_SUB_MODEL_PY = '''
+STARTUP_MODELS = [
+    MODEL,
+    "vllm_metrics",
+    "vllm_metrics_false",
+    "vllm_log_stats_off",
+    "vllm_failing_unchecked",
+    "vllm_failing_checked",
+]
+ADD_SUB_MODEL_PY = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -54,17 +71,17 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
         return responses
-'''
-ADD_SUB_CONFIG = '''name: "add_sub"
+"""
+ADD_SUB_CONFIG = """name: "add_sub"
 backend: "python"
 input [{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
        { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }]
 output [{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }]
 instance_group [{ kind: KIND_CPU }]
-'''
+"""
 # vllm_backend's ci/L0_backend_vllm/vllm_backend/ensemble_config.pbtxt
-ENSEMBLE_CONFIG = '''name: "ensemble_model"
+ENSEMBLE_CONFIG = """name: "ensemble_model"
 platform: "ensemble"
 max_batch_size: 1
 input [{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] }]
@@ -72,7 +89,7 @@ output [{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }]
 ensemble_scheduling { step [{ model_name: "vllm_opt" model_version: -1
   input_map { key: "text_input" value: "text_input" }
   output_map { key: "text_output" value: "text_output" } }] }
-'''
+"""
 
 
 # ------------------------------------------------------------------------------- fixtures
@@ -86,11 +103,15 @@ def build_repository(repo):
     write_model(repo, "vllm_invalid_2", model_json={"model": "invalid_model"})
     write_model(repo, "vllm_metrics", parameters={**on, "ENABLE_VLLM_HEALTH_CHECK": "true"})
     write_model(repo, "vllm_metrics_false", parameters={"REPORT_CUSTOM_METRICS": "false"})
-    write_model(repo, "vllm_log_stats_off", parameters=on,
-                model_json={"disable_log_stats": True})
+    write_model(repo, "vllm_log_stats_off", parameters=on, model_json={"disable_log_stats": True})
     for name, check in (("vllm_failing_unchecked", None), ("vllm_failing_checked", "true")):
-        write_model(repo, name, backend="python", model_py=FAILING_HEALTH_MODEL_PY,
-                    parameters={"ENABLE_VLLM_HEALTH_CHECK": check} if check else None)
+        write_model(
+            repo,
+            name,
+            backend="python",
+            model_py=FAILING_HEALTH_MODEL_PY,
+            parameters={"ENABLE_VLLM_HEALTH_CHECK": check} if check else None,
+        )
     (repo / "add_sub" / "1").mkdir(parents=True)
     (repo / "add_sub" / "config.pbtxt").write_text(ADD_SUB_CONFIG)
     (repo / "add_sub" / "1" / "model.py").write_text(ADD_SUB_MODEL_PY)
@@ -109,9 +130,16 @@ def server(repo):
     need_tritonserver()
     loads = [f"--load-model={name}" for name in STARTUP_MODELS]
     # vllm_backend's own tests load and unload models over the API: opened on purpose
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, models=STARTUP_MODELS,
-                      startup_timeout=600, open_model_control=True,
-                      extra_args=["--model-control-mode=explicit", *loads]) as srv:
+    with TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        models=STARTUP_MODELS,
+        startup_timeout=600,
+        open_model_control=True,
+        extra_args=["--model-control-mode=explicit", *loads],
+    ) as srv:
         yield srv
 
 
@@ -127,11 +155,20 @@ def results_of(responses):
     return [result for result, _ in responses]
 
 
-def vllm_texts(server, prompts, sampling=SAMPLING_PARAMETERS, stream=False, model=MODEL,
-               as_tensor=True, exclude_input_in_output=None):
+def vllm_texts(
+    server,
+    prompts,
+    sampling=SAMPLING_PARAMETERS,
+    stream=False,
+    model=MODEL,
+    as_tensor=True,
+    exclude_input_in_output=None,
+):
     """vllm_backend's ``_test_vllm_model``: one request per prompt on one stream."""
-    requests = [create_vllm_request(p, i, stream, sampling, as_tensor, exclude_input_in_output)
-                for i, p in enumerate(prompts)]
+    requests = [
+        create_vllm_request(p, i, stream, sampling, as_tensor, exclude_input_in_output)
+        for i, p in enumerate(prompts)
+    ]
     results = results_of(stream_requests(server.grpc_url, model, requests))
     by_id = {r.get_response().id: r.as_numpy("text_output")[0] for r in results}
     return [by_id[str(i)] for i in range(len(prompts))]
@@ -159,8 +196,10 @@ def test_vllm_triton_backend_load_unload_beside_python_and_ensemble(server, clie
     client.unload_model("vllm_load_test")
     assert wait_for(lambda: not client.is_model_ready("vllm_load_test"))
     a, b = np.random.rand(4).astype(np.float32), np.random.rand(4).astype(np.float32)
-    inputs = [grpcclient.InferInput("INPUT0", [4], "FP32"),
-              grpcclient.InferInput("INPUT1", [4], "FP32")]
+    inputs = [
+        grpcclient.InferInput("INPUT0", [4], "FP32"),
+        grpcclient.InferInput("INPUT1", [4], "FP32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     result = client.infer("add_sub", inputs)
@@ -177,10 +216,13 @@ def test_vllm_triton_backend_load_unload_beside_python_and_ensemble(server, clie
     assert wait_for(lambda: not client.is_model_ready("vllm_load_test"))
 
 
-@pytest.mark.parametrize("model, message", [
-    ("vllm_invalid_1", "invalid_attribute"),  # test_model_with_invalid_attributes
-    ("vllm_invalid_2", "'invalid_model' not found"),  # test_vllm_invalid_model_name
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("vllm_invalid_1", "invalid_attribute"),  # test_model_with_invalid_attributes
+        ("vllm_invalid_2", "'invalid_model' not found"),  # test_vllm_invalid_model_name
+    ],
+)
 def test_model_json_that_cannot_be_served_fails_the_load(client, model, message):
     with pytest.raises(InferenceServerException) as err:
         client.load_model(model)
@@ -202,8 +244,9 @@ def test_exclude_input_in_output_non_streaming(server, exclude):
 def test_accuracy_greedy_matches_hugging_face(server):
     """accuracy_test.py::test_vllm_model (baseline: HF greedy instead of vLLM offline)."""
     sampling = {"temperature": 0, "top_p": 1}
-    assert vllm_texts(server, PROMPTS, sampling) == \
-        [(p + hf_completion(p)[1]).encode() for p in PROMPTS]
+    assert vllm_texts(server, PROMPTS, sampling) == [
+        (p + hf_completion(p)[1]).encode() for p in PROMPTS
+    ]
 
 
 def test_structured_outputs_choice_answers_one_of_the_choices(server):
@@ -211,8 +254,10 @@ def test_structured_outputs_choice_answers_one_of_the_choices(server):
     string in sampling_parameters; the baseline: the answer is one of the choices, whatever
     the random model prefers)."""
     prompt = "Classify intent of the sentence: Harry Potter is underrated. "
-    sampling = {**SAMPLING_PARAMETERS,
-                "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]})}
+    sampling = {
+        **SAMPLING_PARAMETERS,
+        "structured_outputs": json.dumps({"choice": ["Positive", "Negative"]}),
+    }
     request = create_vllm_request(prompt, 0, False, sampling)
     [(result, error)] = stream_requests(server.grpc_url, MODEL, [request])
     assert error is None, error
@@ -227,8 +272,9 @@ def test_enabled_stream_several_prompts(server):
     requests = [create_vllm_request(p, i, True, SAMPLING_PARAMETERS) for i, p in enumerate(prompts)]
     results = results_of(stream_requests(server.grpc_url, MODEL, requests))
     for i, prompt in enumerate(prompts):
-        pieces = [r.as_numpy("text_output")[0].decode() for r in results
-                  if r.get_response().id == str(i)]
+        pieces = [
+            r.as_numpy("text_output")[0].decode() for r in results if r.get_response().id == str(i)
+        ]
         assert "".join(pieces) == hf_completion(prompt)[1]
 
 
@@ -245,12 +291,14 @@ def test_enabled_stream_sends_each_token_without_the_prompt(server):
 
 def test_enabled_stream_refuses_exclude_input_in_output_false(server):
     """enabled_stream_test.py::..._exclude_input_in_output_false: vLLM's exact message."""
-    request = create_vllm_request(PROMPTS[0], 0, True, SAMPLING_PARAMETERS,
-                                  exclude_input_in_output=False)
+    request = create_vllm_request(
+        PROMPTS[0], 0, True, SAMPLING_PARAMETERS, exclude_input_in_output=False
+    )
     [(result, error)] = stream_requests(server.grpc_url, MODEL, [request])
     assert result is None
-    assert error.message() == ("Error generating stream: When streaming, "
-                               "`exclude_input_in_output` = False is not allowed.")
+    assert error.message() == (
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    )
 
 
 # ------------------------------------------------ L0_backend_vllm/request_cancellation (1)
@@ -261,11 +309,16 @@ def test_request_cancellation(server):
     got = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.append((result, error)))
-    request = create_vllm_request("Write an original and creative poem of at least 200 words.",
-                                  "1", False, sampling)
-    client.async_stream_infer(model_name=MODEL, inputs=request["inputs"],
-                              request_id=request["request_id"], outputs=request["outputs"],
-                              parameters=sampling)
+    request = create_vllm_request(
+        "Write an original and creative poem of at least 200 words.", "1", False, sampling
+    )
+    client.async_stream_infer(
+        model_name=MODEL,
+        inputs=request["inputs"],
+        request_id=request["request_id"],
+        outputs=request["outputs"],
+        parameters=sampling,
+    )
     time.sleep(1)
     client.stop_stream(cancel_requests=True)
     time.sleep(1)
@@ -274,8 +327,9 @@ def test_request_cancellation(server):
     result, error = got[0]
     assert result is None and isinstance(error, InferenceServerException)
     assert error.status() == "StatusCode.CANCELLED"
-    assert wait_for(lambda: re.search(r"slipstream: request \S+ cancelled",
-                                      server.log_tail(10**6)), timeout=10)
+    assert wait_for(
+        lambda: re.search(r"slipstream: request \S+ cancelled", server.log_tail(10**6)), timeout=10
+    )
     assert "slipstream: cancelling request" in server.log_tail(10**6)
 
 
@@ -283,8 +337,11 @@ def test_request_cancellation(server):
 def vllm_infer_twice(server, model, sampling=SAMPLING_PARAMETERS):
     """vllm_metrics_test.py::vllm_infer: every prompt, non-streaming, twice."""
     for _ in range(2):
-        results = stream_requests(server.grpc_url, model, [
-            create_vllm_request(p, i, False, sampling) for i, p in enumerate(PROMPTS)])
+        results = stream_requests(
+            server.grpc_url,
+            model,
+            [create_vllm_request(p, i, False, sampling) for i, p in enumerate(PROMPTS)],
+        )
         for result, error in results:
             assert error is None and result.as_numpy("text_output") is not None
 
@@ -327,11 +384,18 @@ def test_vllm_metrics(server):
     settled = wait_for(lambda: all(delta().get(k) == v for k, v in expected.items()))
     metrics = delta()
     assert settled, {k: (metrics.get(k), v) for k, v in expected.items() if metrics.get(k) != v}
-    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency",
-                 "request_queue_time", "request_prefill_time", "request_decode_time",
-                 "request_inference_time"):
-        assert metrics[f"vllm:{name}_seconds_count"] == (generated - requests if
-                                                        name == "time_per_output_token" else requests)
+    for name in (
+        "time_to_first_token",
+        "time_per_output_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+        "request_inference_time",
+    ):
+        assert metrics[f"vllm:{name}_seconds_count"] == (
+            generated - requests if name == "time_per_output_token" else requests
+        )
         assert metrics[f"vllm:{name}_seconds_sum"] > 0
 
 
@@ -339,18 +403,26 @@ def test_custom_sampling_params(server):
     """vllm_metrics_test.py::test_custom_sampling_params: n=2, temperature=1 requests fill the
     request_params_n histogram (with n itself), and each returns its 2 sequences."""
     before = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
-    requests = [create_vllm_request(p, i, False, {**SAMPLING_PARAMETERS, "n": "2",
-                                                  "temperature": "1"})
-                for i, p in enumerate(PROMPTS)]
+    requests = [
+        create_vllm_request(p, i, False, {**SAMPLING_PARAMETERS, "n": "2", "temperature": "1"})
+        for i, p in enumerate(PROMPTS)
+    ]
     results = stream_requests(server.grpc_url, "vllm_metrics", requests)
     assert all(error is None for _, error in results)
     assert all(result.as_numpy("text_output").shape == (2,) for result, _ in results)
     count = before.get("vllm:request_params_n_count", 0) + len(PROMPTS)
-    assert wait_for(lambda: parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
-        "vllm:request_params_n_count", 0) >= count)
+    assert wait_for(
+        lambda: (
+            parse_vllm_metrics(server.metrics_url, "vllm_metrics").get(
+                "vllm:request_params_n_count", 0
+            )
+            >= count
+        )
+    )
     metrics = parse_vllm_metrics(server.metrics_url, "vllm_metrics")
-    assert metrics["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == \
-        2 * len(PROMPTS)
+    assert metrics["vllm:request_params_n_sum"] - before.get(
+        "vllm:request_params_n_sum", 0
+    ) == 2 * len(PROMPTS)
     assert "vllm:request_params_n_bucket" in metrics
 
 
@@ -371,8 +443,12 @@ def test_vllm_metrics_on_by_default(server):
 
     vllm_infer_twice(server, MODEL)
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    labels = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name == "vllm:num_requests_waiting"]
+    labels = [
+        s.labels
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:num_requests_waiting"
+    ]
     assert {"model": MODEL, "model_name": MODEL, "version": "1"} in labels
 
 
@@ -381,8 +457,15 @@ def test_vllm_metrics_refused(tmp_path):
     no metrics endpoint, and the model still loads and serves."""
     need_tritonserver()
     write_model(tmp_path, "vllm_metrics", parameters={"REPORT_CUSTOM_METRICS": "true"})
-    with TritonServer(tmp_path, http_port=0, grpc_port=0, metrics_port=0, models=["vllm_metrics"],
-                      startup_timeout=300, extra_args=["--allow-metrics=false"]) as srv:
+    with TritonServer(
+        tmp_path,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        models=["vllm_metrics"],
+        startup_timeout=300,
+        extra_args=["--allow-metrics=false"],
+    ) as srv:
         vllm_infer_twice(srv, "vllm_metrics")
         with pytest.raises(urllib.error.URLError):
             parse_vllm_metrics(srv.metrics_url, "vllm_metrics")
@@ -399,21 +482,37 @@ ADDITIONAL = [  # stream, finish_reason, cumulative_logprob, logprobs, return_lo
 ]
 
 
-@pytest.mark.parametrize("stream, finish_reason, cumulative_logprob, logprobs, return_logprobs, "
-                         "num_input_tokens, num_output_tokens", ADDITIONAL)
-def test_additional_outputs(server, stream, finish_reason, cumulative_logprob, logprobs,
-                            return_logprobs, num_input_tokens, num_output_tokens):
+@pytest.mark.parametrize(
+    "stream, finish_reason, cumulative_logprob, logprobs, return_logprobs, "
+    "num_input_tokens, num_output_tokens",
+    ADDITIONAL,
+)
+def test_additional_outputs(
+    server,
+    stream,
+    finish_reason,
+    cumulative_logprob,
+    logprobs,
+    return_logprobs,
+    num_input_tokens,
+    num_output_tokens,
+):
     """additional_outputs_test.py::test_additional_outputs (upstream crosses every option, 1458
     cases; these cover each value of each option, alone and together)."""
     prompt = PROMPTS[0]
     sampling = dict(SAMPLING_PARAMETERS, **({} if logprobs is None else {"logprobs": logprobs}))
     inputs = create_vllm_request(prompt, 0, stream, sampling)["inputs"]
-    flags = {"return_finish_reason": finish_reason, "return_cumulative_logprob": cumulative_logprob,
-             "return_logprobs": return_logprobs, "return_num_input_tokens": num_input_tokens,
-             "return_num_output_tokens": num_output_tokens}
+    flags = {
+        "return_finish_reason": finish_reason,
+        "return_cumulative_logprob": cumulative_logprob,
+        "return_logprobs": return_logprobs,
+        "return_num_input_tokens": num_input_tokens,
+        "return_num_output_tokens": num_output_tokens,
+    }
     inputs += [bool_input(name, value) for name, value in flags.items() if value is not None]
-    responses = results_of(stream_requests(server.grpc_url, MODEL,
-                                           [{"inputs": inputs, "parameters": sampling}]))
+    responses = results_of(
+        stream_requests(server.grpc_url, MODEL, [{"inputs": inputs, "parameters": sampling}])
+    )
     assert responses
     text = "".join(r.as_numpy("text_output")[0].decode() for r in responses)
     assert text.count(" ") > 4, "output is not a sentence"
@@ -483,8 +582,9 @@ def assert_text_output_valid(responses):
 
 def assert_model_ready(client, model, expected):
     assert client.is_model_ready(model) == expected
-    states = [m.state == "READY" for m in client.get_model_repository_index().models
-              if m.name == model]
+    states = [
+        m.state == "READY" for m in client.get_model_repository_index().models if m.name == model
+    ]
     assert states == [expected]
 
 
@@ -521,13 +621,25 @@ def test_lora_name_without_lora_is_refused_over_grpc_and_http(server):
     """multi_lora_test.py with SERVER_ENABLE_LORA=false, and test.sh's generate-endpoint
     checks with LoRA disabled: exactly "LoRA feature is not enabled."."""
     prompt = "Instruct: What do you think of Computer Science?\nOutput:"
-    request = create_vllm_request(prompt, 0, False, {**SAMPLING_PARAMETERS, "lora_name": "doll"},
-                                  exclude_input_in_output=True)
+    request = create_vllm_request(
+        prompt, 0, False, {**SAMPLING_PARAMETERS, "lora_name": "doll"}, exclude_input_in_output=True
+    )
     [(result, error)] = stream_requests(server.grpc_url, MODEL, [request])
     assert result is None and error.message() == "LoRA feature is not enabled."
-    status, body = http_generate(server, MODEL, {"text_input": prompt, "parameters": {
-        "stream": False, "temperature": 0, "top_p": 1, "lora_name": "doll",
-        "exclude_input_in_output": True}})
+    status, body = http_generate(
+        server,
+        MODEL,
+        {
+            "text_input": prompt,
+            "parameters": {
+                "stream": False,
+                "temperature": 0,
+                "top_p": 1,
+                "lora_name": "doll",
+                "exclude_input_in_output": True,
+            },
+        },
+    )
     assert status == 400 and body == {"error": "LoRA feature is not enabled."}
 
 
@@ -538,25 +650,46 @@ def test_auto_completed_config_matches_vllm_backend(server):
         config = json.loads(r.read())
     inputs = {i["name"]: i["data_type"] for i in config["input"]}
     outputs = {o["name"]: (o["data_type"], o["dims"]) for o in config["output"]}
-    assert {"text_input", "image", "stream", "sampling_parameters", "exclude_input_in_output",
-            "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-            "return_num_input_tokens", "return_num_output_tokens",
-            "embedding_request"} <= set(inputs)
-    upstream = {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
-                "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
-                "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1])}
+    assert {
+        "text_input",
+        "image",
+        "stream",
+        "sampling_parameters",
+        "exclude_input_in_output",
+        "return_finish_reason",
+        "return_cumulative_logprob",
+        "return_logprobs",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "embedding_request",
+    } <= set(inputs)
+    upstream = {
+        "text_output": ("TYPE_STRING", [-1]),
+        "finish_reason": ("TYPE_STRING", [-1]),
+        "cumulative_logprob": ("TYPE_FP32", [-1]),
+        "logprobs": ("TYPE_STRING", [-1]),
+        "num_input_tokens": ("TYPE_UINT32", [1]),
+        "num_output_tokens": ("TYPE_UINT32", [-1]),
+    }
     assert {name: outputs[name] for name in upstream} == upstream
     # The one addition: prompt_logprobs (vLLM computes them; vllm_backend has no output for them).
     assert {k: v for k, v in outputs.items() if k not in upstream} == {
-        "prompt_logprobs": ("TYPE_STRING", [-1])}
+        "prompt_logprobs": ("TYPE_STRING", [-1])
+    }
     assert config["model_transaction_policy"]["decoupled"] and config["max_batch_size"] == 0
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("embedding_request", json.dumps({"input": "hi"}),
-     f"Error generating stream: Model {MODEL} does not support 'embed' request"),
-    ("image", "aGk=", "input 'image' is not supported"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        (
+            "embedding_request",
+            json.dumps({"input": "hi"}),
+            f"Error generating stream: Model {MODEL} does not support 'embed' request",
+        ),
+        ("image", "aGk=", "input 'image' is not supported"),
+    ],
+)
 def test_inputs_for_other_tasks_are_refused_alone(server, name, value, message):
     request = create_vllm_request(PROMPTS[0], 0, False, SAMPLING_PARAMETERS)
     extra = grpcclient.InferInput(name, [1], "BYTES")
@@ -573,12 +706,15 @@ def test_inputs_for_other_tasks_are_refused_alone(server, name, value, message):
 def openai_frontend_request(prompt, stream, sampling):
     """The inputs Triton's OpenAI frontend builds for a vLLM-format model
     (``_create_vllm_generate_request`` in server/python/openai/openai_frontend)."""
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), bool_input("stream", stream),
-              bool_input("exclude_input_in_output", True),
-              grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
-              bool_input("return_logprobs", "logprobs" in sampling),
-              bool_input("return_num_input_tokens", True),
-              bool_input("return_num_output_tokens", True)]
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        bool_input("stream", stream),
+        bool_input("exclude_input_in_output", True),
+        grpcclient.InferInput("sampling_parameters", [1], "BYTES"),
+        bool_input("return_logprobs", "logprobs" in sampling),
+        bool_input("return_num_input_tokens", True),
+        bool_input("return_num_output_tokens", True),
+    ]
     inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
     inputs[3].set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
     return {"inputs": inputs}
@@ -590,15 +726,25 @@ def test_openai_frontend_request_shape_gives_usage_and_logprobs(server, stream):
     pydantic defaults included), and what it reads back: text, usage from the UINT32 counts,
     per-token logprobs whose rank-1 entry is the chosen token."""
     prompt = PROMPTS[2]
-    sampling = {"frequency_penalty": 0.0, "n": 1, "presence_penalty": 0.0, "temperature": 0.0,
-                "top_p": 1.0, "max_tokens": 8, "logprobs": 2}
-    results = results_of(stream_requests(server.grpc_url, MODEL,
-                                         [openai_frontend_request(prompt, stream, sampling)]))
+    sampling = {
+        "frequency_penalty": 0.0,
+        "n": 1,
+        "presence_penalty": 0.0,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_tokens": 8,
+        "logprobs": 2,
+    }
+    results = results_of(
+        stream_requests(server.grpc_url, MODEL, [openai_frontend_request(prompt, stream, sampling)])
+    )
     assert len(results) == (8 if stream else 1)
     tokens, text = hf_completion(prompt, 8)
     assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == text
-    usage = [(int(r.as_numpy("num_input_tokens")), int(r.as_numpy("num_output_tokens")[0]))
-             for r in results]
+    usage = [
+        (int(r.as_numpy("num_input_tokens")), int(r.as_numpy("num_output_tokens")[0]))
+        for r in results
+    ]
     assert {u[0] for u in usage} == {len(tokenizer_of()(prompt)["input_ids"])}
     assert sum(u[1] for u in usage) == len(tokens)
     chosen = []
@@ -611,10 +757,21 @@ def test_openai_frontend_request_shape_gives_usage_and_logprobs(server, stream):
 
 
 def serve_cli(*args, timeout=600):
-    cmd = [sys.executable, "-m", "slipstream.server", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.server",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def test_serve_cli_serves_an_unchanged_vllm_repository_with_the_alias(tmp_path):
@@ -624,8 +781,17 @@ def test_serve_cli_serves_an_unchanged_vllm_repository_with_the_alias(tmp_path):
     write_model(tmp_path, "vllm_model", backend="vllm")
     refused = serve_cli("--model-repository", str(tmp_path), "--exit-after-prompt")
     assert refused.returncode != 0 and "--vllm-alias" in refused.stderr + refused.stdout
-    proc = serve_cli("--model-repository", str(tmp_path), "--vllm-alias", "--prompt", PROMPTS[1],
-                     "--raw-prompt", "--max-tokens", "16", "--exit-after-prompt")
+    proc = serve_cli(
+        "--model-repository",
+        str(tmp_path),
+        "--vllm-alias",
+        "--prompt",
+        PROMPTS[1],
+        "--raw-prompt",
+        "--max-tokens",
+        "16",
+        "--exit-after-prompt",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vllm_model" in proc.stdout
     assert hf_completion(PROMPTS[1])[1] in proc.stdout.split(PROMPTS[1], 1)[1]
@@ -637,9 +803,16 @@ def test_exported_metric_names_follow_prometheus_conventions(server):
     vllm_infer_twice(server, "vllm_metrics")
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     kinds = dict(re.findall(r"^# TYPE ((?:slipstream_|vllm:)\S+) (\w+)$", text, re.MULTILINE))
-    assert {"slipstream_kv_blocks_capacity", "vllm:kv_cache_usage_perc",
-            "vllm:request_success_total", "vllm:time_per_output_token_seconds"} <= set(kinds)
-    wrong = {name: kind for name, kind in kinds.items()
-             if (kind == "counter") != name.endswith("_total")
-             or (kind != "counter" and re.search(r"_(count|sum|bucket)$", name))}
+    assert {
+        "slipstream_kv_blocks_capacity",
+        "vllm:kv_cache_usage_perc",
+        "vllm:request_success_total",
+        "vllm:time_per_output_token_seconds",
+    } <= set(kinds)
+    wrong = {
+        name: kind
+        for name, kind in kinds.items()
+        if (kind == "counter") != name.endswith("_total")
+        or (kind != "counter" and re.search(r"_(count|sum|bucket)$", name))
+    }
     assert wrong == {}

@@ -1,6 +1,7 @@
 """Helpers for the tests ported from Triton's vLLM backend CI (``ci/`` of triton-inference-server/
 vllm_backend): model directories in its layout (``config.pbtxt`` + ``1/model.json``), its
 request builder and callback, and Hugging Face greedy references on the served tiny model."""
+
 from __future__ import annotations
 
 import functools
@@ -18,15 +19,19 @@ import tritonclient.grpc as grpcclient
 from support import reference_model, tiny_model_dir
 
 # The sample model.json's settings (its model swapped for the tiny llama), plus a small KV pool.
-MODEL_JSON = {"gpu_memory_utilization": 0.5, "enforce_eager": True, "max_model_len": 1024,
-              "kv_cache_memory_bytes": 16 * 2**20}
+MODEL_JSON = {
+    "gpu_memory_utilization": 0.5,
+    "enforce_eager": True,
+    "max_model_len": 1024,
+    "kv_cache_memory_bytes": 16 * 2**20,
+}
 SAMPLING_PARAMETERS = {"temperature": "0", "top_p": "1"}
 VLLM_DEFAULT_MAX_TOKENS = 16
 
 
 # The engine fails its health check from the second check on: vllm_backend's CI mocks vLLM's
 # check_health() the same way (L0_check_health_vllm/test.sh).
-FAILING_HEALTH_MODEL_PY = '''
+FAILING_HEALTH_MODEL_PY = """
 import os, sys
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
@@ -40,12 +45,18 @@ class TritonPythonModel(_Adapter):
     def _engine_problem(self):
         type(self).checks += 1
         return "Simulated engine check_health() failure" if self.checks > 1 else None
-'''
+"""
 
 
-def write_model(repo: Path, name: str, *, model_json: Optional[dict] = None,
-                parameters: Optional[dict] = None, backend: str = "slipstream",
-                model_py: Optional[str] = None) -> Path:
+def write_model(
+    repo: Path,
+    name: str,
+    *,
+    model_json: Optional[dict] = None,
+    parameters: Optional[dict] = None,
+    backend: str = "slipstream",
+    model_py: Optional[str] = None,
+) -> Path:
     """One model directory as vllm_backend's samples have it: backend, KIND_MODEL, model.json."""
     directory = repo / name
     (directory / "1").mkdir(parents=True)
@@ -60,23 +71,35 @@ def write_model(repo: Path, name: str, *, model_json: Optional[dict] = None,
     return directory
 
 
-def create_vllm_request(prompt: str, request_id, stream: bool, sampling_parameters: dict,
-                        send_parameters_as_tensor: bool = True,
-                        exclude_input_in_output: Optional[bool] = None) -> dict:
+def create_vllm_request(
+    prompt: str,
+    request_id,
+    stream: bool,
+    sampling_parameters: dict,
+    send_parameters_as_tensor: bool = True,
+    exclude_input_in_output: Optional[bool] = None,
+) -> dict:
     """vllm_backend's ``ci/common/test_util.py`` request, field for field."""
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"),
-              grpcclient.InferInput("stream", [1], "BOOL")]
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        grpcclient.InferInput("stream", [1], "BOOL"),
+    ]
     inputs[0].set_data_from_numpy(np.array([prompt.encode("utf-8")], dtype=np.object_))
     inputs[1].set_data_from_numpy(np.array([stream], dtype=bool))
     if send_parameters_as_tensor:
         inputs.append(grpcclient.InferInput("sampling_parameters", [1], "BYTES"))
         inputs[-1].set_data_from_numpy(
-            np.array([json.dumps(sampling_parameters).encode("utf-8")], dtype=np.object_))
+            np.array([json.dumps(sampling_parameters).encode("utf-8")], dtype=np.object_)
+        )
     if exclude_input_in_output is not None:
         inputs.append(grpcclient.InferInput("exclude_input_in_output", [1], "BOOL"))
         inputs[-1].set_data_from_numpy(np.array([exclude_input_in_output], dtype=bool))
-    return {"inputs": inputs, "outputs": [grpcclient.InferRequestedOutput("text_output")],
-            "request_id": str(request_id), "parameters": sampling_parameters}
+    return {
+        "inputs": inputs,
+        "outputs": [grpcclient.InferRequestedOutput("text_output")],
+        "request_id": str(request_id),
+        "parameters": sampling_parameters,
+    }
 
 
 def bool_input(name: str, value: bool):
@@ -90,12 +113,17 @@ def stream_requests(url: str, model: str, requests: list, timeout: float = 120) 
     upstream tests do; returns [(result, error)] in arrival order."""
     got: "queue.Queue" = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: got.put((result, error)),
-                        stream_timeout=timeout)
+    client.start_stream(
+        callback=lambda result, error: got.put((result, error)), stream_timeout=timeout
+    )
     for r in requests:
-        client.async_stream_infer(model_name=model, inputs=r["inputs"], outputs=r.get("outputs"),
-                                  request_id=r.get("request_id", ""),
-                                  parameters=r.get("parameters"))
+        client.async_stream_infer(
+            model_name=model,
+            inputs=r["inputs"],
+            outputs=r.get("outputs"),
+            request_id=r.get("request_id", ""),
+            parameters=r.get("parameters"),
+        )
     client.stop_stream()
     client.close()
     return [got.get_nowait() for _ in range(got.qsize())]
@@ -110,11 +138,16 @@ def hf_completion(prompt: str, max_tokens: int = VLLM_DEFAULT_MAX_TOKENS) -> tup
     tokenizer = tokenizer_of()
     ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    tokens = out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    tokens = out[0, len(ids) :].tolist()
     if tokenizer.eos_token_id in tokens:
-        tokens = tokens[:tokens.index(tokenizer.eos_token_id) + 1]
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id) + 1]
     text = tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return tuple(tokens), text
 
@@ -123,10 +156,12 @@ def hf_stream_pieces(prompt: str, max_tokens: int = VLLM_DEFAULT_MAX_TOKENS) -> 
     """The text each streamed response carries: what each greedy token adds to the text."""
     tokenizer = tokenizer_of()
     tokens, _ = hf_completion(prompt, max_tokens)
-    decode = functools.partial(tokenizer.decode, skip_special_tokens=True,
-                               clean_up_tokenization_spaces=False)
-    return [decode(list(tokens[:i + 1]))[len(decode(list(tokens[:i]))):]
-            for i in range(len(tokens))]
+    decode = functools.partial(
+        tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    return [
+        decode(list(tokens[: i + 1]))[len(decode(list(tokens[:i]))) :] for i in range(len(tokens))
+    ]
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,10 +177,12 @@ def parse_vllm_metrics(metrics_url: str, model: str) -> dict:
     (``vllm:request_success_total{finished_reason="length"}``)."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     values = {}
-    for name, labels, value in re.findall(r"^(vllm:[^ {]+)(?:{(.*)})? ([0-9.e+-]+)$", text,
-                                          re.MULTILINE):
+    for name, labels, value in re.findall(
+        r"^(vllm:[^ {]+)(?:{(.*)})? ([0-9.e+-]+)$", text, re.MULTILINE
+    ):
         if f'model="{model}"' in labels:
             reason = re.search(r'finished_reason="([^"]*)"', labels)
-            values[name + (f'{{finished_reason="{reason.group(1)}"}}' if reason else "")] = \
-                float(value)
+            values[name + (f'{{finished_reason="{reason.group(1)}"}}' if reason else "")] = float(
+                value
+            )
     return values

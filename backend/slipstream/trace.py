@@ -11,6 +11,7 @@ finishes, is aborted or is preempted (a resumed request takes a slot again), so 
 never shared by two live requests. Records live in a bounded buffer: a long-running server
 keeps the most recent ``max_records`` steps.
 """
+
 from __future__ import annotations
 
 import json
@@ -134,8 +135,14 @@ class StepTracer:
     def _entry(self, item) -> TraceEntry:
         req = item.request
         prefill, decode = split_tokens(item)
-        return TraceEntry(req.request_id, self._slot_of(req), prefill, decode,
-                          len(item.spec_token_ids), req.is_finished)
+        return TraceEntry(
+            req.request_id,
+            self._slot_of(req),
+            prefill,
+            decode,
+            len(item.spec_token_ids),
+            req.is_finished,
+        )
 
     def _slot_of(self, req) -> int:
         slot = self._slots.get(req.request_id)
@@ -165,8 +172,11 @@ class StepTracer:
             events.extend(_step_events(rec, origin, slot_of_last))
             for e in rec.entries:
                 slot_of_last[e.request_id] = e.slot
-        return {"traceEvents": events, "displayTimeUnit": "ms",
-                "otherData": {"steps": self.num_steps, "dropped_steps": self.num_dropped}}
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {"steps": self.num_steps, "dropped_steps": self.num_dropped},
+        }
 
     def save(self, path: Union[str, os.PathLike]) -> Path:
         """Write the Chrome trace JSON (atomically: a reader never sees half a file)."""
@@ -184,8 +194,10 @@ def _us(seconds: float) -> float:
 
 
 def _metadata(records: list) -> list:
-    slots = sorted({e.slot for r in records for e in r.entries}
-                   | {s for r in records for s in _padding_slots(r)})
+    slots = sorted(
+        {e.slot for r in records for e in r.entries}
+        | {s for r in records for s in _padding_slots(r)}
+    )
     events = [
         {"ph": "M", "name": "process_name", "pid": _BATCH_PID, "args": {"name": "batch"}},
         {"ph": "M", "name": "process_sort_index", "pid": _BATCH_PID, "args": {"sort_index": 0}},
@@ -194,10 +206,24 @@ def _metadata(records: list) -> list:
         {"ph": "M", "name": "thread_name", "pid": _ENGINE_PID, "tid": 0, "args": {"name": "steps"}},
     ]
     for s in slots:
-        events.append({"ph": "M", "name": "thread_name", "pid": _BATCH_PID, "tid": s,
-                       "args": {"name": f"slot {s}"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": _BATCH_PID, "tid": s,
-                       "args": {"sort_index": s}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": _BATCH_PID,
+                "tid": s,
+                "args": {"name": f"slot {s}"},
+            }
+        )
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": _BATCH_PID,
+                "tid": s,
+                "args": {"sort_index": s},
+            }
+        )
     return events
 
 
@@ -215,38 +241,92 @@ def _kind(e: TraceEntry) -> str:
 
 
 # Chrome's reserved colour names: prefill orange, decode green, padding grey.
-_COLOURS = {"prefill": "thread_state_iowait", "decode": "thread_state_running",
-            "mixed": "yellow", "padding": "grey"}
+_COLOURS = {
+    "prefill": "thread_state_iowait",
+    "decode": "thread_state_running",
+    "mixed": "yellow",
+    "padding": "grey",
+}
 
 
 def _step_events(rec: StepRecord, origin: float, slot_of_last: dict) -> list:
     ts, dur = _us(rec.start - origin), _us(rec.duration)
-    events = [{"ph": "X", "name": f"step {rec.step}", "cat": "step", "pid": _ENGINE_PID,
-               "tid": 0, "ts": ts, "dur": dur,
-               "args": {"requests": len(rec.entries), "prefill_tokens": rec.num_prefill_tokens,
-                        "decode_tokens": rec.num_decode_tokens,
-                        "padding_seqs": rec.num_padding_seqs,
-                        "padding_tokens": rec.num_padding_tokens,
-                        "preempted": rec.preempted}}]
+    events = [
+        {
+            "ph": "X",
+            "name": f"step {rec.step}",
+            "cat": "step",
+            "pid": _ENGINE_PID,
+            "tid": 0,
+            "ts": ts,
+            "dur": dur,
+            "args": {
+                "requests": len(rec.entries),
+                "prefill_tokens": rec.num_prefill_tokens,
+                "decode_tokens": rec.num_decode_tokens,
+                "padding_seqs": rec.num_padding_seqs,
+                "padding_tokens": rec.num_padding_tokens,
+                "preempted": rec.preempted,
+            },
+        }
+    ]
     for e in rec.entries:
         kind = _kind(e)
-        events.append({"ph": "X", "name": e.request_id, "cat": kind, "pid": _BATCH_PID,
-                       "tid": e.slot, "ts": ts, "dur": dur, "cname": _COLOURS[kind],
-                       "args": {"step": rec.step, "prefill_tokens": e.num_prefill_tokens,
-                                "decode_tokens": e.num_decode_tokens,
-                                "spec_tokens": e.num_spec_tokens, "finished": e.finished}})
+        events.append(
+            {
+                "ph": "X",
+                "name": e.request_id,
+                "cat": kind,
+                "pid": _BATCH_PID,
+                "tid": e.slot,
+                "ts": ts,
+                "dur": dur,
+                "cname": _COLOURS[kind],
+                "args": {
+                    "step": rec.step,
+                    "prefill_tokens": e.num_prefill_tokens,
+                    "decode_tokens": e.num_decode_tokens,
+                    "spec_tokens": e.num_spec_tokens,
+                    "finished": e.finished,
+                },
+            }
+        )
     for slot in _padding_slots(rec):
-        events.append({"ph": "X", "name": "padding", "cat": "padding", "pid": _BATCH_PID,
-                       "tid": slot, "ts": ts, "dur": dur, "cname": _COLOURS["padding"],
-                       "args": {"step": rec.step}})
+        events.append(
+            {
+                "ph": "X",
+                "name": "padding",
+                "cat": "padding",
+                "pid": _BATCH_PID,
+                "tid": slot,
+                "ts": ts,
+                "dur": dur,
+                "cname": _COLOURS["padding"],
+                "args": {"step": rec.step},
+            }
+        )
     for rid in rec.preempted:
         slot = slot_of_last.get(rid)
-        where = ({"pid": _BATCH_PID, "tid": slot, "s": "t"} if slot is not None
-                 else {"pid": _ENGINE_PID, "tid": 0, "s": "p"})
+        where = (
+            {"pid": _BATCH_PID, "tid": slot, "s": "t"}
+            if slot is not None
+            else {"pid": _ENGINE_PID, "tid": 0, "s": "p"}
+        )
         swapped = rid in rec.swapped_out
-        events.append({"ph": "i", "name": f"preempt {rid}", "cat": "preemption", "ts": ts,
-                       **where, "args": {"request_id": rid, "step": rec.step,
-                                         "mode": "swap" if swapped else "recompute"}})
+        events.append(
+            {
+                "ph": "i",
+                "name": f"preempt {rid}",
+                "cat": "preemption",
+                "ts": ts,
+                **where,
+                "args": {
+                    "request_id": rid,
+                    "step": rec.step,
+                    "mode": "swap" if swapped else "recompute",
+                },
+            }
+        )
     events.extend(_counters(rec, ts))
     return events
 
@@ -254,12 +334,23 @@ def _step_events(rec: StepRecord, origin: float, slot_of_last: dict) -> list:
 def _counters(rec: StepRecord, ts: float) -> list:
     base = {"ph": "C", "pid": _ENGINE_PID, "ts": ts}
     return [
-        {**base, "name": "kv_blocks", "args": {"used": rec.kv_blocks_used,
-                                              "free": rec.kv_blocks_total - rec.kv_blocks_used}},
-        {**base, "name": "requests", "args": {"running": rec.num_running,
-                                             "waiting": rec.num_waiting}},
-        {**base, "name": "tokens", "args": {"prefill": rec.num_prefill_tokens,
-                                           "decode": rec.num_decode_tokens,
-                                           "padding": rec.num_padding_tokens}},
+        {
+            **base,
+            "name": "kv_blocks",
+            "args": {"used": rec.kv_blocks_used, "free": rec.kv_blocks_total - rec.kv_blocks_used},
+        },
+        {
+            **base,
+            "name": "requests",
+            "args": {"running": rec.num_running, "waiting": rec.num_waiting},
+        },
+        {
+            **base,
+            "name": "tokens",
+            "args": {
+                "prefill": rec.num_prefill_tokens,
+                "decode": rec.num_decode_tokens,
+                "padding": rec.num_padding_tokens,
+            },
+        },
     ]
-

@@ -8,6 +8,7 @@ whole KV budget: the hit rate a perfect router could reach.
 
     PYTHONPATH=backend:benchmarks .venv/bin/python -m router_bench --out /tmp/router-bench
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ from router_bench import client, conversations, replicas as fleet, report, route
 from slipstream.server.launch.launcher import free_port
 from slipstream_bench.runner import cpu_info
 
-DEFAULT_ROUTERS = Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream")) \
-    / "routers"
+DEFAULT_ROUTERS = (
+    Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream")) / "routers"
+)
 MODEL_NAME = "slipstream"
 
 
@@ -32,20 +34,42 @@ def log(message: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     spec = conversations.WorkloadSpec()
-    p = argparse.ArgumentParser(prog="python -m router_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m router_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", required=True, help="directory for results.json, table.md, plot")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--cores", default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
-                   help="cores to pin replicas to, one each, round robin ('' = no pinning)")
-    p.add_argument("--policies", default="single,vllm-rr,vllm-cache,vllm-kv,sglang-cache",
-                   help=f"comma-separated, from {', '.join(routers.SPECS)}")
-    p.add_argument("--routers-dir", type=Path, default=DEFAULT_ROUTERS,
-                   help="where scripts/setup_routers.sh installed the routers")
-    p.add_argument("--kv-cache-bytes", type=int, default=150_000_000,
-                   help="KV cache per replica (single: times --replicas)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="more engine settings for every replica")
+    p.add_argument(
+        "--cores",
+        default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+        help="cores to pin replicas to, one each, round robin ('' = no pinning)",
+    )
+    p.add_argument(
+        "--policies",
+        default="single,vllm-rr,vllm-cache,vllm-kv,sglang-cache",
+        help=f"comma-separated, from {', '.join(routers.SPECS)}",
+    )
+    p.add_argument(
+        "--routers-dir",
+        type=Path,
+        default=DEFAULT_ROUTERS,
+        help="where scripts/setup_routers.sh installed the routers",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=150_000_000,
+        help="KV cache per replica (single: times --replicas)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more engine settings for every replica",
+    )
     for name, value in spec.as_dict().items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     p.add_argument("--timeout", type=float, default=900.0, help="bound on one policy's run")
@@ -57,13 +81,11 @@ def workload_spec(args) -> conversations.WorkloadSpec:
     return conversations.WorkloadSpec(**{k: getattr(args, k) for k in fields})
 
 
-def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
-               tokenizer_dir: str) -> dict:
+def run_policy(key: str, args, convs: list, max_tokens: int, out: Path, tokenizer_dir: str) -> dict:
     spec = routers.SPECS[key]
     count = spec.replicas or args.replicas
     kv_bytes = args.kv_cache_bytes * (args.replicas if spec.replicas == 1 else 1)
-    settings = {"kv_cache_memory_bytes": kv_bytes,
-                **dict(s.split("=", 1) for s in args.set)}
+    settings = {"kv_cache_memory_bytes": kv_bytes, **dict(s.split("=", 1) for s in args.set)}
     cores = [int(c) for c in args.cores.split(",") if c.strip()]
     log_dir = out / key
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -71,8 +93,12 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
     router = None
     try:
         for r in replicas:  # compile, allocate, first-step costs: out of the measurement
-            client.run_workload(r.url + "/v1", MODEL_NAME, [conversations.Conversation(
-                "warm", -1, "Warm up.", ["Say hello."], 0.0, 0.0)], 4)
+            client.run_workload(
+                r.url + "/v1",
+                MODEL_NAME,
+                [conversations.Conversation("warm", -1, "Warm up.", ["Say hello."], 0.0, 0.0)],
+                4,
+            )
         time.sleep(0.5)
         for r in replicas:
             r.baseline = fleet.prefix_cache_counters(r)
@@ -82,8 +108,9 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
             router, port = _start_router(spec, args, replicas, tokenizer_dir, log_dir)
             base = f"http://127.0.0.1:{port}"
         log(f"{spec.name}: {count} replica(s) ready, running {len(convs)} conversations")
-        records, wall = client.run_workload(base + "/v1", MODEL_NAME, convs, max_tokens,
-                                            args.timeout)
+        records, wall = client.run_workload(
+            base + "/v1", MODEL_NAME, convs, max_tokens, args.timeout
+        )
         time.sleep(1.0)  # the metrics refresh (200 ms) catches up
         counters = {"queries": 0.0, "hits": 0.0}
         for r in replicas:
@@ -93,8 +120,7 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
         row = report.summarize(spec.name, records, wall, counters)
         row["replicas"] = count
         row["kv_cache_bytes_per_replica"] = kv_bytes
-        (log_dir / "turns.json").write_text(json.dumps([r.as_dict() for r in records],
-                                                       indent=1))
+        (log_dir / "turns.json").write_text(json.dumps([r.as_dict() for r in records], indent=1))
         log(f"{spec.name}: {json.dumps(row)}")
         return row
     finally:
@@ -102,14 +128,16 @@ def run_policy(key: str, args, convs: list, max_tokens: int, out: Path,
         fleet.stop_replicas(replicas)
 
 
-def _start_router(spec, args, replicas: list, tokenizer_dir: str, log_dir: Path,
-                  attempts: int = 3) -> tuple:
+def _start_router(
+    spec, args, replicas: list, tokenizer_dir: str, log_dir: Path, attempts: int = 3
+) -> tuple:
     """The router and its port; a port taken between being picked and bound: another one."""
     for attempt in range(attempts):
         port = free_port()
         try:
-            return routers.start_router(spec, args.routers_dir, port, replicas, tokenizer_dir,
-                                        log_dir / "router.log"), port
+            return routers.start_router(
+                spec, args.routers_dir, port, replicas, tokenizer_dir, log_dir / "router.log"
+            ), port
         except RuntimeError:
             if attempt == attempts - 1:
                 raise
@@ -126,14 +154,25 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(tokenizer_dir, None)
     spec = workload_spec(args)
     convs = conversations.make_conversations(tokenizer, spec)
-    rows = [run_policy(key, args, convs, spec.max_tokens, out, tokenizer_dir)
-            for key in args.policies.split(",") if key]
+    rows = [
+        run_policy(key, args, convs, spec.max_tokens, out, tokenizer_dir)
+        for key in args.policies.split(",")
+        if key
+    ]
     cpu = cpu_info()["cpu_model"] or "unknown CPU"
-    title = (f"{args.replicas} Slipstream replicas (1 core each) behind each router; "
-             f"{spec.describe()}; {cpu}")
-    results = {"workload": spec.as_dict(), "description": spec.describe(), "cpu": cpu,
-               "replicas": args.replicas, "cores": args.cores,
-               "kv_cache_bytes_per_replica": args.kv_cache_bytes, "rows": rows}
+    title = (
+        f"{args.replicas} Slipstream replicas (1 core each) behind each router; "
+        f"{spec.describe()}; {cpu}"
+    )
+    results = {
+        "workload": spec.as_dict(),
+        "description": spec.describe(),
+        "cpu": cpu,
+        "replicas": args.replicas,
+        "cores": args.cores,
+        "kv_cache_bytes_per_replica": args.kv_cache_bytes,
+        "rows": rows,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(report.table(rows) + "\n")
     report.plot(rows, out / "router_bench.png", title)  # report.replot redraws it

@@ -6,19 +6,19 @@ by vLLM's rule a publisher given ``tcp://127.0.0.1:PORT`` connects rather than b
 ``tcp://*:PORT``, every interface; ``tcp://[::1]:PORT`` binds loopback, but vllm-router's SUB
 socket does not speak IPv6). So each replica publishes into a relay (an XSUB/XPUB proxy, both
 sides bound on 127.0.0.1) and the router subscribes to the relay: the same bytes, loopback only."""
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
-
-import threading
 
 import zmq
 
@@ -63,9 +63,12 @@ class EventRelay:
         self._control.bind("inproc://relay-control")
         self._stop = self._ctx.socket(zmq.PAIR)
         self._stop.connect("inproc://relay-control")
-        self._thread = threading.Thread(target=zmq.proxy_steerable,
-                                        args=(self._in, self._out, None, self._control),
-                                        name="kv-event-relay", daemon=True)
+        self._thread = threading.Thread(
+            target=zmq.proxy_steerable,
+            args=(self._in, self._out, None, self._control),
+            name="kv-event-relay",
+            daemon=True,
+        )
         self._thread.start()
 
     def close(self) -> None:
@@ -77,20 +80,29 @@ class EventRelay:
 
 
 def start_replicas(count: int, settings: dict, log_dir: Path, cores: list) -> list[Replica]:
-    return [_start(i, cores[i % len(cores)] if cores else None, settings, log_dir)
-            for i in range(count)]
+    return [
+        _start(i, cores[i % len(cores)] if cores else None, settings, log_dir) for i in range(count)
+    ]
 
 
 def _start(index: int, core: Optional[int], settings: dict, log_dir: Path) -> Replica:
-    replica = Replica(index, core, free_port(), free_port(), free_port(), free_port(),
-                      log_dir / f"replica{index}.log")
+    replica = Replica(
+        index,
+        core,
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        log_dir / f"replica{index}.log",
+    )
     replica.relay = EventRelay(replica.kv_port, replica.relay_port)
     replica.process = _launch(replica, settings)
     return replica
 
 
-def start_ready(count: int, settings: dict, log_dir: Path, cores: list,
-                attempts: int = 3) -> list[Replica]:
+def start_ready(
+    count: int, settings: dict, log_dir: Path, cores: list, attempts: int = 3
+) -> list[Replica]:
     """Started and answering /health. A free port can be taken by another process between
     being picked and bound (a busy machine): such a replica is started again on new ports."""
     replicas = start_replicas(count, settings, log_dir, cores)
@@ -110,15 +122,35 @@ def start_ready(count: int, settings: dict, log_dir: Path, cores: list,
 
 def _launch(replica: Replica, settings: dict) -> subprocess.Popen:
     kv = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{replica.kv_port}"}
-    cmd = [sys.executable, "-m", "slipstream.server", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", str(replica.metrics_port), "--openai-port",
-           str(replica.openai_port), "--set", f"kv_events_config={json.dumps(kv)}",
-           "--set", f"block_size={BLOCK_SIZE}", "--set", "metric_families=slipstream,vllm",
-           "--set", "metrics_interval_ms=200", "--log-file", str(replica.log_path) + ".triton"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.server",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        str(replica.metrics_port),
+        "--openai-port",
+        str(replica.openai_port),
+        "--set",
+        f"kv_events_config={json.dumps(kv)}",
+        "--set",
+        f"block_size={BLOCK_SIZE}",
+        "--set",
+        "metric_families=slipstream,vllm",
+        "--set",
+        "metrics_interval_ms=200",
+        "--log-file",
+        str(replica.log_path) + ".triton",
+    ]
     for key, value in settings.items():
         cmd += ["--set", f"{key}={value}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1" if replica.core is not None else
-               os.environ.get("OMP_NUM_THREADS", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1" if replica.core is not None else os.environ.get("OMP_NUM_THREADS", ""),
+    )
     core = replica.core
 
     def pin() -> None:
@@ -126,8 +158,9 @@ def _launch(replica: Replica, settings: dict) -> subprocess.Popen:
             os.sched_setaffinity(0, {core})
 
     log = open(replica.log_path, "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, start_new_session=True
+    )
 
 
 def wait_ready(replicas: list[Replica], timeout_s: float = 600.0) -> None:
@@ -169,13 +202,13 @@ def prefix_cache_counters(replica: Replica) -> dict:
     """Prompt tokens looked up in / served from the prefix cache (vLLM's counters)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics",
-                                timeout=10) as r:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=10
+    ) as r:
         text = r.read().decode()
     totals = {"queries": 0.0, "hits": 0.0}
     for family in text_string_to_metric_families(text):
         for key in totals:
             if family.name == f"vllm:prefix_cache_{key}":
-                totals[key] += sum(s.value for s in family.samples
-                                   if s.name.endswith("_total"))
+                totals[key] += sum(s.value for s in family.samples if s.name.endswith("_total"))
     return totals

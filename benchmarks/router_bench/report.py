@@ -1,5 +1,6 @@
 """One table and one plot from one run: TTFT p50/p90, throughput and the engines' prefix-cache
 hit rate per routing policy."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,9 @@ def summarize(name: str, records: list, wall_s: float, counters: dict) -> dict:
     ttfts = [r.ttft_s * 1000 for r in ok]
     queries = counters.get("queries", 0.0)
     return {
-        "name": name, "turns": len(records), "errors": len(records) - len(ok),
+        "name": name,
+        "turns": len(records),
+        "errors": len(records) - len(ok),
         "ttft_ms": {"p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90)},
         "turns_per_s": len(ok) / wall_s if wall_s else 0.0,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_s if wall_s else 0.0,
@@ -32,15 +35,18 @@ def _fmt(value: Optional[float], spec: str = ".0f") -> str:
 
 
 def table(rows: list) -> str:
-    lines = ["| routing | TTFT p50 (ms) | TTFT p90 (ms) | turns/s | output tokens/s | "
-             "prefix-cache hit rate | turns (errors) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| routing | TTFT p50 (ms) | TTFT p90 (ms) | turns/s | output tokens/s | "
+        "prefix-cache hit rate | turns (errors) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for row in rows:
         rate = row["prefix_cache_hit_rate"]
         lines.append(
             f"| {row['name']} | {_fmt(row['ttft_ms']['p50'])} | {_fmt(row['ttft_ms']['p90'])} | "
             f"{row['turns_per_s']:.2f} | {row['output_tokens_per_s']:.1f} | "
-            f"{'-' if rate is None else f'{rate:.1%}'} | {row['turns']} ({row['errors']}) |")
+            f"{'-' if rate is None else f'{rate:.1%}'} | {row['turns']} ({row['errors']}) |"
+        )
     return "\n".join(lines)
 
 
@@ -76,8 +82,10 @@ def plot(rows: list, path: Path, title: str) -> Optional[Path]:
 def replot(results_path: Path) -> Optional[Path]:
     """The plot again from a run's results.json (``python -m router_bench.report FILE``)."""
     results = json.loads(Path(results_path).read_text())
-    title = (f"{results['replicas']} Slipstream replicas (1 core each) behind each router; "
-             f"{results['description']}; {results['cpu']}")
+    title = (
+        f"{results['replicas']} Slipstream replicas (1 core each) behind each router; "
+        f"{results['description']}; {results['cpu']}"
+    )
     return plot(results["rows"], Path(results_path).with_name("router_bench.png"), title)
 
 

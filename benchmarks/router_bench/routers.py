@@ -2,6 +2,7 @@
 vllm-router (``round_robin``, ``cache_aware``, ``kv_aware`` fed by the replicas' KV events)
 and sglang-router (``cache_aware``, OpenAI backend), installed by scripts/setup_routers.sh;
 ``direct`` is no router (one replica)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 from router_bench.replicas import BLOCK_SIZE, Replica
-
 
 # A replica busy on its one core can take seconds to answer /health: with the routers'
 # default timeouts (sglang-router: 5 s) it is marked unhealthy and its share of the traffic
@@ -28,28 +28,57 @@ class RouterSpec:
     replicas: Optional[int] = None  # None: the run's replica count
     log_level: str = "warning"
 
-    def command(self, routers_dir: Path, port: int, replicas: list[Replica],
-                tokenizer_dir: str) -> list[str]:
+    def command(
+        self, routers_dir: Path, port: int, replicas: list[Replica], tokenizer_dir: str
+    ) -> list[str]:
         urls = [r.url for r in replicas]
         if self.router == "vllm-router":
-            cmd = [str(routers_dir / "vllm-router" / "bin" / "vllm-router"), "--host",
-                   "127.0.0.1", "--port", str(port), "--policy", self.policy,
-                   "--worker-urls", *urls, "--log-level", self.log_level,
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
-                   *HEALTH_CHECK]
+            cmd = [
+                str(routers_dir / "vllm-router" / "bin" / "vllm-router"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                self.policy,
+                "--worker-urls",
+                *urls,
+                "--log-level",
+                self.log_level,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(port + 1),
+                *HEALTH_CHECK,
+            ]
             if self.policy == "kv_aware":
                 for r in replicas:
                     cmd += ["--kv-event-source", f"{r.url}={r.kv_endpoint}"]
-                cmd += ["--kv-event-block-size", str(BLOCK_SIZE),
-                        "--kv-event-model", tokenizer_dir]
+                cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", tokenizer_dir]
             return cmd
         if self.router == "sglang-router":
-            return [str(routers_dir / "sglang-router" / "bin" / "python"), "-m",
-                    "sglang_router.launch_router", "--backend", "openai", "--host",
-                    "127.0.0.1", "--port", str(port), "--policy", self.policy,
-                    "--worker-urls", *urls, "--log-level", "warn",
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1),
-                    *HEALTH_CHECK]
+            return [
+                str(routers_dir / "sglang-router" / "bin" / "python"),
+                "-m",
+                "sglang_router.launch_router",
+                "--backend",
+                "openai",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--policy",
+                self.policy,
+                "--worker-urls",
+                *urls,
+                "--log-level",
+                "warn",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(port + 1),
+                *HEALTH_CHECK,
+            ]
         raise ValueError(f"no command for {self.router}")
 
 
@@ -62,12 +91,22 @@ SPECS = {
 }
 
 
-def start_router(spec: RouterSpec, routers_dir: Path, port: int, replicas: list[Replica],
-                 tokenizer_dir: str, log_path: Path,
-                 timeout_s: float = 120.0) -> subprocess.Popen:
+def start_router(
+    spec: RouterSpec,
+    routers_dir: Path,
+    port: int,
+    replicas: list[Replica],
+    tokenizer_dir: str,
+    log_path: Path,
+    timeout_s: float = 120.0,
+) -> subprocess.Popen:
     log = open(log_path, "w")
-    process = subprocess.Popen(spec.command(routers_dir, port, replicas, tokenizer_dir),
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        spec.command(routers_dir, port, replicas, tokenizer_dir),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -10,6 +10,7 @@ tokens (greedy, EOS banned): the difference over ``steps`` is one decode step at
 tokens plus one step. Standard library and the engine only: this file also runs in the vLLM
 virtualenv, which has neither Slipstream nor the benchmark package.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,17 +29,20 @@ class _Vllm:
     def __init__(self, model: str, eager: bool) -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0,
-                       enforce_eager=eager)
+        self.llm = LLM(
+            model=model, dtype="float32", max_model_len=2048, seed=0, enforce_eager=eager
+        )
 
     def generate(self, prompts: list, tokens: int) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True,
-                                temperature=0.0)
-        self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                          use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0
+        )
+        self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
 
 
 class _Slipstream:
@@ -51,8 +55,9 @@ class _Slipstream:
     def generate(self, prompts: list, tokens: int) -> None:
         from slipstream.core.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True,
-                                temperature=0.0)
+        params = SamplingParams(
+            max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0
+        )
         self.engine.generate(prompts, params)
 
 
@@ -67,10 +72,14 @@ def measure(engine, batch: int, context: int, steps: int, seed: int = 0) -> dict
     timed(2, 0)  # warm-up at this batch size
     one = min(timed(1, 1), timed(1, 2))
     many = min(timed(1 + steps, 3), timed(1 + steps, 4))
-    return {"batch": batch, "context": context, "prefill_and_first_s": one,
-            "prefill_tokens_per_s": batch * context / one,
-            "decode_step_ms": (many - one) / steps * 1e3,
-            "decode_tokens_per_s": batch * steps / (many - one)}
+    return {
+        "batch": batch,
+        "context": context,
+        "prefill_and_first_s": one,
+        "prefill_tokens_per_s": batch * context / one,
+        "decode_step_ms": (many - one) / steps * 1e3,
+        "decode_tokens_per_s": batch * steps / (many - one),
+    }
 
 
 def main(argv=None) -> int:
@@ -81,8 +90,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="8,32,64")
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="Slipstream engine settings")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="Slipstream engine settings"
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]

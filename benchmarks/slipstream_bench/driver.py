@@ -1,4 +1,5 @@
 """What every load path shares: sending on an arrival schedule, and the progress bar."""
+
 from __future__ import annotations
 
 import threading
@@ -6,8 +7,9 @@ import time
 from typing import Callable, Optional, Sequence
 
 
-def send_on_schedule(offsets: Sequence[float], send: Callable[[int], None],
-                     start: Optional[float] = None) -> float:
+def send_on_schedule(
+    offsets: Sequence[float], send: Callable[[int], None], start: Optional[float] = None
+) -> float:
     """Call ``send(i)`` at ``start + offsets[i]`` (perf_counter); returns ``start``.
 
     Offsets are sorted by construction (a Poisson process or all zero), so one sleeping
@@ -31,8 +33,14 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_tokens, desc=f"{label:>14}", unit="tok",
-                             dynamic_ncols=True, leave=True, mininterval=0.5)
+            self._bar = tqdm(
+                total=total_tokens,
+                desc=f"{label:>14}",
+                unit="tok",
+                dynamic_ncols=True,
+                leave=True,
+                mininterval=0.5,
+            )
 
     def update(self, tokens: int) -> None:
         if self._bar is not None and tokens:

@@ -10,6 +10,7 @@ are printed with them. ``--rss`` loads each format in a fresh process (a format'
 not the others') and prints VmRSS after load and after a short generation, beside the weights'
 own bytes and the KV cache's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,10 @@ def _flags() -> str:
     return repr(CpuFeatures.detect())
 
 
-def steps(batches: list[int], rounds: int, context: int, n_steps: int,
-          settings: dict) -> dict:
-    engines = {name: _Slipstream({**settings, **extra}, max(batches))
-               for name, extra in FORMATS.items()}
+def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings: dict) -> dict:
+    engines = {
+        name: _Slipstream({**settings, **extra}, max(batches)) for name, extra in FORMATS.items()
+    }
     times: dict = {name: {b: [] for b in batches} for name in engines}
     for r in range(rounds):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
@@ -42,11 +43,13 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int,
                 result = measure(engines[name], b, context, n_steps, seed=r)
                 times[name][b].append(result["decode_step_ms"])
                 print(json.dumps({"round": r, "format": name, **result}), flush=True)
-    table = {name: {b: statistics.median(v) for b, v in per.items()}
-             for name, per in times.items()}
-    return {"decode_step_ms": table,
-            "vs_fp32": {name: {b: table[name][b] / table["float32"][b] for b in batches}
-                        for name in table}}
+    table = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in times.items()}
+    return {
+        "decode_step_ms": table,
+        "vs_fp32": {
+            name: {b: table[name][b] / table["float32"][b] for b in batches} for name in table
+        },
+    }
 
 
 _RSS_CHILD = """
@@ -74,8 +77,12 @@ print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': rss(),
 def rss(settings: dict) -> dict:
     out = {}
     for name, extra in FORMATS.items():
-        proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, json.dumps({**settings, **extra})],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", _RSS_CHILD, json.dumps({**settings, **extra})],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
@@ -94,8 +101,13 @@ def main(argv: Optional[list] = None) -> int:
     if args.rss:
         result = rss(settings)
     else:
-        result = steps([int(b) for b in args.batches.split(",")], args.rounds, args.context,
-                       args.steps, settings)
+        result = steps(
+            [int(b) for b in args.batches.split(",")],
+            args.rounds,
+            args.context,
+            args.steps,
+            settings,
+        )
     result["cpu"] = _flags()
     print(json.dumps(result, indent=1), flush=True)
     if args.json:

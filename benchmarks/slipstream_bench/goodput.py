@@ -11,6 +11,7 @@ target (with every lower measured rate meeting it too: attainment that recovers 
 failing rate is noise), and ``goodput_interpolated_rps`` places the crossing on the straight
 line between it and the next measured rate.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -45,9 +46,13 @@ def slo_summary(run: dict, slo: Slo) -> Optional[dict]:
         return None
     records = records_from_json(run["records"])
     tpots = [r.tpot * 1e3 for r in records if r.tpot is not None and r.error is None]
-    return {"attainment": attainment(records, slo), "target": asdict(slo),
-            "tpot_ms": {f"p{q}": percentile(tpots, q) for q in (50, 90, 99)},
-            "met": sum(1 for r in records if slo.met_by(r)), "requests": len(records)}
+    return {
+        "attainment": attainment(records, slo),
+        "target": asdict(slo),
+        "tpot_ms": {f"p{q}": percentile(tpots, q) for q in (50, 90, 99)},
+        "met": sum(1 for r in records if slo.met_by(r)),
+        "requests": len(records),
+    }
 
 
 def goodput(points: Sequence[tuple], slo: Slo) -> dict:

@@ -10,6 +10,7 @@
   ``max_new_tokens`` and ``eos_token_id=-1``; per-token times come from its
   ``record_timestamps``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,9 @@ def load_hf(model: str = "default"):
     hf_logging.set_verbosity_error()  # CB's "flash is better" notes and friends
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     path = resolve_model_path(model)
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                             attn_implementation="sdpa").eval()
+    m = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     tok = AutoTokenizer.from_pretrained(str(path))
     return m, tok
 
@@ -67,8 +69,8 @@ def _pad_left(prompts: Sequence[list], pad_id: int) -> tuple:
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -76,15 +78,29 @@ def _pad_left(prompts: Sequence[list], pad_id: int) -> tuple:
 def _generate_batch(model, prompts: Sequence[list], new_tokens: int, pad_id: int) -> list:
     ids, mask = _pad_left(prompts, pad_id)
     clock = _StepClock()
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
-                   streamer=clock)
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+        streamer=clock,
+    )
     return clock.times
 
 
-def run_hf_static(model, tokenizer, workload: Workload, offsets: Sequence[float],
-                  warmup: Optional[Workload], *, batch_size: int = STATIC_BATCH_SIZE,
-                  label: str = "hf_static", progress: bool = True) -> dict:
+def run_hf_static(
+    model,
+    tokenizer,
+    workload: Workload,
+    offsets: Sequence[float],
+    warmup: Optional[Workload],
+    *,
+    batch_size: int = STATIC_BATCH_SIZE,
+    label: str = "hf_static",
+    progress: bool = True,
+) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if warmup is not None:
         _generate_batch(model, warmup.prompt_ids(tokenizer)[:batch_size], 4, pad_id)
@@ -102,13 +118,20 @@ def run_hf_static(model, tokenizer, workload: Workload, offsets: Sequence[float]
         longest = max(records[i].max_tokens for i in batch)
         times = _generate_batch(model, [prompts[i] for i in batch], longest, pad_id)
         for i in batch:
-            records[i].token_times = times[:records[i].max_tokens]
+            records[i].token_times = times[: records[i].max_tokens]
             bar.update(records[i].num_output_tokens)
     bar.close()
-    return {"label": label, "kind": "hf", "settings": {"batch_size": batch_size,
-                                                      "attn_implementation": "sdpa",
-                                                      "padding_side": "left"},
-            "summary": summarize(records), "records": records_to_json(records)}
+    return {
+        "label": label,
+        "kind": "hf",
+        "settings": {
+            "batch_size": batch_size,
+            "attn_implementation": "sdpa",
+            "padding_side": "left",
+        },
+        "summary": summarize(records),
+        "records": records_to_json(records),
+    }
 
 
 # ------------------------------------------------------------------------ continuous batching
@@ -119,17 +142,30 @@ def _cb_manager(model, workload: Workload, warmup: Optional[Workload]):
     pages = sum(-(-(r.prompt_len + r.max_tokens) // CB_PAGE_SIZE) for r in workload.requests)
     if warmup is not None:
         pages += sum(-(-(r.prompt_len + r.max_tokens) // CB_PAGE_SIZE) for r in warmup.requests)
-    cb = ContinuousBatchingConfig(page_size=CB_PAGE_SIZE, num_blocks=pages + 8,
-                                  max_batch_tokens=CB_MAX_BATCH_TOKENS,
-                                  max_requests_per_batch=max(len(workload), 1),
-                                  auto_switch_to_flash=False, allow_block_sharing=False)
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1,
-                           max_new_tokens=max(r.max_tokens for r in workload.requests))
+    cb = ContinuousBatchingConfig(
+        page_size=CB_PAGE_SIZE,
+        num_blocks=pages + 8,
+        max_batch_tokens=CB_MAX_BATCH_TOKENS,
+        max_requests_per_batch=max(len(workload), 1),
+        auto_switch_to_flash=False,
+        allow_block_sharing=False,
+    )
+    gen = GenerationConfig(
+        do_sample=False,
+        eos_token_id=-1,
+        max_new_tokens=max(r.max_tokens for r in workload.requests),
+    )
     return model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
 
 
-def _cb_run(manager, prompts: Sequence[list], records: Sequence[RequestRecord],
-            offsets: Sequence[float], bar: Progress, timeout: float = 3600.0) -> None:
+def _cb_run(
+    manager,
+    prompts: Sequence[list],
+    records: Sequence[RequestRecord],
+    offsets: Sequence[float],
+    bar: Progress,
+    timeout: float = 3600.0,
+) -> None:
     by_id = {r.id: r for r in records}
     done = threading.Event()
 
@@ -155,8 +191,13 @@ def _cb_run(manager, prompts: Sequence[list], records: Sequence[RequestRecord],
     def send(i: int) -> None:
         rec = records[i]
         rec.send_time = time.perf_counter()
-        manager.add_request(prompts[i], request_id=rec.id, max_new_tokens=rec.max_tokens,
-                            record_timestamps=True, eos_token_id=-1)
+        manager.add_request(
+            prompts[i],
+            request_id=rec.id,
+            max_new_tokens=rec.max_tokens,
+            record_timestamps=True,
+            eos_token_id=-1,
+        )
 
     send_on_schedule(offsets, send)
     done.wait()
@@ -178,28 +219,49 @@ def _single_threaded() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run_hf_continuous(model, tokenizer, workload: Workload, offsets: Sequence[float],
-                      warmup: Optional[Workload], *, label: str = "hf_continuous",
-                      progress: bool = True) -> dict:
+def run_hf_continuous(
+    model,
+    tokenizer,
+    workload: Workload,
+    offsets: Sequence[float],
+    warmup: Optional[Workload],
+    *,
+    label: str = "hf_continuous",
+    progress: bool = True,
+) -> dict:
     with _single_threaded():  # the paged cache is allocated (and zeroed) here
         manager = _cb_manager(model, workload, warmup)
     manager.start()
     try:
         if warmup is not None:
-            recs = [RequestRecord(f"warm{r.id}", r.prompt_len, r.max_tokens)
-                    for r in warmup.requests]
-            _cb_run(manager, warmup.prompt_ids(tokenizer), recs, [0.0] * len(recs),
-                    Progress("", 0, False))
+            recs = [
+                RequestRecord(f"warm{r.id}", r.prompt_len, r.max_tokens) for r in warmup.requests
+            ]
+            _cb_run(
+                manager,
+                warmup.prompt_ids(tokenizer),
+                recs,
+                [0.0] * len(recs),
+                Progress("", 0, False),
+            )
         records = [RequestRecord(r.id, r.prompt_len, r.max_tokens) for r in workload.requests]
         bar = Progress(label, workload.total_output_tokens, progress)
         _cb_run(manager, workload.prompt_ids(tokenizer), records, offsets, bar)
         bar.close()
     finally:
         manager.stop(block=True, timeout=30)
-    return {"label": label, "kind": "hf", "settings": {
-                "attn_implementation": "sdpa", "page_size": CB_PAGE_SIZE,
-                "max_batch_tokens": CB_MAX_BATCH_TOKENS, "eos_token_id": -1},
-            "summary": summarize(records), "records": records_to_json(records)}
+    return {
+        "label": label,
+        "kind": "hf",
+        "settings": {
+            "attn_implementation": "sdpa",
+            "page_size": CB_PAGE_SIZE,
+            "max_batch_tokens": CB_MAX_BATCH_TOKENS,
+            "eos_token_id": -1,
+        },
+        "summary": summarize(records),
+        "records": records_to_json(records),
+    }
 
 
 def release(model) -> None:
@@ -207,4 +269,3 @@ def release(model) -> None:
     destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
     if destroy is not None:
         destroy()
-

@@ -5,6 +5,7 @@ text, and reads outputs the way the Triton model's sender thread does (one threa
 the engine loop when outputs arrive, draining every request's stream), so the difference to
 the Triton run is the Triton + gRPC streaming path alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,12 @@ POLL_S = 0.05  # a fallback: the engine loop wakes the poller when outputs arriv
 
 
 def exact_params(max_tokens: int, sampling: Optional[dict] = None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          **(sampling or {"temperature": 0.0}))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=max_tokens,
+        ignore_eos=True,
+        **(sampling or {"temperature": 0.0}),
+    )
 
 
 def make_loop(settings: Mapping[str, str], on_output=None) -> EngineLoop:
@@ -89,9 +94,16 @@ class _Poller(threading.Thread):
         return moved
 
 
-def run_requests(loop: EngineLoop, wake: threading.Event, workload: Workload,
-                 offsets: Sequence[float], *, label: str = "inprocess", progress: bool = True,
-                 timeout: float = 3600.0) -> list:
+def run_requests(
+    loop: EngineLoop,
+    wake: threading.Event,
+    workload: Workload,
+    offsets: Sequence[float],
+    *,
+    label: str = "inprocess",
+    progress: bool = True,
+    timeout: float = 3600.0,
+) -> list:
     """``wake``: the event the loop sets on new outputs (``make_loop(on_output=wake.set)``)."""
     records = [RequestRecord(r.id, r.prompt_len, r.max_tokens) for r in workload.requests]
     bar = Progress(label, workload.total_output_tokens, progress)
@@ -113,9 +125,15 @@ def run_requests(loop: EngineLoop, wake: threading.Event, workload: Workload,
     return records
 
 
-def run_inprocess(settings: Mapping[str, str], workload: Workload, offsets: Sequence[float],
-                  warmup: Optional[Workload], *, label: str = "inprocess",
-                  progress: bool = True) -> dict:
+def run_inprocess(
+    settings: Mapping[str, str],
+    workload: Workload,
+    offsets: Sequence[float],
+    warmup: Optional[Workload],
+    *,
+    label: str = "inprocess",
+    progress: bool = True,
+) -> dict:
     t0 = time.perf_counter()
     wake = threading.Event()
     loop = make_loop(settings, on_output=wake.set)
@@ -131,19 +149,37 @@ def run_inprocess(settings: Mapping[str, str], workload: Workload, offsets: Sequ
     stats_after = loop.engine.get_stats()
     trace = loop.engine.tracer.to_chrome_trace()
     steps = timeline.after(timeline.parse(trace), first_step)
-    return {"label": label, "kind": "inprocess", "settings": dict(settings),
-            "startup_s": startup, "summary": summarize(records),
-            "engine": stats_delta(stats_before, stats_after),
-            "steps": timeline.summary(steps), "batch_sizes": timeline.batch_size_histogram(steps),
-            "records": records_to_json(records), "timeline": timeline.to_json(steps)}
+    return {
+        "label": label,
+        "kind": "inprocess",
+        "settings": dict(settings),
+        "startup_s": startup,
+        "summary": summarize(records),
+        "engine": stats_delta(stats_before, stats_after),
+        "steps": timeline.summary(steps),
+        "batch_sizes": timeline.batch_size_histogram(steps),
+        "records": records_to_json(records),
+        "timeline": timeline.to_json(steps),
+    }
 
 
 def stats_delta(before: StatsSnapshot, after: StatsSnapshot) -> dict:
     """Counters of the measured run alone (the engine counts from its start), as JSON."""
-    counters = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
-                "num_finished", "steps", "busy_seconds", "prefix_cache_queries",
-                "prefix_cache_hits", "spec_draft_tokens", "spec_accepted_tokens")
-    delta = dataclasses.replace(after, **{k: getattr(after, k) - getattr(before, k) for k in counters})
+    counters = (
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "preemptions_total",
+        "num_finished",
+        "steps",
+        "busy_seconds",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
+    )
+    delta = dataclasses.replace(
+        after, **{k: getattr(after, k) - getattr(before, k) for k in counters}
+    )
     out = dataclasses.asdict(delta)
     out["prefix_cache_hit_rate"] = delta.prefix_cache_hit_rate
     out["spec_acceptance_rate"] = delta.spec_acceptance_rate

@@ -7,6 +7,7 @@ threads, and each request streams from ``/completion`` with ``n_predict`` tokens
 greedy, no prompt cache: the same exact lengths the Triton runs ask for. Every streamed event
 carries one token and is stamped on arrival.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,12 +56,34 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, peer: LlamaCppPeer, quant: str, slots: int, ctx_per_slot: int,
-                 threads: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        peer: LlamaCppPeer,
+        quant: str,
+        slots: int,
+        ctx_per_slot: int,
+        threads: int,
+        log_path: Path,
+    ) -> None:
         self.port = _free_port()
-        self.cmd = [str(peer.server), "-m", str(peer.gguf[quant]), "--host", "127.0.0.1",
-                    "--port", str(self.port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                    "-t", str(threads), "-tb", str(threads), "--cont-batching"]
+        self.cmd = [
+            str(peer.server),
+            "-m",
+            str(peer.gguf[quant]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * ctx_per_slot),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--cont-batching",
+        ]
         self.log_path = log_path
         self.proc: Optional[subprocess.Popen] = None
 
@@ -76,8 +99,9 @@ class _Server:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}); see "
-                                   f"{self.log_path}")
+                raise RuntimeError(
+                    f"llama-server exited ({self.proc.returncode}); see {self.log_path}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
@@ -100,8 +124,14 @@ class _Server:
 def _stream(url: str, prompt: str, record: RequestRecord, bar: Progress) -> None:
     import httpx
 
-    body = {"prompt": prompt, "n_predict": record.max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "cache_prompt": False}
+    body = {
+        "prompt": prompt,
+        "n_predict": record.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+    }
     try:
         with httpx.stream("POST", url + "/completion", json=body, timeout=3600) as resp:
             resp.raise_for_status()
@@ -118,22 +148,38 @@ def _stream(url: str, prompt: str, record: RequestRecord, bar: Progress) -> None
         record.error = repr(e)
 
 
-def run(peer: LlamaCppPeer, mode: str, workload: Workload, offsets: Sequence[float],
-        out_dir: Path, threads: int, progress: bool = True) -> dict:
+def run(
+    peer: LlamaCppPeer,
+    mode: str,
+    workload: Workload,
+    offsets: Sequence[float],
+    out_dir: Path,
+    threads: int,
+    progress: bool = True,
+) -> dict:
     quant = MODES[mode]
     longest = max(r.prompt_len + r.max_tokens for r in workload.requests) + 64
     records = [RequestRecord(r.id, r.prompt_len, r.max_tokens) for r in workload.requests]
     bar = Progress(mode, workload.total_output_tokens, progress)
     workers: list[threading.Thread] = []
     t0 = time.perf_counter()
-    with _Server(peer, quant, len(workload.requests), longest, threads,
-                 Path(out_dir) / f"llama_server_{mode}.log") as server:
+    with _Server(
+        peer,
+        quant,
+        len(workload.requests),
+        longest,
+        threads,
+        Path(out_dir) / f"llama_server_{mode}.log",
+    ) as server:
         startup = time.perf_counter() - t0
 
         def send(i: int) -> None:
             records[i].send_time = time.perf_counter()
-            worker = threading.Thread(target=_stream, daemon=True, args=(
-                server.url, workload.requests[i].prompt, records[i], bar))
+            worker = threading.Thread(
+                target=_stream,
+                daemon=True,
+                args=(server.url, workload.requests[i].prompt, records[i], bar),
+            )
             worker.start()
             workers.append(worker)
 
@@ -141,7 +187,16 @@ def run(peer: LlamaCppPeer, mode: str, workload: Workload, offsets: Sequence[flo
         for worker in workers:
             worker.join()
     bar.close()
-    return {"label": mode, "kind": "peer_llamacpp", "settings": {"gguf": str(peer.gguf[quant])},
-            "peer": f"llama.cpp llama-server {quant.upper()}", "startup_s": startup,
-            "summary": summarize(records), "engine": {}, "steps": {}, "batch_sizes": {},
-            "records": records_to_json(records), "timeline": []}
+    return {
+        "label": mode,
+        "kind": "peer_llamacpp",
+        "settings": {"gguf": str(peer.gguf[quant])},
+        "peer": f"llama.cpp llama-server {quant.upper()}",
+        "startup_s": startup,
+        "summary": summarize(records),
+        "engine": {},
+        "steps": {},
+        "batch_sizes": {},
+        "records": records_to_json(records),
+        "timeline": [],
+    }

@@ -7,6 +7,7 @@ stamps each response on arrival. Each response says how many tokens it carries
 several. Lengths are exact: ``max_tokens`` = ``min_tokens`` and ``ignore_eos``; greedy unless
 the request carries sampling parameters.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,14 @@ MODEL_NAME = "slipstream"
 
 
 def sampling_json(req: BenchRequest) -> str:
-    return json.dumps({"max_tokens": req.max_tokens, "min_tokens": req.max_tokens,
-                       "ignore_eos": True, **req.sampling_fields()})
+    return json.dumps(
+        {
+            "max_tokens": req.max_tokens,
+            "min_tokens": req.max_tokens,
+            "ignore_eos": True,
+            **req.sampling_fields(),
+        }
+    )
 
 
 def build_inputs(req: BenchRequest) -> list:
@@ -39,8 +46,11 @@ def build_inputs(req: BenchRequest) -> list:
     return [
         tensor("text_input", np.array([req.prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters",
-               np.array([sampling_json(req).encode()], dtype=np.object_), "BYTES"),
+        tensor(
+            "sampling_parameters",
+            np.array([sampling_json(req).encode()], dtype=np.object_),
+            "BYTES",
+        ),
         tensor("return_num_output_tokens", np.array([True]), "BOOL"),
     ]
 
@@ -79,8 +89,14 @@ class _Collector:
             self.stream_errors.append(str(error))
         rec = self.records.get(rid) if rid else None
         if rec is None:
-            rec = next((r for r in self.records.values()
-                        if r.error is None and len(r.token_times) < r.max_tokens), None)
+            rec = next(
+                (
+                    r
+                    for r in self.records.values()
+                    if r.error is None and len(r.token_times) < r.max_tokens
+                ),
+                None,
+            )
         if rec is not None:
             rec.error = str(error)
         self._finish_one()
@@ -92,9 +108,16 @@ class _Collector:
                 self.done.set()
 
 
-def run_triton(grpc_url: str, workload: Workload, offsets: Sequence[float], *,
-               label: str = "triton", progress: bool = True, timeout: float = 3600.0,
-               model: str = MODEL_NAME) -> list:
+def run_triton(
+    grpc_url: str,
+    workload: Workload,
+    offsets: Sequence[float],
+    *,
+    label: str = "triton",
+    progress: bool = True,
+    timeout: float = 3600.0,
+    model: str = MODEL_NAME,
+) -> list:
     """Send every request of ``workload`` at its offset; one RequestRecord per request."""
     import tritonclient.grpc as grpcclient
 
@@ -108,13 +131,16 @@ def run_triton(grpc_url: str, workload: Workload, offsets: Sequence[float], *,
     def send(i: int) -> None:
         req = workload.requests[i]
         records[req.id].send_time = time.perf_counter()
-        client.async_stream_infer(model, inputs[i], request_id=req.id,
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model, inputs[i], request_id=req.id, enable_empty_final_response=True
+        )
 
     try:
         send_on_schedule(offsets, send)
         if not collector.done.wait(timeout):
-            raise TimeoutError(f"{label}: {collector.pending} requests unfinished after {timeout} s")
+            raise TimeoutError(
+                f"{label}: {collector.pending} requests unfinished after {timeout} s"
+            )
     finally:
         client.stop_stream(cancel_requests=not collector.done.is_set())
         client.close()
@@ -124,6 +150,12 @@ def run_triton(grpc_url: str, workload: Workload, offsets: Sequence[float], *,
 
 def warm_up(grpc_url: str, workload: Workload, model: str = MODEL_NAME) -> None:
     """A few short requests, so one-time costs (first forward, allocator growth) stay out."""
-    run_triton(grpc_url, workload, [0.0] * len(workload), label="warm-up", progress=False,
-               timeout=600.0, model=model)
-
+    run_triton(
+        grpc_url,
+        workload,
+        [0.0] * len(workload),
+        label="warm-up",
+        progress=False,
+        timeout=600.0,
+        model=model,
+    )

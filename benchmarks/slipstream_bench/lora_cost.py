@@ -10,6 +10,7 @@ model), and ``base`` / ``lora-mixed`` on the transformers forward (``fast_forwar
 to compare the two model paths. The adapters are random rank-``rank`` PEFT adapters on all
 seven projections, written here (PEFT's file layout) so the benchmark needs no PEFT.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,25 @@ def write_adapter(target: Path, model: torch.nn.Module, rank: int, seed: int) ->
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in TARGET_MODULES:
             key = f"base_model.model.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=gen) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.01
+            tensors[f"{key}.lora_A.weight"] = (
+                torch.randn(rank, module.in_features, generator=gen) * 0.01
+            )
+            tensors[f"{key}.lora_B.weight"] = (
+                torch.randn(module.out_features, rank, generator=gen) * 0.01
+            )
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "adapter_model.safetensors"))
-    (target / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-         "target_modules": list(TARGET_MODULES), "bias": "none"}))
+    (target / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(TARGET_MODULES),
+                "bias": "none",
+            }
+        )
+    )
     return target
 
 
@@ -65,8 +78,12 @@ def start(engine: LLMEngine, batch: int, context: int, names: list, seed: int) -
     rng = random.Random(seed)
     for i in range(batch):
         prompt = [rng.randrange(100, 40000) for _ in range(context)]
-        engine.add_request(prompt, SamplingParams(
-            max_tokens=4096, ignore_eos=True, temperature=0.0, lora_name=names[i % len(names)]))
+        engine.add_request(
+            prompt,
+            SamplingParams(
+                max_tokens=4096, ignore_eos=True, temperature=0.0, lora_name=names[i % len(names)]
+            ),
+        )
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
 
@@ -86,8 +103,14 @@ def measure(engines: dict, batch: int, context: int, steps: int) -> dict:
             engine.abort(rid)
     # Other processes only ever add time to a step: the fastest steps (min, 20th percentile)
     # are the least disturbed estimate; the median is reported beside them.
-    stats = {name: {"min_ms": min(t) * 1e3, "p20_ms": _quantile(t, 0.2) * 1e3,
-                    "median_ms": statistics.median(t) * 1e3} for name, t in times.items()}
+    stats = {
+        name: {
+            "min_ms": min(t) * 1e3,
+            "p20_ms": _quantile(t, 0.2) * 1e3,
+            "median_ms": statistics.median(t) * 1e3,
+        }
+        for name, t in times.items()
+    }
     for name, s in stats.items():
         for key in ("min", "p20", "median"):
             s[f"{key}_vs_base"] = s[f"{key}_ms"] / stats["base"][f"{key}_ms"]
@@ -117,9 +140,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (0: torch's default); 1 keeps a loaded machine's "
-                        "OpenMP barriers out of the figures")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); 1 keeps a loaded machine's "
+        "OpenMP barriers out of the figures",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.threads:
@@ -128,25 +155,44 @@ def main(argv=None) -> int:
     path = resolve_model_path(args.model)
     work = Path(tempfile.mkdtemp(prefix="lora-cost-"))
     probe = load_model(path, torch.float32, torch.device("cpu"))
-    adapters = {name: str(write_adapter(work / name, probe, args.rank, seed))
-                for seed, name in enumerate(("a", "b"))}
+    adapters = {
+        name: str(write_adapter(work / name, probe, args.rank, seed))
+        for seed, name in enumerate(("a", "b"))
+    }
     del probe
-    common = dict(model=str(path), max_num_seqs=max(batches), max_model_len=2048,
-                  kv_cache_memory_bytes=384 * 2**20, enable_prefix_caching=False,
-                  enable_lora=True, max_loras=2, max_lora_rank=args.rank, lora_modules=adapters)
+    common = dict(
+        model=str(path),
+        max_num_seqs=max(batches),
+        max_model_len=2048,
+        kv_cache_memory_bytes=384 * 2**20,
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=args.rank,
+        lora_modules=adapters,
+    )
     engines = {}
     for name in args.variants.split(","):
         settings = {**common, **VARIANTS[name][0]}
         if not settings["enable_lora"]:
             settings.pop("lora_modules")
         engines[name] = LLMEngine(EngineConfig(**settings))
-    results = {"cpu": _cpu_model(), "threads": torch.get_num_threads(),
-               "load_average": list(os.getloadavg()),
-               "rank": args.rank, "context": args.context, "batches": {}}
+    results = {
+        "cpu": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "rank": args.rank,
+        "context": args.context,
+        "batches": {},
+    }
     for b in batches:
         results["batches"][b] = measure(engines, b, args.context, args.steps)
-        print(json.dumps({"batch": b, "load_average": list(os.getloadavg()),
-                          **results["batches"][b]}), flush=True)
+        print(
+            json.dumps(
+                {"batch": b, "load_average": list(os.getloadavg()), **results["batches"][b]}
+            ),
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

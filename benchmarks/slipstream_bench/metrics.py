@@ -4,6 +4,7 @@ Every path (Triton, in-process, Hugging Face) fills the same ``RequestRecord``: 
 request was sent and when each of its output tokens arrived, on ``time.perf_counter()``.
 Throughput is over the makespan, from the first send to the last token.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,15 +65,24 @@ def distribution(values: Iterable[Optional[float]], scale: float = 1000.0) -> di
     xs = [v * scale for v in values if v is not None]
     if not xs:
         return {"mean": None, **{f"p{q}": None for q in PERCENTILES}, "count": 0}
-    return {"mean": sum(xs) / len(xs), **{f"p{q}": percentile(xs, q) for q in PERCENTILES},
-            "count": len(xs)}
+    return {
+        "mean": sum(xs) / len(xs),
+        **{f"p{q}": percentile(xs, q) for q in PERCENTILES},
+        "count": len(xs),
+    }
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict:
     ok = [r for r in records if r.error is None and r.token_times]
     if not ok:
-        return {"num_requests": len(records), "num_errors": len(records), "makespan_s": None,
-                "output_tokens": 0, "tokens_per_s": 0.0, "requests_per_s": 0.0}
+        return {
+            "num_requests": len(records),
+            "num_errors": len(records),
+            "makespan_s": None,
+            "output_tokens": 0,
+            "tokens_per_s": 0.0,
+            "requests_per_s": 0.0,
+        }
     start = min(r.send_time for r in records)
     end = max(r.token_times[-1] for r in ok)
     makespan = end - start
@@ -97,12 +107,28 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
 def records_to_json(records: Sequence[RequestRecord]) -> list:
     """Compact per-request data for the results file (and for plotting CDFs later)."""
     start = min((r.send_time for r in records), default=0.0)
-    return [{"id": r.id, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens,
-             "send_s": round(r.send_time - start, 6),
-             "token_s": [round(t - start, 6) for t in r.token_times], "error": r.error}
-            for r in records]
+    return [
+        {
+            "id": r.id,
+            "prompt_len": r.prompt_len,
+            "max_tokens": r.max_tokens,
+            "send_s": round(r.send_time - start, 6),
+            "token_s": [round(t - start, 6) for t in r.token_times],
+            "error": r.error,
+        }
+        for r in records
+    ]
 
 
 def records_from_json(items: Sequence[dict]) -> list:
-    return [RequestRecord(d["id"], d["prompt_len"], d["max_tokens"], d["send_s"],
-                          list(d["token_s"]), d.get("error")) for d in items]
+    return [
+        RequestRecord(
+            d["id"],
+            d["prompt_len"],
+            d["max_tokens"],
+            d["send_s"],
+            list(d["token_s"]),
+            d.get("error"),
+        )
+        for d in items
+    ]

@@ -6,6 +6,7 @@ tokens looked up), TTFT and tokens/s. The server exposes the hit rate only as a 
 gauge, which also counts the warm-up requests' lookups (never hits: their words differ), so
 it is rescaled to the measured requests' lookups.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,9 +14,21 @@ import time
 from pathlib import Path
 
 from slipstream_bench import server_run
-from slipstream_bench.runner import (BenchOptions, finish, load_tokenizer, log, machine, server_overrides,
-                     warmup_workload)
-from slipstream_bench.workload import Workload, arrival_times, lengths_summary, shared_prefix_workload
+from slipstream_bench.runner import (
+    BenchOptions,
+    finish,
+    load_tokenizer,
+    log,
+    machine,
+    server_overrides,
+    warmup_workload,
+)
+from slipstream_bench.workload import (
+    Workload,
+    arrival_times,
+    lengths_summary,
+    shared_prefix_workload,
+)
 
 SYSTEM_LEN, QUICK_SYSTEM_LEN = 512, 64
 OUTPUT_LENS, QUICK_OUTPUT_LENS = "fixed:32", "fixed:8"
@@ -25,10 +38,13 @@ def make_workload(opts: BenchOptions, tokenizer) -> Workload:
     if opts.workload_file:
         return Workload.load(opts.workload_file)
     return shared_prefix_workload(
-        tokenizer, opts.num_requests, opts.seed,
+        tokenizer,
+        opts.num_requests,
+        opts.seed,
         system_len=QUICK_SYSTEM_LEN if opts.quick else SYSTEM_LEN,
         suffix_lens=opts.prompt_lens or "uniform:16:48",
-        output_lens=opts.output_lens or (QUICK_OUTPUT_LENS if opts.quick else OUTPUT_LENS))
+        output_lens=opts.output_lens or (QUICK_OUTPUT_LENS if opts.quick else OUTPUT_LENS),
+    )
 
 
 def _server_hit_rate(run: dict, workload: Workload, warm: Workload) -> float:
@@ -53,14 +69,24 @@ def run_prefix_cache(opts: BenchOptions) -> dict:
         if "inprocess" in opts.modes:
             runs.append(_inprocess(opts, caching, workload, offsets, warm, f"inprocess_{tag}"))
         if "continuous" in opts.modes:
-            runs.append(_server(opts, caching, workload, offsets, warm, out_dir,
-                                f"continuous_{tag}"))
-    results = {"scenario": "prefix-cache", "model": opts.model, "seed": opts.seed,
-               "rate": "inf" if math.isinf(opts.rate) else opts.rate, "quick": opts.quick,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
-               "workload": {**lengths_summary(workload), **workload.description},
-               "arrivals_s": offsets, "runs": runs, "roofline": None,
-               "prefix_cache": comparison(runs), "wall_s": time.perf_counter() - t0}
+            runs.append(
+                _server(opts, caching, workload, offsets, warm, out_dir, f"continuous_{tag}")
+            )
+    results = {
+        "scenario": "prefix-cache",
+        "model": opts.model,
+        "seed": opts.seed,
+        "rate": "inf" if math.isinf(opts.rate) else opts.rate,
+        "quick": opts.quick,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "workload": {**lengths_summary(workload), **workload.description},
+        "arrivals_s": offsets,
+        "runs": runs,
+        "roofline": None,
+        "prefix_cache": comparison(runs),
+        "wall_s": time.perf_counter() - t0,
+    }
     finish(results, out_dir)
     log(comparison_text(results["prefix_cache"]))
     return results
@@ -82,8 +108,9 @@ def _inprocess(opts, caching, workload, offsets, warm, label) -> dict:
 
 def _server(opts, caching, workload, offsets, warm, out_dir, label) -> dict:
     log(f"== server (continuous), enable_prefix_caching={caching}")
-    run = server_run.run_mode(label, _settings(opts, caching), workload, offsets, warm,
-                              out_dir, progress=opts.progress)
+    run = server_run.run_mode(
+        label, _settings(opts, caching), workload, offsets, warm, out_dir, progress=opts.progress
+    )
     run["prefix_cache_hit_rate"] = _server_hit_rate(run, workload, warm)
     return run
 
@@ -95,10 +122,12 @@ def comparison(runs: list) -> dict:
         path, _, tag = run["label"].rpartition("_cache_")
         s = run["summary"]
         out.setdefault(path, {})[tag] = {
-            "hit_rate": run.get("prefix_cache_hit_rate"), "tokens_per_s": s["tokens_per_s"],
+            "hit_rate": run.get("prefix_cache_hit_rate"),
+            "tokens_per_s": s["tokens_per_s"],
             "ttft_p50_ms": (s.get("ttft_ms") or {}).get("p50"),
             "ttft_p90_ms": (s.get("ttft_ms") or {}).get("p90"),
-            "prefill_tokens": run["steps"].get("prefill_tokens")}
+            "prefill_tokens": run["steps"].get("prefill_tokens"),
+        }
     for path, d in out.items():
         on, off = d.get("on"), d.get("off")
         if on and off and on["tokens_per_s"] and on["ttft_p50_ms"]:
@@ -113,11 +142,14 @@ def comparison_text(comp: dict) -> str:
         for tag in ("on", "off"):
             if tag in d:
                 x = d[tag]
-                lines.append(f"  {path:<11} cache {tag:<3}  hit rate {x['hit_rate']:.1%}  "
-                             f"TTFT p50 {x['ttft_p50_ms'] or 0:.0f} ms  "
-                             f"{x['tokens_per_s']:.1f} tok/s  prefill {x['prefill_tokens']} tok")
+                lines.append(
+                    f"  {path:<11} cache {tag:<3}  hit rate {x['hit_rate']:.1%}  "
+                    f"TTFT p50 {x['ttft_p50_ms'] or 0:.0f} ms  "
+                    f"{x['tokens_per_s']:.1f} tok/s  prefill {x['prefill_tokens']} tok"
+                )
         if "speedup_tokens_per_s" in d:
-            lines.append(f"  {path:<11} caching: {d['speedup_tokens_per_s']:.2f}x tokens/s, "
-                         f"TTFT p50 {d['ttft_p50_reduction']:.2f}x lower")
+            lines.append(
+                f"  {path:<11} caching: {d['speedup_tokens_per_s']:.2f}x tokens/s, "
+                f"TTFT p50 {d['ttft_p50_reduction']:.2f}x lower"
+            )
     return "\n".join(lines)
-

@@ -14,6 +14,7 @@ Hugging Face forward on the engine's own prepared layers (the same weights and G
 lean forward calls; attention is fp32 in both), so the figures are the weights' and products'.
 ``slipstream bench --scenario quality`` prints them; ``tests/test_quality_gate.py`` asserts them.
 """
+
 from __future__ import annotations
 
 import json
@@ -90,9 +91,10 @@ def greedy(model, tokenizer, prompts: Sequence[str], new_tokens: int) -> list[li
     outs = []
     for prompt in prompts:  # one at a time: no padding in the way of the comparison
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-        outs.append(gen[0, ids.shape[1]:].tolist())
+        gen = model.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+        )
+        outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
 
 
@@ -111,6 +113,7 @@ def agreement(reference: list[list[int]], candidate: list[list[int]]) -> tuple[f
 @dataclass
 class Reference:
     """The fp32 model's figures, computed once for every candidate."""
+
     ids: torch.Tensor
     log_probs: torch.Tensor
     greedy: list[list[int]]
@@ -120,18 +123,24 @@ class Reference:
         return perplexity(self.log_probs, self.ids)
 
 
-def reference(path: Path, tokenizer, prompts: Sequence[str] = PROMPTS,
-              new_tokens: int = NEW_TOKENS) -> Reference:
+def reference(
+    path: Path, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int = NEW_TOKENS
+) -> Reference:
     model = load_fp32(path)
     ids = tokenizer(TEXT.read_text(), return_tensors="pt").input_ids[0]
-    ref = Reference(ids, text_log_probs(model, ids), greedy(model, tokenizer, prompts,
-                                                            new_tokens))
+    ref = Reference(ids, text_log_probs(model, ids), greedy(model, tokenizer, prompts, new_tokens))
     del model
     return ref
 
 
-def evaluate(path: Path, tokenizer, weights: str, ref: Reference,
-             prompts: Sequence[str] = PROMPTS, new_tokens: int = NEW_TOKENS) -> QualityReport:
+def evaluate(
+    path: Path,
+    tokenizer,
+    weights: str,
+    ref: Reference,
+    prompts: Sequence[str] = PROMPTS,
+    new_tokens: int = NEW_TOKENS,
+) -> QualityReport:
     start = time.perf_counter()
     model = prepared(path, weights)
     log_probs = text_log_probs(model, ref.ids)
@@ -139,20 +148,33 @@ def evaluate(path: Path, tokenizer, weights: str, ref: Reference,
     agree, firsts = agreement(ref.greedy, greedy(model, tokenizer, prompts, new_tokens))
     gate = GATES.get(weights)
     change = ppl / ref.perplexity - 1
-    return QualityReport(weights, ppl, ref.perplexity, change, mean_kl(ref.log_probs, log_probs),
-                         agree, firsts, gate, None if gate is None else abs(change) <= gate,
-                         time.perf_counter() - start)
+    return QualityReport(
+        weights,
+        ppl,
+        ref.perplexity,
+        change,
+        mean_kl(ref.log_probs, log_probs),
+        agree,
+        firsts,
+        gate,
+        None if gate is None else abs(change) <= gate,
+        time.perf_counter() - start,
+    )
 
 
 def format_table(reports: Sequence[QualityReport]) -> str:
-    lines = [f"{'weights':<9} {'perplexity':>10} {'vs fp32':>8} {'gate':>6} {'mean KL':>9} "
-             f"{'greedy agree':>12}  first divergence per prompt"]
+    lines = [
+        f"{'weights':<9} {'perplexity':>10} {'vs fp32':>8} {'gate':>6} {'mean KL':>9} "
+        f"{'greedy agree':>12}  first divergence per prompt"
+    ]
     for r in reports:
         gate = "-" if r.gate is None else f"{r.gate:.1%}"
         verdict = "" if r.passed is None else (" ok" if r.passed else " FAIL")
-        lines.append(f"{r.weights:<9} {r.perplexity:>10.4f} {r.perplexity_change:>+8.3%} "
-                     f"{gate:>6} {r.mean_kl:>9.5f} {r.greedy_agreement:>12.1%}  "
-                     f"{r.first_divergence}{verdict}")
+        lines.append(
+            f"{r.weights:<9} {r.perplexity:>10.4f} {r.perplexity_change:>+8.3%} "
+            f"{gate:>6} {r.mean_kl:>9.5f} {r.greedy_agreement:>12.1%}  "
+            f"{r.first_divergence}{verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -163,14 +185,18 @@ def run_quality(model: str, weights: Sequence[str], output_dir: Optional[Path]) 
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
     ref = reference(path, tokenizer)
-    reports = [QualityReport("float32", ref.perplexity, ref.perplexity, 0.0, 0.0, 1.0,
-                             [None] * len(PROMPTS))]
+    reports = [
+        QualityReport(
+            "float32", ref.perplexity, ref.perplexity, 0.0, 0.0, 1.0, [None] * len(PROMPTS)
+        )
+    ]
     reports += [evaluate(path, tokenizer, w, ref) for w in weights]
     print(format_table(reports), flush=True)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "quality.json").write_text(json.dumps(
-            {"cpu_flags": _flags(), "reports": [asdict(r) for r in reports]}, indent=2))
+        (output_dir / "quality.json").write_text(
+            json.dumps({"cpu_flags": _flags(), "reports": [asdict(r) for r in reports]}, indent=2)
+        )
     return 0 if all(r.passed is not False for r in reports) else 1
 
 

@@ -13,6 +13,7 @@ strict one: on the 2-core CPU, the engine's paged KV attention (gather the block
 SDPA) is 20-30% of a batch-8 decode step at 300-700 tokens of context, and a step with that
 attention replaced by zeros costs what this forward does.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,7 +36,7 @@ def grid(values: Sequence[int], max_points: int = MAX_GRID_POINTS) -> list:
         return distinct
     lo, hi = distinct[0], distinct[-1]
     ratio = (hi / lo) ** (1 / (max_points - 1))
-    points = {lo, hi} | {round(lo * ratio ** i) for i in range(max_points)}
+    points = {lo, hi} | {round(lo * ratio**i) for i in range(max_points)}
     return sorted(points)
 
 
@@ -87,8 +88,10 @@ def measure(model, body_sizes: Sequence[int], head_sizes: Sequence[int]) -> tupl
         if prepare_linears(model, layout).value == layout:
             bodies.append(time_body(model, body_sizes, vocab))
             heads.append(time_head(model, head_sizes))
-    return ({k: min(b[k] for b in bodies) for k in bodies[0]},
-            {k: min(h[k] for h in heads) for k in heads[0]})
+    return (
+        {k: min(b[k] for b in bodies) for k in bodies[0]},
+        {k: min(h[k] for h in heads) for k in heads[0]},
+    )
 
 
 def roofline(model, steps: Sequence[timeline.Step]) -> dict:
@@ -101,20 +104,26 @@ def roofline(model, steps: Sequence[timeline.Step]) -> dict:
     t0 = time.perf_counter()
     body, head = measure(model, body_grid, head_grid)
     base = head[min(head)] if 1 not in head else head[1]
-    per_step = [interpolate(body, t) + max(interpolate(head, r) - base, 0.0)
-                for t, r in zip(tokens, rows)]
-    return {"best_possible_s": sum(per_step), "num_steps": len(steps),
-            "measure_s": time.perf_counter() - t0,
-            "body_ms": {str(k): v * 1000 for k, v in body.items()},
-            "head_ms": {str(k): v * 1000 for k, v in head.items()},
-            "method": "plain HF forward of the step's packed tokens + lm_head rows, best of "
-                      f"{REPEATS}, stored vs transposed vs oneDNN-packed weights; no KV "
-                      "attention"}
+    per_step = [
+        interpolate(body, t) + max(interpolate(head, r) - base, 0.0) for t, r in zip(tokens, rows)
+    ]
+    return {
+        "best_possible_s": sum(per_step),
+        "num_steps": len(steps),
+        "measure_s": time.perf_counter() - t0,
+        "body_ms": {str(k): v * 1000 for k, v in body.items()},
+        "head_ms": {str(k): v * 1000 for k, v in head.items()},
+        "method": "plain HF forward of the step's packed tokens + lm_head rows, best of "
+        f"{REPEATS}, stored vs transposed vs oneDNN-packed weights; no KV "
+        "attention",
+    }
 
 
 def efficiency(result: dict, makespan_s: float, busy_s: float) -> dict:
     best = result.get("best_possible_s")
     if not best:
         return {}
-    return {"vs_makespan": best / makespan_s if makespan_s else None,
-            "vs_engine_busy": best / busy_s if busy_s else None}
+    return {
+        "vs_makespan": best / makespan_s if makespan_s else None,
+        "vs_engine_busy": best / busy_s if busy_s else None,
+    }

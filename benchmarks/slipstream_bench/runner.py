@@ -6,6 +6,7 @@ baselines; with ``repeat`` > 1 that many rounds, every other one in reverse orde
 median round of each mode is reported. Last the roofline (it rewrites the plain model's weight
 layout), on the steps of the reported continuous run.
 """
+
 from __future__ import annotations
 
 import gc
@@ -20,13 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from slipstream_bench import plots
-from slipstream_bench import report
-from slipstream_bench import server_run
-from slipstream_bench import timeline
+from slipstream_bench import plots, report, server_run, timeline
 from slipstream_bench.goodput import Slo, goodput, slo_summary
-from slipstream_bench.workload import (SamplingMix, Workload, apply_sampling, arrival_times,
-                                       generate_workload, lengths_summary)
+from slipstream_bench.workload import (
+    SamplingMix,
+    Workload,
+    apply_sampling,
+    arrival_times,
+    generate_workload,
+    lengths_summary,
+)
 
 SERVER_MODES = ("static", "dynamic", "continuous")
 # slipstream_bench.vllm_peer; *_bf16: vLLM with dtype bfloat16, its best on an AVX512-BF16 CPU
@@ -36,12 +40,17 @@ EXTRA_MODES = ("vllm_offline_eager", "vllm_offline_bf16")
 # llama.cpp's llama-server on the default model's GGUF (slipstream_bench.llamacpp_peer);
 # skipped unless scripts/setup_llamacpp.sh has built it
 LLAMACPP_MODES = ("llamacpp_q8_0", "llamacpp_q4_1")
-DEFAULT_MODES = SERVER_MODES + ("inprocess", "hf_static", "hf_continuous") + PEER_MODES + (
-    "roofline",) + LLAMACPP_MODES
+DEFAULT_MODES = (
+    SERVER_MODES
+    + ("inprocess", "hf_static", "hf_continuous")
+    + PEER_MODES
+    + ("roofline",)
+    + LLAMACPP_MODES
+)
 ALL_MODES = DEFAULT_MODES + EXTRA_MODES
 QUICK_PROMPT_LENS = "uniform:8:48"
 QUICK_OUTPUT_LENS = "0.75*uniform:4:12+0.25*uniform:24:32"
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass
@@ -101,16 +110,35 @@ def warmup_workload(tokenizer, seed: int) -> Workload:
 
 
 def server_overrides(opts: BenchOptions, batching: str) -> dict:
-    caching = ({} if opts.prefix_caching is None
-               else {"enable_prefix_caching": str(opts.prefix_caching).lower()})
-    return {"model": opts.model, "batching": batching,
-            "max_batch_size": opts.static_batch_size,
-            "kv_cache_memory_bytes": opts.kv_cache_memory_bytes, **caching, **opts.settings}
+    caching = (
+        {}
+        if opts.prefix_caching is None
+        else {"enable_prefix_caching": str(opts.prefix_caching).lower()}
+    )
+    return {
+        "model": opts.model,
+        "batching": batching,
+        "max_batch_size": opts.static_batch_size,
+        "kv_cache_memory_bytes": opts.kv_cache_memory_bytes,
+        **caching,
+        **opts.settings,
+    }
 
 
 # The CPU features that decide which kernels run (AVX-512, VNNI, BF16, AMX).
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-              "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+SIMD_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "avx_vnni",
+)
 
 
 def cpu_info() -> dict:
@@ -141,10 +169,16 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpus": os.cpu_count(), **cpu_info(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "load_average_1m": load_average()}
+    return {
+        "cpus": os.cpu_count(),
+        **cpu_info(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_1m": load_average(),
+    }
 
 
 # ------------------------------------------------------------------------ the runs
@@ -225,41 +259,83 @@ def run_mode(mode: str, sh: _Shared, round_index: int) -> dict:
     if base == "continuous" and name:
         extra = opts.variants[name]
         log(f"== server, batching=continuous {extra}{suffix}")
-        run = guarded(mode, "triton", lambda: server_run.run_mode(
-            f"continuous_{name}{suffix}", {**server_overrides(opts, "continuous"), **extra}, wl,
-            offsets, warm, sh.out_dir, progress=opts.progress))
+        run = guarded(
+            mode,
+            "triton",
+            lambda: server_run.run_mode(
+                f"continuous_{name}{suffix}",
+                {**server_overrides(opts, "continuous"), **extra},
+                wl,
+                offsets,
+                warm,
+                sh.out_dir,
+                progress=opts.progress,
+            ),
+        )
     elif mode in SERVER_MODES:
         log(f"== server, batching={mode}{suffix}")
-        run = guarded(mode, "triton", lambda: server_run.run_mode(
-            mode + suffix, server_overrides(opts, mode), wl, offsets, warm, sh.out_dir,
-            progress=opts.progress))
+        run = guarded(
+            mode,
+            "triton",
+            lambda: server_run.run_mode(
+                mode + suffix,
+                server_overrides(opts, mode),
+                wl,
+                offsets,
+                warm,
+                sh.out_dir,
+                progress=opts.progress,
+            ),
+        )
     elif base == "inprocess":
         from slipstream_bench.inprocess import run_inprocess
 
         extra = opts.variants[name] if name else {}
-        log(f"== in-process engine (no Triton), the continuous server's settings "
-            f"{extra or ''}{suffix}")
+        log(
+            f"== in-process engine (no Triton), the continuous server's settings "
+            f"{extra or ''}{suffix}"
+        )
         settings = server_run.rendered_settings({**server_overrides(opts, "continuous"), **extra})
-        run = guarded(mode, "inprocess", lambda: run_inprocess(
-            settings, wl, offsets, warm, label=mode, progress=opts.progress))
+        run = guarded(
+            mode,
+            "inprocess",
+            lambda: run_inprocess(settings, wl, offsets, warm, label=mode, progress=opts.progress),
+        )
     elif mode in ("hf_static", "hf_continuous") and wl.sampled:
-        run = {"label": mode, "kind": "hf", "summary": {},
-               "skipped": "the Hugging Face baselines decode greedily only"}
+        run = {
+            "label": mode,
+            "kind": "hf",
+            "summary": {},
+            "skipped": "the Hugging Face baselines decode greedily only",
+        }
     elif mode == "hf_static":
         from slipstream_bench import hf_baselines as hf
 
         log(f"== Hugging Face generate, padded static batches of {opts.static_batch_size}{suffix}")
         model, tok = sh.hf()
-        run = guarded(mode, "hf", lambda: hf.run_hf_static(
-            model, tok, wl, offsets, warm, batch_size=opts.static_batch_size,
-            progress=opts.progress))
+        run = guarded(
+            mode,
+            "hf",
+            lambda: hf.run_hf_static(
+                model,
+                tok,
+                wl,
+                offsets,
+                warm,
+                batch_size=opts.static_batch_size,
+                progress=opts.progress,
+            ),
+        )
     elif mode == "hf_continuous":
         from slipstream_bench import hf_baselines as hf
 
         log(f"== Hugging Face continuous batching (sdpa){suffix}")
         model, tok = sh.hf()
-        run = guarded(mode, "hf", lambda: hf.run_hf_continuous(
-            model, tok, wl, offsets, warm, progress=opts.progress))
+        run = guarded(
+            mode,
+            "hf",
+            lambda: hf.run_hf_continuous(model, tok, wl, offsets, warm, progress=opts.progress),
+        )
         hf.release(model)
     elif mode in PEER_MODES + EXTRA_MODES:
         run = run_peer(mode, sh, suffix)
@@ -284,22 +360,45 @@ def run_peer(mode: str, sh: _Shared, suffix: str) -> dict:
     settings = server_run.rendered_settings(server_overrides(sh.opts, "continuous"))
     dtype = "bfloat16" if mode.endswith("_bf16") else "float32"
     args = vllm_peer.engine_args(
-        peer, sh.opts.model, int(settings.get("max_model_len") or 2048), sh.opts.seed,
+        peer,
+        sh.opts.model,
+        int(settings.get("max_model_len") or 2048),
+        sh.opts.seed,
         max_num_seqs=int(settings.get("max_num_seqs") or 64),
         max_num_batched_tokens=int(settings.get("max_num_batched_tokens") or 2048),
-        prefix_caching=sh.opts.prefix_caching, dtype=dtype)
+        prefix_caching=sh.opts.prefix_caching,
+        dtype=dtype,
+    )
     threads = torch.get_num_threads()
     if mode in ("vllm_triton", "vllm_triton_bf16"):
         log(f"== Triton + Triton's vLLM backend (vLLM {peer.version}, {dtype}){suffix}")
-        return guarded(mode, "peer_triton", lambda: vllm_peer.run_triton(
-            peer, args, sh.workload, sh.offsets, sh.warm, sh.out_dir, threads, mode + suffix,
-            progress=sh.opts.progress))
+        return guarded(
+            mode,
+            "peer_triton",
+            lambda: vllm_peer.run_triton(
+                peer,
+                args,
+                sh.workload,
+                sh.offsets,
+                sh.warm,
+                sh.out_dir,
+                threads,
+                mode + suffix,
+                progress=sh.opts.progress,
+            ),
+        )
     if mode == "vllm_offline_eager":
         args = {**args, "enforce_eager": True}
-    log(f"== vLLM {peer.version} offline, LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
-        f" {dtype}{suffix}")
-    return guarded(mode, "peer_offline", lambda: vllm_peer.run_offline(
-        peer, args, sh.workload, sh.warm, threads, mode + suffix))
+    log(
+        f"== vLLM {peer.version} offline, "
+        f"LLM.generate{' (eager)' * args.get('enforce_eager', False)}"
+        f" {dtype}{suffix}"
+    )
+    return guarded(
+        mode,
+        "peer_offline",
+        lambda: vllm_peer.run_offline(peer, args, sh.workload, sh.warm, threads, mode + suffix),
+    )
 
 
 def run_llamacpp(mode: str, sh: _Shared) -> dict:
@@ -312,14 +411,28 @@ def run_llamacpp(mode: str, sh: _Shared) -> dict:
     except llamacpp_peer.PeerUnavailable as exc:
         return {"label": mode, "kind": "peer", "skipped": str(exc), "summary": {}}
     if sh.opts.model not in ("default", "", None):
-        return {"label": mode, "kind": "peer", "summary": {},
-                "skipped": "llama.cpp runs the default model's GGUF only"}
+        return {
+            "label": mode,
+            "kind": "peer",
+            "summary": {},
+            "skipped": "llama.cpp runs the default model's GGUF only",
+        }
     import torch
 
     log(f"== llama.cpp llama-server {llamacpp_peer.MODES[mode].upper()}")
-    return guarded(mode, "peer_llamacpp", lambda: llamacpp_peer.run(
-        peer, mode, sh.workload, sh.offsets, sh.out_dir, torch.get_num_threads(),
-        sh.opts.progress))
+    return guarded(
+        mode,
+        "peer_llamacpp",
+        lambda: llamacpp_peer.run(
+            peer,
+            mode,
+            sh.workload,
+            sh.offsets,
+            sh.out_dir,
+            torch.get_num_threads(),
+            sh.opts.progress,
+        ),
+    )
 
 
 def split_variant(mode: str) -> tuple:
@@ -343,12 +456,20 @@ def run_rounds(sh: _Shared) -> list:
     """Every selected mode once per round. Rounds alternate the order (A B C, C B A, ...) so
     that a drift in the machine's speed falls evenly on every mode."""
     variants = tuple(variant_labels(sh.opts.variant_modes, sh.opts.variants))
-    order = [m for m in ("inprocess",) + SERVER_MODES + ("hf_static", "hf_continuous")
-             + PEER_MODES + EXTRA_MODES + LLAMACPP_MODES if m in sh.opts.modes]
+    order = [
+        m
+        for m in ("inprocess",)
+        + SERVER_MODES
+        + ("hf_static", "hf_continuous")
+        + PEER_MODES
+        + EXTRA_MODES
+        + LLAMACPP_MODES
+        if m in sh.opts.modes
+    ]
     order += list(variants)
     runs = []
     for r in range(sh.opts.repeat):
-        for mode in (order if r % 2 == 0 else order[::-1]):
+        for mode in order if r % 2 == 0 else order[::-1]:
             runs.append(run_mode(mode, sh, r))
             _save_partial(sh, runs[-1])
     return runs
@@ -382,8 +503,7 @@ def representatives(runs: list, by_slo: bool = False) -> list:
         ranked = sorted(group, key=key)
         chosen = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
         chosen["rounds_tokens_per_s"] = [r["summary"].get("tokens_per_s") for r in group]
-        chosen["rounds_slo_attainment"] = [(r.get("slo") or {}).get("attainment")
-                                           for r in group]
+        chosen["rounds_slo_attainment"] = [(r.get("slo") or {}).get("attainment") for r in group]
         out.append(chosen)
     return out
 
@@ -391,9 +511,9 @@ def representatives(runs: list, by_slo: bool = False) -> list:
 def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
     from slipstream_bench import roofline
 
-    source = next((r for r in runs if r["label"] == "continuous" and r.get("timeline")),
-                  None) or next((r for r in runs if r["label"] == "inprocess" and
-                                 r.get("timeline")), None)
+    source = next(
+        (r for r in runs if r["label"] == "continuous" and r.get("timeline")), None
+    ) or next((r for r in runs if r["label"] == "inprocess" and r.get("timeline")), None)
     if source is None:
         log("roofline skipped: no continuous run with a step trace")
         return None
@@ -404,14 +524,18 @@ def run_roofline(runs: list, model, workload: Workload) -> Optional[dict]:
     if result.get("best_possible_s"):
         result["best_tokens_per_s"] = workload.total_output_tokens / result["best_possible_s"]
         result["efficiency"] = roofline.efficiency(
-            result, source["summary"]["makespan_s"], source["steps"].get("busy_s", 0.0))
+            result, source["summary"]["makespan_s"], source["steps"].get("busy_s", 0.0)
+        )
     return result
 
 
 def steps_from_json(items: list) -> list:
-    return [timeline.Step(i, start, dur, [timeline.Slice(rid, slot, p, d)
-                                          for rid, slot, p, d in slices], pads)
-            for i, start, dur, slices, pads in items]
+    return [
+        timeline.Step(
+            i, start, dur, [timeline.Slice(rid, slot, p, d) for rid, slot, p, d in slices], pads
+        )
+        for i, start, dur, slices, pads in items
+    ]
 
 
 # ------------------------------------------------------------------------ the scenario
@@ -435,14 +559,24 @@ def run_batching(opts: BenchOptions) -> dict:
         roof = guarded("roofline", "roofline", lambda: run_roofline(runs, model, workload))
     sh.hf_model_and_tok = None
     gc.collect()
-    results = {"scenario": "batching", "model": opts.model, "seed": opts.seed,
-               "rate": _rate_value(opts.all_rates[0]), "quick": opts.quick,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_at_start,
-               "workload": {**lengths_summary(workload), **workload.description},
-               "prefix_caching": ("engine default" if opts.prefix_caching is None
-                                  else opts.prefix_caching),
-               "slo": vars(opts.slo).copy(), "arrivals_s": offsets, "runs": runs,
-               "roofline": roof, "wall_s": time.perf_counter() - t0}
+    results = {
+        "scenario": "batching",
+        "model": opts.model,
+        "seed": opts.seed,
+        "rate": _rate_value(opts.all_rates[0]),
+        "quick": opts.quick,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_at_start,
+        "workload": {**lengths_summary(workload), **workload.description},
+        "prefix_caching": (
+            "engine default" if opts.prefix_caching is None else opts.prefix_caching
+        ),
+        "slo": vars(opts.slo).copy(),
+        "arrivals_s": offsets,
+        "runs": runs,
+        "roofline": roof,
+        "wall_s": time.perf_counter() - t0,
+    }
     if len(sweep) > 1:
         results["sweep"] = [{"rate": _rate_value(p["rate"]), "runs": p["runs"]} for p in sweep]
     results["goodput"] = goodputs(sweep, opts.slo)
@@ -467,8 +601,11 @@ def run_rate(sh: _Shared, rate: float) -> dict:
     for run in rounds:
         run["slo"] = slo_summary(run, sh.opts.slo)
         run["rate"] = _rate_value(rate)
-    return {"rate": rate, "arrivals_s": list(sh.offsets),
-            "runs": representatives(rounds, by_slo=not math.isinf(rate))}
+    return {
+        "rate": rate,
+        "arrivals_s": list(sh.offsets),
+        "runs": representatives(rounds, by_slo=not math.isinf(rate)),
+    }
 
 
 def goodputs(sweep: list, slo: Slo) -> dict:
@@ -481,7 +618,8 @@ def goodputs(sweep: list, slo: Slo) -> dict:
         for run in point["runs"]:
             if run.get("slo"):
                 points.setdefault(run["label"], []).append(
-                    (point["rate"], run["slo"]["attainment"]))
+                    (point["rate"], run["slo"]["attainment"])
+                )
     return {label: {**goodput(p, slo), "points": sorted(p)} for label, p in points.items()}
 
 
@@ -511,6 +649,8 @@ def finish(results: dict, out_dir: Path) -> dict:
         log("\n" + report.slo_table(results))
     if results.get("targets"):
         log(report.targets_text(results))
-    log(f"\nresults: {path} (summary.json: without per-request data)\n"
-        f"plots:   {', '.join(results['plots'])}")
+    log(
+        f"\nresults: {path} (summary.json: without per-request data)\n"
+        f"plots:   {', '.join(results['plots'])}"
+    )
     return results

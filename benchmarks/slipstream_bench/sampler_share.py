@@ -8,6 +8,7 @@ shared with other work slows both alike; compare the ratios, not the millisecond
 Per batch size and sampler: the step's wall time, the sampling phase (the batch's execution
 less the host-side preparation and the forward) and its share of the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ SAMPLER_PATH = "backend/slipstream/worker/sampler.py"
 def baseline_sampler_class(revision: str) -> type:
     """``Sampler`` from ``worker/sampler.py`` as it was at ``revision`` (a module of its own;
     it imports the rest of this tree's package)."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{SAMPLER_PATH}"],
-                            capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:{SAMPLER_PATH}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path = Path(tempfile.mkdtemp(prefix="sampler-baseline-")) / "baseline_sampler.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("slipstream_baseline_sampler", path)
@@ -46,13 +51,16 @@ def _one_step(engine, clock: _Clock) -> dict:
     engine.step()
     t = dict(clock.total)
     step = t.get("schedule", 0) + t.get("execute", 0) + t.get("update", 0) + t.get("report", 0)
-    return {"step": step * 1e3,
-            "sample": (t.get("execute", 0) - t.get("prepare", 0) - t.get("forward", 0)) * 1e3,
-            "forward": t.get("forward", 0) * 1e3}
+    return {
+        "step": step * 1e3,
+        "sample": (t.get("execute", 0) - t.get("prepare", 0) - t.get("forward", 0)) * 1e3,
+        "forward": t.get("forward", 0) * 1e3,
+    }
 
 
-def compare_batch(engine, samplers: dict, batch: int, context: int, steps: int,
-                  sampling: dict) -> dict:
+def compare_batch(
+    engine, samplers: dict, batch: int, context: int, steps: int, sampling: dict
+) -> dict:
     """Every sampler in turn on each of ``steps`` rounds of decode steps; per-sampler means."""
     reqs = _fill(engine, batch, context, random.Random(batch), sampling)
     clock = _Clock()
@@ -62,7 +70,7 @@ def compare_batch(engine, samplers: dict, batch: int, context: int, steps: int,
             engine.sampler = sampler
             engine.step()
         for r in range(steps):
-            for name in (list(samplers) if r % 2 == 0 else list(samplers)[::-1]):
+            for name in list(samplers) if r % 2 == 0 else list(samplers)[::-1]:
                 engine.sampler = samplers[name]
                 for key, value in _one_step(engine, clock).items():
                     totals[name][key] += value / steps
@@ -77,8 +85,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="8,32,64")
     p.add_argument("--baseline", default=None, help="git revision of the sampler to compare")
-    p.add_argument("--sampled", type=parse_sampling, default=parse_sampling(
-        "temperature=0.8,top_p=0.95"), metavar="K=V,...")
+    p.add_argument(
+        "--sampled",
+        type=parse_sampling,
+        default=parse_sampling("temperature=0.8,top_p=0.95"),
+        metavar="K=V,...",
+    )
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -96,13 +108,19 @@ def main(argv=None) -> int:
     results = []
     with torch.inference_mode():
         for b in batches:
-            results.append(compare_batch(engine, samplers, b, args.context, args.steps,
-                                         args.sampled))
+            results.append(
+                compare_batch(engine, samplers, b, args.context, args.steps, args.sampled)
+            )
             r = results[-1]
-            print(f"batch {b:>3}: " + "; ".join(
-                f"{name}: step {r[name]['step']:.1f} ms, forward {r[name]['forward']:.1f}, "
-                f"sample {r[name]['sample']:.1f} ({r[name]['sample_share']:.1%})"
-                for name in samplers), flush=True)
+            print(
+                f"batch {b:>3}: "
+                + "; ".join(
+                    f"{name}: step {r[name]['step']:.1f} ms, forward {r[name]['forward']:.1f}, "
+                    f"sample {r[name]['sample']:.1f} ({r[name]['sample_share']:.1%})"
+                    for name in samplers
+                ),
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -4,6 +4,7 @@ run the workload over gRPC, read the engine's counters, stop, read the step trac
 The engine counts its steps from its start; the warm-up requests' steps are told apart from
 the measured ones by the ``engine_steps_total`` counter read between the two.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -12,11 +13,14 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from slipstream.server.launch.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    read_parameters,
+    render_model_repository,
+)
 from slipstream.server.stub.model_config import SERVER_PARAMETERS, split_parameters
-from slipstream.server.launch.launcher import (DEFAULT_MODEL_REPOSITORY, TritonServer,
-                                               read_parameters, render_model_repository)
-from slipstream_bench import loadgen
-from slipstream_bench import timeline
+from slipstream_bench import loadgen, timeline
 from slipstream_bench.metrics import records_to_json, summarize
 from slipstream_bench.workload import Workload
 
@@ -24,8 +28,7 @@ from slipstream_bench.workload import Workload
 METRICS_INTERVAL_MS = int(SERVER_PARAMETERS["metrics_interval_ms"])
 
 
-def render(overrides: Mapping[str, object], work: Path,
-           source=DEFAULT_MODEL_REPOSITORY) -> Path:
+def render(overrides: Mapping[str, object], work: Path, source=DEFAULT_MODEL_REPOSITORY) -> Path:
     settings = {"metrics_interval_ms": METRICS_INTERVAL_MS, **overrides}
     return render_model_repository(source, work / "model_repository", settings)
 
@@ -54,8 +57,9 @@ def scrape(metrics_url: str) -> dict:
     return values
 
 
-def settled(metrics_url: str, name: str = "slipstream_engine_steps_total",
-            timeout: float = 15.0) -> dict:
+def settled(
+    metrics_url: str, name: str = "slipstream_engine_steps_total", timeout: float = 15.0
+) -> dict:
     """Metrics once ``name`` stopped moving (they refresh every METRICS_INTERVAL_MS)."""
     pause = 2 * METRICS_INTERVAL_MS / 1000
     deadline = time.monotonic() + timeout
@@ -69,38 +73,67 @@ def settled(metrics_url: str, name: str = "slipstream_engine_steps_total",
     return last
 
 
-def run_mode(label: str, overrides: Mapping[str, object], workload: Workload,
-             offsets: Sequence[float], warmup: Optional[Workload], out_dir: Path, *,
-             progress: bool = True, source=DEFAULT_MODEL_REPOSITORY) -> dict:
+def run_mode(
+    label: str,
+    overrides: Mapping[str, object],
+    workload: Workload,
+    offsets: Sequence[float],
+    warmup: Optional[Workload],
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    source=DEFAULT_MODEL_REPOSITORY,
+) -> dict:
     """Everything about one server mode, as the results JSON holds it."""
     with tempfile.TemporaryDirectory(prefix=f"slipstream-bench-{label}-") as work:
-        return _run_server(label, overrides, workload, offsets, warmup, out_dir, Path(work),
-                           progress, source)
+        return _run_server(
+            label, overrides, workload, offsets, warmup, out_dir, Path(work), progress, source
+        )
 
 
-def _run_server(label, overrides, workload, offsets, warmup, out_dir, work, progress,
-                source) -> dict:
+def _run_server(
+    label, overrides, workload, offsets, warmup, out_dir, work, progress, source
+) -> dict:
     trace_path = (out_dir / f"trace_{label}.json").resolve()
     repo = render({**overrides, "trace_file": str(trace_path)}, work, source)
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
-                          log_path=out_dir / f"tritonserver_{label}.log", startup_timeout=600)
+    server = TritonServer(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        log_path=out_dir / f"tritonserver_{label}.log",
+        startup_timeout=600,
+    )
     t0 = time.perf_counter()
     with server:
         startup = time.perf_counter() - t0
         if warmup is not None:
             loadgen.warm_up(server.grpc_url, warmup)
         before = settled(server.metrics_url)
-        records = loadgen.run_triton(server.grpc_url, workload, offsets, label=label,
-                                     progress=progress)
+        records = loadgen.run_triton(
+            server.grpc_url, workload, offsets, label=label, progress=progress
+        )
         after = settled(server.metrics_url)
-    steps = timeline.after(timeline.load(trace_path), int(before.get(
-        "slipstream_engine_steps_total", 0))) if trace_path.exists() else []
-    return {"label": label, "kind": "triton", "settings": engine_settings(repo),
-            "startup_s": startup, "summary": summarize(records),
-            "engine": counter_deltas(before, after), "steps": timeline.summary(steps),
-            "batch_sizes": timeline.batch_size_histogram(steps),
-            "records": records_to_json(records), "timeline": timeline.to_json(steps),
-            "trace_file": str(trace_path) if trace_path.exists() else None}
+    steps = (
+        timeline.after(
+            timeline.load(trace_path), int(before.get("slipstream_engine_steps_total", 0))
+        )
+        if trace_path.exists()
+        else []
+    )
+    return {
+        "label": label,
+        "kind": "triton",
+        "settings": engine_settings(repo),
+        "startup_s": startup,
+        "summary": summarize(records),
+        "engine": counter_deltas(before, after),
+        "steps": timeline.summary(steps),
+        "batch_sizes": timeline.batch_size_histogram(steps),
+        "records": records_to_json(records),
+        "timeline": timeline.to_json(steps),
+        "trace_file": str(trace_path) if trace_path.exists() else None,
+    }
 
 
 def counter_deltas(before: dict, after: dict) -> dict:
@@ -109,7 +142,7 @@ def counter_deltas(before: dict, after: dict) -> dict:
 
     out = {}
     for name, value in after.items():
-        short = name[len("slipstream_"):]
+        short = name[len("slipstream_") :]
         if short in COUNTERS or short.endswith("_count") or short.endswith("_sum"):
             out[short] = value - before.get(name, 0.0)
         else:  # gauges

@@ -8,13 +8,15 @@ step at several batch sizes, split into the engine's phases and the forward's pa
 ``seed=none``) instead of greedily; the table then also gives the sampler's share of a step.
 
 Phases (wall clock, per step): schedule, prepare (host-side batch and metadata), forward,
-sample (and splitting the tokens per request), update (scheduler bookkeeping) and report (detokenize, outputs). The forward is split
+sample (and splitting the tokens per request), update (scheduler bookkeeping) and report
+(detokenize, outputs). The forward is split
 by timing hooks on the model's modules: linear layers, norms, activation, the rotary
 embedding, the paged attention (KV store + attention), embedding; what is left over (residual
 adds, rotary application, reshapes, Python in the model code) is ``forward_other``. The hooks
 cost a little time themselves: ``forward`` is measured on separate steps without them.
 Everything runs on the calling thread (no engine loop).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +46,7 @@ class _Clock:
                 return fn(*args, **kwargs)
             finally:
                 self.total[label] += time.perf_counter() - t
+
         return timed
 
     def reset(self) -> None:
@@ -95,9 +98,14 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
     """Time the engine's phases and the attention operators (instance attributes shadow
     the methods; removed on exit)."""
     runner, sched = engine.runner, engine.scheduler
-    patches = [(sched, "schedule", "schedule"), (runner, "prepare", "prepare"),
-               (runner, "run", "forward"), (engine, "_execute_batch", "execute"),
-               (sched, "update_from_output", "update"), (engine, "_report", "report")]
+    patches = [
+        (sched, "schedule", "schedule"),
+        (runner, "prepare", "prepare"),
+        (runner, "run", "forward"),
+        (engine, "_execute_batch", "execute"),
+        (sched, "update_from_output", "update"),
+        (engine, "_report", "report"),
+    ]
     saved_ops = runner.ops
     saved = [(obj, attr, vars(obj).get(attr, _MISSING)) for obj, attr, _ in patches]
     for obj, attr, label in patches:
@@ -106,6 +114,7 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
     class _TimedOps:
         store_step_kv = staticmethod(clock.wrap("attention_store", saved_ops.store_step_kv))
         paged_attention = staticmethod(clock.wrap("attention", saved_ops.paged_attention))
+
     runner.ops = _TimedOps
     try:
         yield
@@ -127,8 +136,7 @@ def _params(max_tokens: int, sampling: dict | None = None, index: int = 0):
         values = {"seed": index, **sampling}
         if values["seed"] is None:
             del values["seed"]
-    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          **values)
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, **values)
 
 
 def parse_sampling(text: str) -> dict:
@@ -136,8 +144,11 @@ def parse_sampling(text: str) -> dict:
     out: dict = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        out[key] = None if value.lower() == "none" else (
-            int(value) if key in ("top_k", "seed") else float(value))
+        out[key] = (
+            None
+            if value.lower() == "none"
+            else (int(value) if key in ("top_k", "seed") else float(value))
+        )
     return out
 
 
@@ -145,12 +156,15 @@ def _random_prompt(rng: random.Random, n: int, vocab: int) -> list:
     return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
 
-def _fill(engine, batch: int, context: int, rng: random.Random,
-          sampling: dict | None = None) -> list:
+def _fill(
+    engine, batch: int, context: int, rng: random.Random, sampling: dict | None = None
+) -> list:
     """``batch`` requests decoding at ``context`` tokens: added, then prefilled."""
     vocab = engine.model.get_input_embeddings().num_embeddings
-    reqs = [engine.add_request(_random_prompt(rng, context, vocab),
-                               _params(100_000, sampling, i)) for i in range(batch)]
+    reqs = [
+        engine.add_request(_random_prompt(rng, context, vocab), _params(100_000, sampling, i))
+        for i in range(batch)
+    ]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
     return reqs
@@ -177,11 +191,13 @@ def _mixed_step(engine, rng: random.Random, chunk: int) -> Callable[[], None]:
         req = engine.add_request(_random_prompt(rng, chunk, vocab), _params(1))
         engine.step()
         engine.abort(req.request_id)
+
     return step
 
 
-def profile_batch(engine, batch: int, context: int, steps: int, seed: int = 0,
-                  sampling: dict | None = None) -> dict:
+def profile_batch(
+    engine, batch: int, context: int, steps: int, seed: int = 0, sampling: dict | None = None
+) -> dict:
     rng = random.Random(seed + batch)
     reqs = _fill(engine, batch, context, rng, sampling)
     budget = engine.config.max_num_batched_tokens
@@ -194,21 +210,32 @@ def profile_batch(engine, batch: int, context: int, steps: int, seed: int = 0,
         result["mixed"] = _time_steps(engine, clock, steps, _mixed_step(engine, rng, chunk))
         with module_timers(engine.model, clock):
             result["decode_parts"] = _time_steps(engine, clock, steps, engine.step)
-            result["mixed_parts"] = _time_steps(engine, clock, steps,
-                                                _mixed_step(engine, rng, chunk))
+            result["mixed_parts"] = _time_steps(
+                engine, clock, steps, _mixed_step(engine, rng, chunk)
+            )
     for key in ("decode_parts", "mixed_parts"):
         parts = result[key]
-        known = sum(parts.get(k, 0.0) for k in ("linear", "norm", "activation",
-                                                "rotary_embedding", "embedding",
-                                                "attention", "attention_store"))
+        known = sum(
+            parts.get(k, 0.0)
+            for k in (
+                "linear",
+                "norm",
+                "activation",
+                "rotary_embedding",
+                "embedding",
+                "attention",
+                "attention_store",
+            )
+        )
         parts["forward_other"] = parts.get("forward", 0.0) - known
     for req in reqs:
         engine.abort(req.request_id)
     return result
 
 
-def profile(settings: dict, batches: list, context: int, steps: int,
-            sampling: dict | None = None) -> list:
+def profile(
+    settings: dict, batches: list, context: int, steps: int, sampling: dict | None = None
+) -> list:
     from slipstream.core.config import EngineConfig
     from slipstream.engine import LLMEngine
 
@@ -220,19 +247,34 @@ def profile(settings: dict, batches: list, context: int, steps: int,
 
 def format_table(results: list) -> str:
     cols = ("step", "schedule", "prepare", "forward", "sample", "update", "report")
-    parts = ("linear", "attention", "attention_store", "norm", "activation", "rotary_embedding",
-             "embedding", "forward_other")
+    parts = (
+        "linear",
+        "attention",
+        "attention_store",
+        "norm",
+        "activation",
+        "rotary_embedding",
+        "embedding",
+        "forward_other",
+    )
     lines = []
     for kind in ("decode", "mixed"):
-        lines.append(f"{kind} step (ms): batch | " + " | ".join(cols) + " || forward with hooks: "
-                     + " | ".join(parts))
+        lines.append(
+            f"{kind} step (ms): batch | "
+            + " | ".join(cols)
+            + " || forward with hooks: "
+            + " | ".join(parts)
+        )
         for r in results:
             a, b = r[kind], r[f"{kind}_parts"]
             share = a.get("sample", 0) / a["step"] if a.get("step") else 0.0
-            lines.append(f"  {r['batch']:>3} | " + " | ".join(f"{a.get(c, 0):.1f}" for c in cols)
-                         + f" || {b.get('forward', 0):.1f}: "
-                         + " | ".join(f"{b.get(p, 0):.1f}" for p in parts)
-                         + f" || sample {share:.1%} of the step")
+            lines.append(
+                f"  {r['batch']:>3} | "
+                + " | ".join(f"{a.get(c, 0):.1f}" for c in cols)
+                + f" || {b.get('forward', 0):.1f}: "
+                + " | ".join(f"{b.get(p, 0):.1f}" for p in parts)
+                + f" || sample {share:.1%} of the step"
+            )
     return "\n".join(lines)
 
 
@@ -242,14 +284,24 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=300, help="tokens of context per sequence")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--sampled", type=parse_sampling, default=None, metavar="K=V,...",
-                   help="decode every row sampled, e.g. temperature=0.8,top_p=0.95 (a seed "
-                        "per request unless seed=none)")
+    p.add_argument(
+        "--sampled",
+        type=parse_sampling,
+        default=None,
+        metavar="K=V,...",
+        help="decode every row sampled, e.g. temperature=0.8,top_p=0.95 (a seed "
+        "per request unless seed=none)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     settings = dict(item.split("=", 1) for item in args.set)
-    results = profile(settings, [int(b) for b in args.batches.split(",")], args.context,
-                      args.steps, sampling=args.sampled)
+    results = profile(
+        settings,
+        [int(b) for b in args.batches.split(",")],
+        args.context,
+        args.steps,
+        sampling=args.sampled,
+    )
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,6 +9,7 @@ greedy, EOS ignored, ``context`` random prompt tokens; a step counts when every 
 the batch decodes in it. Constrained requests alternate a JSON schema and a regex that do not
 complete within the run (the mask is computed for every one of their tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,15 @@ import threading
 import time
 from typing import Optional
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 400},
-    "notes": {"type": "array", "items": {"type": "string"}},
-    "age": {"type": "integer"}}, "required": ["name", "notes", "age"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 400},
+        "notes": {"type": "array", "items": {"type": "string"}},
+        "age": {"type": "integer"},
+    },
+    "required": ["name", "notes", "age"],
+}
 REGEX = r"[A-Za-z ,.]{1,600}"
 VARIANTS = {"free": 0.0, "half": 0.5, "all": 1.0}
 
@@ -33,8 +39,9 @@ def _params(constrained: bool, index: int, steps: int):
     spec = None
     if constrained:
         spec = {"json": SCHEMA} if index % 2 == 0 else {"regex": REGEX}
-    return SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True,
-                          structured_outputs=spec)
+    return SamplingParams(
+        max_tokens=steps + 2, temperature=0.0, ignore_eos=True, structured_outputs=spec
+    )
 
 
 class MaskTimer:
@@ -52,6 +59,7 @@ class MaskTimer:
             t0 = time.perf_counter()
             original(logits, reqs)
             self.spent += time.perf_counter() - t0
+
         sampler.apply_grammar_masks = timed
 
     def take(self) -> float:
@@ -62,8 +70,15 @@ class MaskTimer:
 MASKS = None
 
 
-def decode_step_times(engine, batch: int, share: float, context: int, steps: int,
-                      seed: int, masks: Optional[list] = None) -> list:
+def decode_step_times(
+    engine,
+    batch: int,
+    share: float,
+    context: int,
+    steps: int,
+    seed: int,
+    masks: Optional[list] = None,
+) -> list:
     rng = random.Random(seed)
     n_constrained = int(batch * share)
     for i in range(batch):
@@ -76,8 +91,11 @@ def decode_step_times(engine, batch: int, share: float, context: int, steps: int
         t0 = time.perf_counter()
         outputs = engine.step()
         spent = time.perf_counter() - t0
-        if len(outputs) == batch and all(len(o.token_ids) == 1 for o in outputs) \
-                and not any(o.finished for o in outputs):
+        if (
+            len(outputs) == batch
+            and all(len(o.token_ids) == 1 for o in outputs)
+            and not any(o.finished for o in outputs)
+        ):
             times.append(spent)
             mask_times.append(MASKS.take() if MASKS is not None else 0.0)
     if masks is not None:
@@ -88,8 +106,10 @@ def decode_step_times(engine, batch: int, share: float, context: int, steps: int
 def compile_stall(engine, batch: int, context: int, fields: int = 2000) -> dict:
     """Step times of ``batch`` free streams with and without a huge schema compiling on
     another thread (as the tokenizer thread does for a real request)."""
-    props = {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
-             for i in range(fields)}
+    props = {
+        f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
+        for i in range(fields)
+    }
     huge = {"json": {"type": "object", "properties": props, "required": list(props)}}
     from slipstream.core.sampling_params import SamplingParams
 
@@ -100,11 +120,14 @@ def compile_stall(engine, batch: int, context: int, fields: int = 2000) -> dict:
         span["start"] = time.perf_counter()
         engine.make_request([1, 2, 3], SamplingParams(structured_outputs=huge))
         span["end"] = time.perf_counter()
+
     worker = threading.Thread(target=compile_it)
     rng = random.Random(7)
     for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(context)],
-                           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(100, 40000) for _ in range(context)],
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        )
     steps = []  # (start, end) of each step where the whole batch decoded
     while engine.has_unfinished():
         if steps and not worker.is_alive() and "start" not in span:
@@ -115,11 +138,14 @@ def compile_stall(engine, batch: int, context: int, fields: int = 2000) -> dict:
             steps.append((t0, time.perf_counter()))
     worker.join()
     during = [b - a for a, b in steps if a < span["end"] and b > span["start"]]
-    return {"schema_chars": len(json.dumps(huge)), "compile_s": span["end"] - span["start"],
-            "quiet_step_ms": statistics.median(quiet) * 1e3,
-            "steps_overlapping_compile": len(during),
-            "max_step_during_compile_ms": max(during) * 1e3,
-            "median_step_during_compile_ms": statistics.median(during) * 1e3}
+    return {
+        "schema_chars": len(json.dumps(huge)),
+        "compile_s": span["end"] - span["start"],
+        "quiet_step_ms": statistics.median(quiet) * 1e3,
+        "steps_overlapping_compile": len(during),
+        "max_step_during_compile_ms": max(during) * 1e3,
+        "median_step_during_compile_ms": statistics.median(during) * 1e3,
+    }
 
 
 def main(argv=None) -> None:
@@ -136,8 +162,13 @@ def main(argv=None) -> None:
     global MASKS
     MASKS = MaskTimer()
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=max(batches),
-                                    max_num_batched_tokens=max(batches) * args.context))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(batches) * args.context,
+        )
+    )
     # Warm-up: both grammars compiled and cached, the kernels touched once.
     decode_step_times(engine, 2, 1.0, args.context, 4, seed=1)
     times = {(b, v): [] for b in batches for v in VARIANTS}
@@ -145,18 +176,22 @@ def main(argv=None) -> None:
     for rep in range(args.repeats):
         for b in batches:
             for name, share in VARIANTS.items():
-                times[(b, name)] += decode_step_times(engine, b, share, args.context,
-                                                      args.steps, seed=rep,
-                                                      masks=masks[(b, name)])
-    print(f"{'batch':>5} {'variant':>8} {'step ms':>8} {'vs free':>8} {'mask ms':>8} "
-          f"{'mask/step':>9} {'steps':>6}")
+                times[(b, name)] += decode_step_times(
+                    engine, b, share, args.context, args.steps, seed=rep, masks=masks[(b, name)]
+                )
+    print(
+        f"{'batch':>5} {'variant':>8} {'step ms':>8} {'vs free':>8} {'mask ms':>8} "
+        f"{'mask/step':>9} {'steps':>6}"
+    )
     for b in batches:
         free = statistics.median(times[(b, "free")])
         for name in VARIANTS:
             med = statistics.median(times[(b, name)])
             mask = statistics.median(masks[(b, name)])
-            print(f"{b:>5} {name:>8} {med * 1e3:>8.1f} {med / free:>8.3f} {mask * 1e3:>8.2f} "
-                  f"{mask / med:>9.3f} {len(times[(b, name)]):>6}")
+            print(
+                f"{b:>5} {name:>8} {med * 1e3:>8.1f} {med / free:>8.3f} {mask * 1e3:>8.2f} "
+                f"{mask / med:>9.3f} {len(times[(b, name)]):>6}"
+            )
     print(json.dumps(compile_stall(engine, batches[0], args.context)))
 
 

@@ -10,6 +10,7 @@ that picks a random allowed token at each step (the same seed for every library)
 Libraries that are not installed are skipped. Used to choose the library behind
 ``slipstream.worker.structured_output`` (docs/structured_outputs.md has the figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,24 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "email": {"type": "string", "format": "email"},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        "address": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "email", "tags", "address", "active"],
     "additionalProperties": False,
 }
-REGEX = r"(\+1 )?\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}( ext\. [0-9]{1,5})?|[a-z]{3,12}@[a-z]{3,10}\.(com|org|net)"
+REGEX = (
+    r"(\+1 )?\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}( ext\. [0-9]{1,5})?"
+    r"|[a-z]{3,12}@[a-z]{3,10}\.(com|org|net)"
+)
 
 
 @dataclass
@@ -50,8 +59,9 @@ class Figure:
     tokens: int
 
 
-def _walk(fill: Callable, advance: Callable, done: Callable, vocab: int, steps: int,
-          seed: int) -> tuple:
+def _walk(
+    fill: Callable, advance: Callable, done: Callable, vocab: int, steps: int, seed: int
+) -> tuple:
     """Random allowed tokens until the grammar completes or ``steps``; returns (s, tokens)."""
     rng = torch.Generator().manual_seed(seed)
     bitmask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
@@ -79,11 +89,14 @@ def _xgrammar(tokenizer, vocab: int):
 
     def compile_(kind: str, spec: str):
         compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return (compiler.compile_json_schema(spec) if kind == "json" else compiler.compile_regex(spec))
+        return (
+            compiler.compile_json_schema(spec) if kind == "json" else compiler.compile_regex(spec)
+        )
 
     def matcher(compiled):
         m = xgr.GrammarMatcher(compiled)
         return (lambda b: m.fill_next_token_bitmask(b, 0)), m.accept_token, m.is_terminated
+
     return compile_, matcher
 
 
@@ -95,8 +108,11 @@ def _llguidance(tokenizer, vocab: int):
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
 
     def compile_(kind: str, spec: str):
-        grammar = (llguidance.LLMatcher.grammar_from_json_schema(spec) if kind == "json"
-                   else llguidance.LLMatcher.grammar_from_regex(spec))
+        grammar = (
+            llguidance.LLMatcher.grammar_from_json_schema(spec)
+            if kind == "json"
+            else llguidance.LLMatcher.grammar_from_regex(spec)
+        )
         m = llguidance.LLMatcher(lltok, grammar)  # the first matcher builds the lexer
         if m.is_error():
             raise ValueError(m.get_error())
@@ -104,8 +120,12 @@ def _llguidance(tokenizer, vocab: int):
 
     def matcher(grammar):
         m = llguidance.LLMatcher(lltok, grammar)
-        return ((lambda b: llguidance.torch.fill_next_token_bitmask(m, b, 0)),
-                m.consume_token, m.is_stopped)
+        return (
+            (lambda b: llguidance.torch.fill_next_token_bitmask(m, b, 0)),
+            m.consume_token,
+            m.is_stopped,
+        )
+
     return compile_, matcher
 
 
@@ -123,6 +143,7 @@ def _outlines(tokenizer, vocab: int):
     def matcher(index):
         g = Guide(index)
         return (lambda b: fill_next_token_bitmask(g, b)), g.advance, g.is_finished
+
     return compile_, matcher
 
 
@@ -144,8 +165,11 @@ def outlines_vocabulary(tokenizer, vocabulary_cls):
 
 def _byte_level_alphabet() -> dict:
     """GPT-2's byte -> printable character map (byte-level BPE token pieces use it)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

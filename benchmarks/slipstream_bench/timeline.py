@@ -6,6 +6,7 @@
 batching's dummy rows. The server writes it on shutdown (``trace_file``); the in-process
 engine hands ``tracer.to_chrome_trace()`` over directly. Both go through ``parse``.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,12 @@ def parse(trace: dict) -> list:
         if ev.get("pid") == ENGINE_PID and ev.get("cat") == "step":
             index = int(ev["name"].split()[-1])
             args = ev.get("args", {})
-            steps[index] = Step(index, ev["ts"] / 1e6, ev["dur"] / 1e6,
-                                padding_tokens=int(args.get("padding_tokens", 0)))
+            steps[index] = Step(
+                index,
+                ev["ts"] / 1e6,
+                ev["dur"] / 1e6,
+                padding_tokens=int(args.get("padding_tokens", 0)),
+            )
         elif ev.get("pid") == BATCH_PID:
             slices.append(ev)
     for ev in slices:
@@ -71,8 +76,15 @@ def parse(trace: dict) -> list:
             step.padding_slots.append(int(ev["tid"]))
             continue
         a = ev["args"]
-        step.slices.append(Slice(ev["name"], int(ev["tid"]), int(a.get("prefill_tokens", 0)),
-                                 int(a.get("decode_tokens", 0)), bool(a.get("finished"))))
+        step.slices.append(
+            Slice(
+                ev["name"],
+                int(ev["tid"]),
+                int(a.get("prefill_tokens", 0)),
+                int(a.get("decode_tokens", 0)),
+                bool(a.get("finished")),
+            )
+        )
     return [steps[i] for i in sorted(steps)]
 
 
@@ -81,8 +93,10 @@ def after(steps: Sequence[Step], first_index: int) -> list:
     kept = [s for s in steps if s.index >= first_index]
     if kept:  # time from the first measured step
         origin = kept[0].start_s
-        kept = [Step(s.index, s.start_s - origin, s.dur_s, s.slices, s.padding_slots,
-                     s.padding_tokens) for s in kept]
+        kept = [
+            Step(s.index, s.start_s - origin, s.dur_s, s.slices, s.padding_slots, s.padding_tokens)
+            for s in kept
+        ]
     return kept
 
 
@@ -97,12 +111,15 @@ def sampled_rows(steps: Sequence[Step]) -> list:
     seen_decode: dict = {}
     for i in range(len(steps) - 1, -1, -1):
         for s in steps[i].slices:
-            if s.prefill_tokens and (seen_decode.get(s.request_id) or
-                                     (s.finished and last_step_of[s.request_id] == i)):
+            if s.prefill_tokens and (
+                seen_decode.get(s.request_id) or (s.finished and last_step_of[s.request_id] == i)
+            ):
                 next_is_decode.add((i, s.request_id))
             seen_decode[s.request_id] = bool(s.decode_tokens) and not s.prefill_tokens
-    return [sum(1 for s in step.slices if s.decode_tokens or (i, s.request_id) in next_is_decode)
-            for i, step in enumerate(steps)]
+    return [
+        sum(1 for s in step.slices if s.decode_tokens or (i, s.request_id) in next_is_decode)
+        for i, step in enumerate(steps)
+    ]
 
 
 def summary(steps: Sequence[Step]) -> dict:
@@ -134,6 +151,13 @@ def batch_size_histogram(steps: Sequence[Step]) -> dict:
 def to_json(steps: Sequence[Step], max_steps: Optional[int] = None) -> list:
     """Compact form for the results file: [index, start, dur, [[rid, slot, p, d], ...], pads]."""
     chosen = steps if max_steps is None else steps[:max_steps]
-    return [[s.index, round(s.start_s, 6), round(s.dur_s, 6),
-             [[x.request_id, x.slot, x.prefill_tokens, x.decode_tokens] for x in s.slices],
-             s.padding_slots] for s in chosen]
+    return [
+        [
+            s.index,
+            round(s.start_s, 6),
+            round(s.dur_s, 6),
+            [[x.request_id, x.slot, x.prefill_tokens, x.decode_tokens] for x in s.slices],
+            s.padding_slots,
+        ]
+        for s in chosen
+    ]

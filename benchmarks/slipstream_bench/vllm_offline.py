@@ -8,6 +8,7 @@ has neither Slipstream nor the benchmark package). JOB.json: ``engine_args`` (vL
 (prompts of a few tokens' output). RESULT.json: the makespan of the measured
 ``generate`` call, each request's output token count and token ids, and the load time.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ def _params(max_tokens: int, sampling: dict | None = None):
 
     # Exact lengths as every other path (vLLM bans EOS while under min_tokens); greedy unless
     # the request carries sampling parameters.
-    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                          **(sampling or {"temperature": 0.0}))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=max_tokens,
+        ignore_eos=True,
+        **(sampling or {"temperature": 0.0}),
+    )
 
 
 def run(job: dict) -> dict:
@@ -38,8 +43,12 @@ def run(job: dict) -> dict:
     outputs = llm.generate(job["prompts"], params, use_tqdm=False)
     makespan = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"load_s": load_s, "makespan_s": makespan,
-            "output_tokens": [len(t) for t in token_ids], "token_ids": token_ids}
+    return {
+        "load_s": load_s,
+        "makespan_s": makespan,
+        "output_tokens": [len(t) for t in token_ids],
+        "token_ids": token_ids,
+    }
 
 
 def main(argv: list) -> int:

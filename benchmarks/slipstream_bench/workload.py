@@ -14,6 +14,7 @@ Decoding is greedy unless a ``SamplingMix`` gives the requests sampling paramete
 (``BenchRequest.sampling``: SamplingParams fields that every path sends as they are; a share
 may stay greedy, and sampled requests may each get a seed of their own).
 """
+
 from __future__ import annotations
 
 import json
@@ -67,9 +68,14 @@ class SamplingMix:
     def fields(self) -> dict:
         """The SamplingParams fields that differ from off (a peer gets only those)."""
         out: dict = {"temperature": self.temperature}
-        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
-                          ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                          ("frequency_penalty", 0.0)):
+        for name, off in (
+            ("top_p", 1.0),
+            ("top_k", 0),
+            ("min_p", 0.0),
+            ("repetition_penalty", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+        ):
             if getattr(self, name) != off:
                 out[name] = getattr(self, name)
         return out
@@ -92,8 +98,11 @@ def apply_sampling(workload: "Workload", mix: SamplingMix, seed: int = 0) -> "Wo
         req.sampling = mix.fields()
         if mix.seeded:
             req.sampling["seed"] = seed * 1_000_003 + i
-    workload.description["sampling"] = {**mix.fields(), "seeded": mix.seeded,
-                                        "greedy_fraction": mix.greedy_fraction}
+    workload.description["sampling"] = {
+        **mix.fields(),
+        "seeded": mix.seeded,
+        "greedy_fraction": mix.greedy_fraction,
+    }
     return workload
 
 
@@ -121,8 +130,12 @@ class Workload:
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"version": WORKLOAD_VERSION, "seed": self.seed, "description": self.description,
-                "requests": [asdict(r) for r in self.requests]}
+        body = {
+            "version": WORKLOAD_VERSION,
+            "seed": self.seed,
+            "description": self.description,
+            "requests": [asdict(r) for r in self.requests],
+        }
         path.write_text(json.dumps(body, indent=1))
         return path
 
@@ -156,8 +169,10 @@ def parse_distribution(spec: str) -> list:
     for part in spec.replace(" ", "").split("+"):
         m = re.fullmatch(r"(?:([0-9.]+)\*)?(uniform:(\d+):(\d+)|fixed:(\d+))", part)
         if not m:
-            raise ValueError(f"bad length distribution component {part!r} in {spec!r} "
-                             "(want [W*]uniform:LO:HI or [W*]fixed:N)")
+            raise ValueError(
+                f"bad length distribution component {part!r} in {spec!r} "
+                "(want [W*]uniform:LO:HI or [W*]fixed:N)"
+            )
         weight = float(m.group(1) or 1.0)
         if m.group(5) is not None:
             lo = hi = int(m.group(5))
@@ -165,7 +180,9 @@ def parse_distribution(spec: str) -> list:
         else:
             lo, hi, kind = int(m.group(3)), int(m.group(4)), "uniform"
         if lo <= 0 or hi < lo or weight <= 0:
-            raise ValueError(f"bad length distribution component {part!r}: need 0 < LO <= HI, W > 0")
+            raise ValueError(
+                f"bad length distribution component {part!r}: need 0 < LO <= HI, W > 0"
+            )
         comps.append(Component(weight, kind, lo, hi))
     return comps
 
@@ -176,7 +193,7 @@ def sample_lengths(spec: str, n: int, rng: random.Random) -> list:
     shares = [c.weight / total * n for c in comps]
     counts = [math.floor(s) for s in shares]
     by_remainder = sorted(range(len(comps)), key=lambda i: shares[i] - counts[i], reverse=True)
-    for i in by_remainder[:n - sum(counts)]:
+    for i in by_remainder[: n - sum(counts)]:
         counts[i] += 1
     which = [i for i, c in enumerate(counts) for _ in range(c)]
     rng.shuffle(which)
@@ -192,16 +209,20 @@ class PromptBuilder:
         self.num_special = len(tokenizer("")["input_ids"])  # e.g. a BOS the tokenizer adds
         self.words = self._single_token_words(max_words)
         if len(self.words) < 50:
-            raise ValueError("the tokenizer has too few single-token ' word' pieces to build "
-                             "prompts of exact length; pass a workload file instead")
+            raise ValueError(
+                "the tokenizer has too few single-token ' word' pieces to build "
+                "prompts of exact length; pass a workload file instead"
+            )
 
     def _single_token_words(self, limit: int) -> list:
         vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
         words = []
         for piece, _ in vocab:
             text = self.tokenizer.convert_tokens_to_string([piece])
-            if re.fullmatch(r" [a-z]{3,10}", text) and \
-                    len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) == 1:
+            if (
+                re.fullmatch(r" [a-z]{3,10}", text)
+                and len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
+            ):
                 words.append(text)
                 if len(words) >= limit:
                     break
@@ -211,7 +232,9 @@ class PromptBuilder:
         """(text, actual token count) of ``prefix`` + random words, aiming at ``num_tokens``."""
         have = self.count(prefix) if prefix else self.num_special
         for _ in range(5):  # rare merges across words: retry with other words
-            text = prefix + "".join(rng.choice(self.words) for _ in range(max(num_tokens - have, 1)))
+            text = prefix + "".join(
+                rng.choice(self.words) for _ in range(max(num_tokens - have, 1))
+            )
             got = self.count(text)
             if got == num_tokens:
                 break
@@ -222,9 +245,13 @@ class PromptBuilder:
 
 
 # ------------------------------------------------------------------------ workloads
-def generate_workload(tokenizer, num_requests: int = 64, seed: int = 0,
-                      prompt_lens: str = DEFAULT_PROMPT_LENS,
-                      output_lens: str = DEFAULT_OUTPUT_LENS) -> Workload:
+def generate_workload(
+    tokenizer,
+    num_requests: int = 64,
+    seed: int = 0,
+    prompt_lens: str = DEFAULT_PROMPT_LENS,
+    output_lens: str = DEFAULT_OUTPUT_LENS,
+) -> Workload:
     rng = random.Random(seed)
     builder = PromptBuilder(tokenizer)
     p_lens = sample_lengths(prompt_lens, num_requests, rng)
@@ -237,9 +264,14 @@ def generate_workload(tokenizer, num_requests: int = 64, seed: int = 0,
     return Workload(reqs, seed, desc)
 
 
-def shared_prefix_workload(tokenizer, num_requests: int = 32, seed: int = 0,
-                           system_len: int = 512, suffix_lens: str = "uniform:16:48",
-                           output_lens: str = "fixed:32") -> Workload:
+def shared_prefix_workload(
+    tokenizer,
+    num_requests: int = 32,
+    seed: int = 0,
+    system_len: int = 512,
+    suffix_lens: str = "uniform:16:48",
+    output_lens: str = "fixed:32",
+) -> Workload:
     """Every prompt = one long shared system prompt + its own short question."""
     rng = random.Random(seed)
     builder = PromptBuilder(tokenizer)
@@ -250,8 +282,12 @@ def shared_prefix_workload(tokenizer, num_requests: int = 32, seed: int = 0,
     for i, (s, o) in enumerate(zip(s_lens, o_lens)):
         text, got = builder.build(sys_len + s, rng, prefix=system)
         reqs.append(BenchRequest(f"p{i:04d}", text, got, o))
-    desc = {"kind": "shared_prefix", "system_len": sys_len, "suffix_lens": suffix_lens,
-            "output_lens": output_lens}
+    desc = {
+        "kind": "shared_prefix",
+        "system_len": sys_len,
+        "suffix_lens": suffix_lens,
+        "output_lens": output_lens,
+    }
     return Workload(reqs, seed, desc)
 
 
@@ -269,21 +305,30 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> list:
     return out
 
 
-def scaled(workload: Workload, num_requests: Optional[int] = None,
-           max_output: Optional[int] = None) -> Workload:
+def scaled(
+    workload: Workload, num_requests: Optional[int] = None, max_output: Optional[int] = None
+) -> Workload:
     """A smaller copy (smoke runs): the first requests, outputs capped."""
     reqs = workload.requests[:num_requests] if num_requests else list(workload.requests)
     if max_output:
-        reqs = [BenchRequest(r.id, r.prompt, r.prompt_len, min(r.max_tokens, max_output),
-                             r.sampling) for r in reqs]
+        reqs = [
+            BenchRequest(r.id, r.prompt, r.prompt_len, min(r.max_tokens, max_output), r.sampling)
+            for r in reqs
+        ]
     return Workload(reqs, workload.seed, dict(workload.description))
 
 
 def lengths_summary(workload: Workload) -> dict:
     def stats(values: Sequence[int]) -> dict:
-        return {"min": min(values), "max": max(values), "mean": sum(values) / len(values),
-                "total": sum(values)}
+        return {
+            "min": min(values),
+            "max": max(values),
+            "mean": sum(values) / len(values),
+            "total": sum(values),
+        }
 
-    return {"num_requests": len(workload),
-            "prompt_tokens": stats([r.prompt_len for r in workload.requests]),
-            "output_tokens": stats([r.max_tokens for r in workload.requests])}
+    return {
+        "num_requests": len(workload),
+        "prompt_tokens": stats([r.prompt_len for r in workload.requests]),
+        "output_tokens": stats([r.max_tokens for r in workload.requests]),
+    }

@@ -3,6 +3,7 @@
 model directory needs only ``config.pbtxt`` with ``backend: "slipstream"`` and ``1/model.json``
 (vLLM engine arguments), as with Triton's vLLM backend. The adapter lives in the package
 (``slipstream.server.stub.triton_model``), which must be importable by Triton's Python."""
+
 import os
 import sys
 

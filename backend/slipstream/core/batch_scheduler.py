@@ -6,6 +6,7 @@ ends. ``static`` always computes ``max_batch_size`` rows (empty slots are paddin
 ``dynamic`` releases a batch when it is full or its oldest request has waited
 ``max_queue_delay_ms``, and computes only the rows it formed with.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,14 +34,17 @@ class BatchScheduler(SchedulerBase):
         for req in live:
             num_new = self._tokens_wanted(req)
             if not self.bm.can_allocate(req, num_new):
-                raise RuntimeError("KV cache too small for the static batch: lower "
-                                   "max_batch_size or raise the KV budget")
+                raise RuntimeError(
+                    "KV cache too small for the static batch: lower "
+                    "max_batch_size or raise the KV budget"
+                )
             self.bm.allocate(req, num_new)
             out.scheduled.append(ScheduledRequest(req, num_new))
         rows = len(self.batch) if self.dynamic else self.config.max_batch_size
         prefill = [s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1]
-        out.padding = BatchPadding(padded_prompt_len=max(prefill, default=0),
-                                   num_padding_seqs=rows - len(live))
+        out.padding = BatchPadding(
+            padded_prompt_len=max(prefill, default=0), num_padding_seqs=rows - len(live)
+        )
         return out
 
     def next_wakeup(self) -> Optional[float]:

@@ -20,6 +20,7 @@ as Hugging Face's ``generate(num_beams=k, do_sample=False)`` does:
 Before the first round every slot holds the prompt: slots 1..k-1 start at -1e9 so that the
 first choice is made from one copy of the prompt's distribution only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -94,10 +95,14 @@ class BeamSearch:
         most tokens a beam may have. Returns the next round's beams (none once finished)."""
         length = len(outputs[0]) + 1  # each continuation's generated length
         last = length >= limit
-        ranked = sorted(((self.scores[s] + lp, s, tok, lp)
-                         for s, (lps, toks) in self.candidates.items()
-                         for lp, tok in zip(lps, toks)),
-                        key=lambda c: -c[0])[:self.num_candidates]
+        ranked = sorted(
+            (
+                (self.scores[s] + lp, s, tok, lp)
+                for s, (lps, toks) in self.candidates.items()
+                for lp, tok in zip(lps, toks)
+            ),
+            key=lambda c: -c[0],
+        )[: self.num_candidates]
         self.candidates = {}
         running: list[Candidate] = []
         finished = []
@@ -106,9 +111,15 @@ class BeamSearch:
             if stops or last:
                 if rank < self.width:
                     reason = FinishReason.STOP if stops else FinishReason.LENGTH
-                    finished.append(Hypothesis(outputs[slot] + [tok], self.logprobs[slot] + [lp],
-                                               total, total / length ** self.length_penalty,
-                                               reason))
+                    finished.append(
+                        Hypothesis(
+                            outputs[slot] + [tok],
+                            self.logprobs[slot] + [lp],
+                            total,
+                            total / length**self.length_penalty,
+                            reason,
+                        )
+                    )
             elif len(running) < self.width:
                 running.append((total, slot, tok, lp))
         self._keep(finished)
@@ -122,7 +133,7 @@ class BeamSearch:
             return
         merged = self.hypotheses + finished
         merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
-        self.hypotheses = merged[:self.width]
+        self.hypotheses = merged[: self.width]
 
     def _seat(self, running: list[Candidate]) -> list[Move]:
         """Slots for the next beams: a beam's first continuation stays in its slot, others
@@ -146,8 +157,9 @@ class BeamSearch:
             best_length = length
             if self.early_stopping == "never" and self.length_penalty > 0:
                 best_length = limit
-            best = running[0][0] / best_length ** self.length_penalty
+            best = running[0][0] / best_length**self.length_penalty
             self.improvable = self.improvable and best > min(h.score for h in self.hypotheses)
         full = len(self.hypotheses) >= self.width
-        self.finished = (last or not running or not self.improvable
-                         or (full and self.early_stopping is True))
+        self.finished = (
+            last or not running or not self.improvable or (full and self.early_stopping is True)
+        )

@@ -3,6 +3,7 @@
 Block 0 is reserved as a scratch block: padding rows (static batching, CUDA-graph padding)
 write their throw-away K/V there, so they never touch a request's blocks.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -46,9 +47,15 @@ class _PerRequest:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hasher: Optional[BlockHasher] = None,
-                 lora_paths: Optional[dict[str, str]] = None, emit_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hasher: Optional[BlockHasher] = None,
+        lora_paths: Optional[dict[str, str]] = None,
+        emit_events: bool = False,
+    ) -> None:
         """``hasher`` names full blocks (default: the fast built-in hash; vLLM's
         ``sha256_cbor`` for KV events routers can match); ``lora_paths`` (adapter name ->
         directory) goes into LoRA blocks' keys as vLLM puts it there. With ``emit_events``
@@ -101,7 +108,7 @@ class BlockManager:
         keys = self._key_source(req)
         parent = None
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            chunk = tuple(tokens[start:start + self.block_size])
+            chunk = tuple(tokens[start : start + self.block_size])
             h = self.hasher.hash_block(parent, chunk, keys.extra_keys(len(hits)))
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
@@ -115,8 +122,13 @@ class BlockManager:
         self.stats.hits += num_hit_tokens
 
     # -- allocation --------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: Optional[list[int]] = None,
-                     start: Optional[int] = None) -> bool:
+    def can_allocate(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached: Optional[list[int]] = None,
+        start: Optional[int] = None,
+    ) -> bool:
         cached = cached or []
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         have = len(req.block_table) + len(cached)
@@ -124,8 +136,13 @@ class BlockManager:
         need = self.blocks_needed(start + num_new_tokens) - have
         return max(need, 0) + revived <= len(self.free)
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: Optional[list[int]] = None,
-                 start: Optional[int] = None) -> None:
+    def allocate(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached: Optional[list[int]] = None,
+        start: Optional[int] = None,
+    ) -> None:
         """Give ``req`` room for ``num_new_tokens`` tokens from position ``start`` (default:
         its progress), first taking prefix-cache hits."""
         state = self.per_request.setdefault(req.request_id, _PerRequest())
@@ -152,7 +169,7 @@ class BlockManager:
         while len(state.block_hashes) < num_full:
             i = len(state.block_hashes)
             parent = state.block_hashes[-1] if state.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             h = self.hasher.hash_block(parent, chunk, keys.extra_keys(i))
             state.block_hashes.append(h)
             block = self.blocks[req.block_table[i]]
@@ -182,8 +199,7 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
-    def fork(self, parent: Request, child: Request,
-             num_tokens: int) -> Optional[tuple[int, int]]:
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> Optional[tuple[int, int]]:
         """Give ``child`` the parent's KV for its first ``num_tokens`` tokens: full blocks are
         shared (one more reference each); the partly filled last block, which both will write
         their next tokens into, is copied into a fresh block. Returns that copy as
@@ -226,11 +242,18 @@ class BlockManager:
     # -- internals -----------------------------------------------------------------------
     def _key_source(self, req: Request) -> BlockKeySource:
         name = req.params.lora_name
-        return BlockKeySource(name, self.lora_paths.get(name) if name else None,
-                              req.params.cache_salt)
+        return BlockKeySource(
+            name, self.lora_paths.get(name) if name else None, req.params.cache_salt
+        )
 
-    def _emit_stored(self, events: list[KVCacheEvent], req: Request, hashes: list[Hashable],
-                     stored: list[int], keys: BlockKeySource) -> None:
+    def _emit_stored(
+        self,
+        events: list[KVCacheEvent],
+        req: Request,
+        hashes: list[Hashable],
+        stored: list[int],
+        keys: BlockKeySource,
+    ) -> None:
         """One ``BlockStored`` per run of consecutive new blocks (a block already cached
         under the same hash by another request breaks a run: its hash is not new)."""
         runs: list[list[int]] = []
@@ -242,12 +265,16 @@ class BlockManager:
         size, tokens = self.block_size, req.all_token_ids
         for run in runs:
             first, last = run[0], run[-1]
-            events.append(BlockStored(
-                block_hashes=tuple(hashes[first:last + 1]),
-                parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=tuple(tokens[first * size:(last + 1) * size]),
-                block_size=size, lora_name=req.params.lora_name,
-                extra_keys=tuple(event_extra_keys(keys.extra_keys(i)) for i in run)))
+            events.append(
+                BlockStored(
+                    block_hashes=tuple(hashes[first : last + 1]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=tuple(tokens[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_name=req.params.lora_name,
+                    extra_keys=tuple(event_extra_keys(keys.extra_keys(i)) for i in run),
+                )
+            )
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -5,6 +5,7 @@ Callers differ only in which words they accept, and that is data (a ``Spelling``
 value or an engine setting takes the common words, while a config.pbtxt switch takes exactly
 "true" or "false" (what Triton's own backends accept, and so what their configs hold).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

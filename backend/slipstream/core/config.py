@@ -1,4 +1,5 @@
 """Engine configuration: one validated dataclass shared by every component."""
+
 from __future__ import annotations
 
 import json
@@ -19,17 +20,34 @@ ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
 
 # Settings that must be integers >= 1.
-_POSITIVE = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_batch_size",
-             "num_speculative_tokens", "max_loras", "max_lora_rank")
+_POSITIVE = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_batch_size",
+    "num_speculative_tokens",
+    "max_loras",
+    "max_lora_rank",
+)
 # Settings with a closed set of values, in the order they are checked.
 _CHOICES: tuple[tuple[str, tuple[Optional[str], ...]], ...] = (
-    ("batching", BATCHING_MODES), ("policy", POLICIES), ("preemption_mode", PREEMPTION_MODES),
-    ("prefix_caching_hash_algo", HASH_ALGOS), ("attention_ops", ATTENTION_OPS),
-    ("cpu_linear", CPU_LINEARS), ("dtype", DTYPES), ("quantization", QUANTIZATIONS),
-    ("kv_cache_dtype", KV_CACHE_DTYPES))
+    ("batching", BATCHING_MODES),
+    ("policy", POLICIES),
+    ("preemption_mode", PREEMPTION_MODES),
+    ("prefix_caching_hash_algo", HASH_ALGOS),
+    ("attention_ops", ATTENTION_OPS),
+    ("cpu_linear", CPU_LINEARS),
+    ("dtype", DTYPES),
+    ("quantization", QUANTIZATIONS),
+    ("kv_cache_dtype", KV_CACHE_DTYPES),
+)
 # Optional integer settings (their default None says nothing about their type).
-_OPTIONAL_INTS = ("kv_cache_memory_bytes", "num_gpu_blocks_override", "max_model_len",
-                  "swap_min_tokens")
+_OPTIONAL_INTS = (
+    "kv_cache_memory_bytes",
+    "num_gpu_blocks_override",
+    "max_model_len",
+    "swap_min_tokens",
+)
 
 
 def _check_count(name: str, value: Any, low: int) -> None:
@@ -127,11 +145,15 @@ class EngineConfig:
         self._validate_queue_and_memory()
         self._validate_speculation()
         self._validate_lora()
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
-                f"({self.max_num_batched_tokens} < {self.max_model_len})")
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
 
     def _validate_counts(self) -> None:
         for name in _POSITIVE:
@@ -159,8 +181,10 @@ class EngineConfig:
 
     def _validate_speculation(self) -> None:
         if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError("speculative_method must be None, 'ngram' or 'draft', got "
-                             f"{self.speculative_method!r}")
+            raise ValueError(
+                "speculative_method must be None, 'ngram' or 'draft', got "
+                f"{self.speculative_method!r}"
+            )
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method='draft' needs speculative_model")
 
@@ -173,8 +197,9 @@ class EngineConfig:
             except ValueError as e:
                 raise ValueError(f"lora_modules must be a JSON object: {e}") from None
         if not isinstance(self.lora_modules, dict) or not all(
-                isinstance(k, str) and k and isinstance(v, str) and v
-                for k, v in self.lora_modules.items()):
+            isinstance(k, str) and k and isinstance(v, str) and v
+            for k, v in self.lora_modules.items()
+        ):
             raise ValueError("lora_modules must map adapter names to PEFT directories")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

@@ -5,6 +5,7 @@ it): a waiting request whose adapter is not among the running ones' is deferred,
 while ``max_loras`` others are in use; requests on the base model or on an adapter already
 running are always admissible.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -23,8 +24,9 @@ def fits(req: Request, active: set[str], max_loras: Optional[int]) -> bool:
     return max_loras is None or name is None or name in active or len(active) < max_loras
 
 
-def admissible(waiting: list[Request], running: list[Request],
-               max_loras: Optional[int]) -> list[Request]:
+def admissible(
+    waiting: list[Request], running: list[Request], max_loras: Optional[int]
+) -> list[Request]:
     """The waiting requests that may be admitted next without exceeding ``max_loras``."""
     if max_loras is None:
         return waiting

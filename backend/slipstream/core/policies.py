@@ -3,6 +3,7 @@
 A key is "smaller = served first". Priority and shortest-job-first age: every
 ``aging_seconds`` of waiting moves a request one class forward, so nothing starves.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,20 +32,23 @@ def make_policy(name: str, aging_seconds: float = 5.0) -> PolicyKey:
         def key(req: Request, now: float) -> tuple[float, float]:
             size = (req.params.max_tokens + req.num_prompt_tokens) / 64.0
             return (_aged(size, req, now, aging_seconds), req.arrival_time)
+
         return key
     raise ValueError(f"unknown policy {name!r}")
 
 
-def pick_first(requests: list[Request], key: PolicyKey,
-               now: Optional[float] = None) -> Optional[Request]:
+def pick_first(
+    requests: list[Request], key: PolicyKey, now: Optional[float] = None
+) -> Optional[Request]:
     if not requests:
         return None
     now = time.monotonic() if now is None else now
     return min(requests, key=lambda r: key(r, now))
 
 
-def pick_victim(requests: list[Request], key: PolicyKey,
-                now: Optional[float] = None) -> Optional[Request]:
+def pick_victim(
+    requests: list[Request], key: PolicyKey, now: Optional[float] = None
+) -> Optional[Request]:
     """The running request to preempt: the one the policy would serve last."""
     if not requests:
         return None

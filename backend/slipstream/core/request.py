@@ -1,10 +1,11 @@
 """A request's state inside the engine, and what the engine reports back for it."""
+
 from __future__ import annotations
 
 import enum
 import time
-from time import time as wall_clock  # its own name: tests fake the module's monotonic()
 from dataclasses import dataclass, field
+from time import time as wall_clock  # its own name: tests fake the module's monotonic()
 from typing import TYPE_CHECKING, Optional
 
 from slipstream.core.sampling_params import SamplingParams
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 class FinishReason(str, enum.Enum):
     """Why a request ended. A ``str`` enum: equal to its wire name ("stop", ...)."""
+
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens, max_model_len or the KV cache's capacity
     ABORT = "abort"  # cancelled by the client or by shutdown
@@ -104,9 +106,15 @@ class Request:
     """One sequence. Progress is a single counter, ``num_computed_tokens``: prefill and
     decode are the same thing (compute the tokens the KV cache does not hold yet)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_id: Optional[int] = None, priority: int = 0,
-                 arrival_time: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: Optional[int] = None,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -151,7 +159,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:
@@ -161,8 +169,9 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def timing(self) -> RequestTiming:
-        return RequestTiming(self.arrival_time, self.first_scheduled_time, self.first_token_time,
-                             time.monotonic())
+        return RequestTiming(
+            self.arrival_time, self.first_scheduled_time, self.first_token_time, time.monotonic()
+        )
 
     def metrics(self, block_size: int) -> RequestMetrics:
         mono, wall = time.monotonic(), wall_clock()
@@ -174,11 +183,14 @@ class Request:
             kv_total_blocks=-(-self.num_computed_tokens // block_size),
             kv_reused_blocks=self.num_cached_tokens // block_size,
             draft_tokens=self.num_draft_tokens,
-            accepted_draft_tokens=self.num_accepted_draft_tokens)
+            accepted_draft_tokens=self.num_accepted_draft_tokens,
+        )
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, computed="
-                f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})"
+        )
 
 
 @dataclass
@@ -225,9 +237,18 @@ def merge_output(total: RequestOutput, delta: RequestOutput) -> None:
     total.text += delta.text
     total.token_ids.extend(delta.token_ids)
     total.logprobs.extend(delta.logprobs)
-    for name in ("finished", "finish_reason", "num_prompt_tokens", "num_output_tokens",
-                 "num_cached_tokens", "cumulative_logprob", "error", "timing", "index",
-                 "metrics"):
+    for name in (
+        "finished",
+        "finish_reason",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "num_cached_tokens",
+        "cumulative_logprob",
+        "error",
+        "timing",
+        "index",
+        "metrics",
+    ):
         setattr(total, name, getattr(delta, name))
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs

@@ -8,6 +8,7 @@ Validation refuses what the engine cannot compute, so that one request's values 
 fail a batched step that other requests share: values torch or float32 cannot represent,
 and lists large enough to slow every step down (stop strings are checked on each token).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,10 @@ from slipstream.core.structured_outputs import StructuredOutputsParams
 GREEDY_TEMPERATURE_EPS = 1e-5
 MIN_SAMPLED_TEMPERATURE = 1e-2
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] (negative seeds wrap around).
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+SEED_RANGE = (-(2**63), 2**64 - 1)
 # Penalties divide or multiply float32 logits: outside float32's normal range they turn
 # logits into 0 or inf.
-FLOAT32_NORMAL_RANGE = (1.1754943508222875e-38, 3.4028234663852886e+38)
+FLOAT32_NORMAL_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -53,12 +54,17 @@ def _check_integer(params: "SamplingParams", name: str, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {show(value)}")
 
 
-def _check_number(params: "SamplingParams", name: str, ok: Callable[[float], bool],
-                  rule: str) -> None:
+def _check_number(
+    params: "SamplingParams", name: str, ok: Callable[[float], bool], rule: str
+) -> None:
     """A finite number within ``rule`` (``ok``), stored as a float."""
     value = getattr(params, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not ok(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not ok(value)
+    ):
         raise ValueError(f"{name} must be {rule}, got {show(value)}")
     setattr(params, name, float(value))
 
@@ -161,18 +167,24 @@ class SamplingParams:
         _check_integer(self, "min_tokens", 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
-                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
 
     def _validate_sampling(self) -> None:
         _check_number(self, "temperature", lambda v: v >= 0, ">= 0")
         self._fit_temperature()
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(
-                f"top_k must be -1, 0 (off) or a positive integer, got {show(self.top_k)}")
+                f"top_k must be -1, 0 (off) or a positive integer, got {show(self.top_k)}"
+            )
         _check_number(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
         low, high = FLOAT32_NORMAL_RANGE
-        _check_number(self, "repetition_penalty", lambda v: low <= v <= high,
-                      f"> 0 and within float32's range [{low:.3g}, {high:.3g}]")
+        _check_number(
+            self,
+            "repetition_penalty",
+            lambda v: low <= v <= high,
+            f"> 0 and within float32's range [{low:.3g}, {high:.3g}]",
+        )
         _check_number(self, "presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
         _check_number(self, "frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
 
@@ -185,13 +197,19 @@ class SamplingParams:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {getattr(self, name)}")
 
     def _validate_output_switches(self) -> None:
-        for name in ("include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize", "use_speculation"):
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+            "use_speculation",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(
-                f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+                f"bad_words must be a list of non-empty strings, got {self.bad_words!r}"
+            )
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {t!r}")
@@ -216,13 +234,17 @@ class SamplingParams:
             return
         if isinstance(self.best_of, bool) or not isinstance(self.best_of, int):
             raise ValueError(
-                f"best_of must be an int, but is of type {type(self.best_of).__name__}")
+                f"best_of must be an int, but is of type {type(self.best_of).__name__}"
+            )
         if self.best_of < self.n:
-            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
-                             f"best_of={self.best_of}.")
+            raise ValueError(
+                f"best_of must be greater than or equal to n, got n={self.n} and "
+                f"best_of={self.best_of}."
+            )
         if self.best_of > MAX_PARALLEL_SEQUENCES:
             raise ValueError(
-                f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}.")
+                f"best_of must be at most {MAX_PARALLEL_SEQUENCES}, got {self.best_of}."
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -244,66 +266,84 @@ class SamplingParams:
             self.best_of = None
         w = self.beam_width
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_PARALLEL_SEQUENCES:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_PARALLEL_SEQUENCES}], "
-                             f"got {show(w)}")
+            raise ValueError(
+                f"beam_width must be an integer in [1, {MAX_PARALLEL_SEQUENCES}], got {show(w)}"
+            )
         lp = self.length_penalty
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ValueError(f"length_penalty must be a finite number, got {show(lp)}")
         self.length_penalty = float(lp)
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError("early_stopping must be true, false or \"never\", got "
-                             f"{show(self.early_stopping)}")
+            raise ValueError(
+                f'early_stopping must be true, false or "never", got {show(self.early_stopping)}'
+            )
         if w > 1:
             self._validate_beams(w)
 
     def _validate_beams(self, w: int) -> None:
         """What may come with more than one beam."""
         if self.n > w:
-            raise ValueError(f"n must be <= beam_width with beam search, got n={self.n} and "
-                             f"beam_width={w}")
+            raise ValueError(
+                f"n must be <= beam_width with beam search, got n={self.n} and beam_width={w}"
+            )
         if self.best_of is not None and self.best_of != w:
-            raise ValueError("best_of cannot be combined with beam search (beam_width is the "
-                             "number of sequences kept)")
+            raise ValueError(
+                "best_of cannot be combined with beam search (beam_width is the "
+                "number of sequences kept)"
+            )
         # The beams are ranked on the model's own log-probabilities: what reshapes or
         # constrains the distribution per sequence has no meaning across beams here.
         if self.stop or self.structured_outputs is not None or self.prompt_logprobs is not None:
-            raise ValueError("beam search does not support stop strings, structured outputs or "
-                             "prompt_logprobs")
+            raise ValueError(
+                "beam search does not support stop strings, structured outputs or prompt_logprobs"
+            )
 
     def _validate_seed(self) -> None:
         if self.seed is None:
             return
         low, high = SEED_RANGE
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not low <= self.seed <= high:
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not low <= self.seed <= high
+        ):
             raise ValueError(
-                f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}")
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {show(self.seed)}"
+            )
 
     def _validate_stops(self) -> None:
         # Counted before looking at elements: a list of 100,000 stops is refused at once.
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
-                             "are allowed")
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {show(self.stop)}")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                             f"got one of {longest}")
+            raise ValueError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                f"got one of {longest}"
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
-                             f"{MAX_STOP_TOKEN_IDS} are allowed")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                   for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers, got "
-                             f"{show(self.stop_token_ids)}")
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed"
+            )
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {show(self.stop_token_ids)}"
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids index the logits: each must be below the model's vocabulary size."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}, got "
-                             f"{show(bad)}")
+            raise ValueError(
+                f"stop_token_ids must be < the vocabulary size {vocab_size}, got {show(bad)}"
+            )
 
     def _validate_token_constraints(self) -> None:
         if self.allowed_token_ids is not None:
@@ -320,8 +360,11 @@ class SamplingParams:
             for key, value in self.logit_bias.items():
                 if not _is_token_id(key):
                     raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-                if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                        or not math.isfinite(value):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                ):
                     raise ValueError(f"logit_bias values must be numbers, got {value!r}")
                 bias[int(key)] = min(max(float(value), -100.0), 100.0)  # OpenAI's range
             self.logit_bias = bias
@@ -342,13 +385,36 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-_INT_FIELDS = {"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
-               "truncate_prompt_tokens", "n", "best_of", "beam_width"}
-_FLOAT_FIELDS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "min_p", "length_penalty"}
-_BOOL_FIELDS = {"ignore_eos", "use_speculation", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
-                "use_beam_search"}
+_INT_FIELDS = {
+    "max_tokens",
+    "min_tokens",
+    "top_k",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+    "n",
+    "best_of",
+    "beam_width",
+}
+_FLOAT_FIELDS = {
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "length_penalty",
+}
+_BOOL_FIELDS = {
+    "ignore_eos",
+    "use_speculation",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+    "use_beam_search",
+}
 
 
 def _is_token_id(value: Any) -> bool:

@@ -12,6 +12,7 @@ The scheduler owns request progress: ``schedule`` decides what each request comp
 ``update_from_output`` applies what the worker sampled (progress, draft rollback, prefix-cache
 registration, stop checks, finishing). Nothing else writes ``num_computed_tokens``.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,12 @@ from slipstream.core.config import EngineConfig
 from slipstream.core.lora_limit import admissible
 from slipstream.core.policies import make_policy, pick_first, pick_victim
 from slipstream.core.request import FinishReason, Request, RequestStatus
-from slipstream.core.scheduler_output import (ModelRunnerOutput, RequestUpdate,
-                                              ScheduledRequest, SchedulerOutput)
+from slipstream.core.scheduler_output import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from slipstream.core.step_budget import StepBudget
 from slipstream.core.swap_space import SwapSpace
 
@@ -38,8 +43,9 @@ class SchedulerBase(ABC):
     """Queues, finishing and ``update_from_output``, shared by the continuous scheduler and
     the request-level batching baselines. ``schedule`` is theirs."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 swap: Optional[SwapSpace] = None) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, swap: Optional[SwapSpace] = None
+    ) -> None:
         self.config = config
         self.bm = block_manager
         self.key = make_policy(config.policy, config.aging_seconds)
@@ -88,8 +94,9 @@ class SchedulerBase(ABC):
         """A step's measured wall time (schedule to outputs), for schedulers that plan by it."""
 
     # -- applying a step's results -----------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, sampled: ModelRunnerOutput,
-                           stop_string: StopStringCheck) -> list[RequestUpdate]:
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: ModelRunnerOutput, stop_string: StopStringCheck
+    ) -> list[RequestUpdate]:
         """Advance every scheduled request by what the step computed and sampled; finish
         those that stopped. Returns one update per request that sampled or ended. A
         request whose own rows failed, or whose stop check raises, ends alone with an error."""
@@ -100,8 +107,9 @@ class SchedulerBase(ABC):
                 continue
             forks = item.forks
             if forks:  # before the parent advances: it may finish and free the shared blocks
-                updates += self._fork(sched, item, forks, tokens, logprobs, sampled.errors,
-                                      stop_string)
+                updates += self._fork(
+                    sched, item, forks, tokens, logprobs, sampled.errors, stop_string
+                )
                 tokens, logprobs = tokens[:1], logprobs[:1]
             error = sampled.errors.get(req.request_id)
             if error is None:
@@ -140,8 +148,11 @@ class SchedulerBase(ABC):
         moves = group.beam.step([s.output_token_ids for s in slots], limit)
         if group.beam.finished:
             best = group.beam.hypotheses[0].finish_reason if group.beam.hypotheses else None
-            status = (RequestStatus.FINISHED_STOPPED if best is FinishReason.STOP
-                      else RequestStatus.FINISHED_LENGTH)
+            status = (
+                RequestStatus.FINISHED_STOPPED
+                if best is FinishReason.STOP
+                else RequestStatus.FINISHED_LENGTH
+            )
             for slot in slots:
                 self.finish(slot, status)
             return [RequestUpdate(first)]
@@ -180,8 +191,13 @@ class SchedulerBase(ABC):
             slot.status = RequestStatus.WAITING
             self.waiting.append(slot)
 
-    def _advance(self, item: ScheduledRequest, tokens: list[int], logprobs: list[float],
-                 stop_string: StopStringCheck) -> Optional[RequestUpdate]:
+    def _advance(
+        self,
+        item: ScheduledRequest,
+        tokens: list[int],
+        logprobs: list[float],
+        stop_string: StopStringCheck,
+    ) -> Optional[RequestUpdate]:
         req = item.request
         req.num_computed_tokens += item.num_new_tokens
         if not tokens:  # a prefill chunk short of the prompt's end
@@ -192,8 +208,13 @@ class SchedulerBase(ABC):
         update.num_accepted = accepted - 1 if item.spec_token_ids else 0
         return self._append(update, tokens[:accepted], logprobs[:accepted], stop_string)
 
-    def _append(self, update: RequestUpdate, tokens: list[int], logprobs: list[float],
-                stop_string: StopStringCheck) -> RequestUpdate:
+    def _append(
+        self,
+        update: RequestUpdate,
+        tokens: list[int],
+        logprobs: list[float],
+        stop_string: StopStringCheck,
+    ) -> RequestUpdate:
         """Append sampled tokens up to the first that stops the request; finish it then."""
         req = update.request
         status = None
@@ -214,17 +235,25 @@ class SchedulerBase(ABC):
             self.finish(req, status)
         return update
 
-    def _fork(self, sched: SchedulerOutput, item: ScheduledRequest, children: list[Request],
-              tokens: list[int], logprobs: list[float], errors: dict[str, str],
-              stop_string: StopStringCheck) -> list[RequestUpdate]:
+    def _fork(
+        self,
+        sched: SchedulerOutput,
+        item: ScheduledRequest,
+        children: list[Request],
+        tokens: list[int],
+        logprobs: list[float],
+        errors: dict[str, str],
+        stop_string: StopStringCheck,
+    ) -> list[RequestUpdate]:
         """The parent's prompt is computed: each child takes its KV (full blocks shared, the
         partial block copied after this step), its own first token (row i of the step's rows
         for the parent) and runs from now on. A failed row fails the whole group: it is one
         client request."""
         parent = item.request
         parent.group.forked = True
-        failed = next((errors[s.request_id] for s in parent.group.sequences
-                       if s.request_id in errors), None)
+        failed = next(
+            (errors[s.request_id] for s in parent.group.sequences if s.request_id in errors), None
+        )
         if failed is not None:
             errors.setdefault(parent.request_id, failed)
         num_prompt = item.num_computed_before + item.num_new_tokens
@@ -241,8 +270,11 @@ class SchedulerBase(ABC):
             child.first_scheduled_time = parent.first_scheduled_time
             self.running.append(child)
             try:
-                updates.append(self._append(RequestUpdate(child), tokens[i:i + 1],
-                                            logprobs[i:i + 1], stop_string))
+                updates.append(
+                    self._append(
+                        RequestUpdate(child), tokens[i : i + 1], logprobs[i : i + 1], stop_string
+                    )
+                )
             except Exception as exc:  # its stop check or text: this sequence alone fails
                 self.fail(child, f"internal error: {exc}")
                 updates.append(RequestUpdate(child))
@@ -277,11 +309,15 @@ class SchedulerBase(ABC):
 class Scheduler(SchedulerBase):
     """The continuous (in-flight) scheduler."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 swap: Optional[SwapSpace] = None) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, swap: Optional[SwapSpace] = None
+    ) -> None:
         super().__init__(config, block_manager, swap)
-        self.step_budget = (StepBudget(config.tpot_target_ms / 1e3, config.max_num_batched_tokens)
-                            if config.tpot_target_ms > 0 else None)
+        self.step_budget = (
+            StepBudget(config.tpot_target_ms / 1e3, config.max_num_batched_tokens)
+            if config.tpot_target_ms > 0
+            else None
+        )
         self.last_budget = config.max_num_batched_tokens  # the token budget of the last step
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
@@ -292,10 +328,12 @@ class Scheduler(SchedulerBase):
         """max_num_batched_tokens, or less while requests decode (stall-free batching)."""
         if self.step_budget is None:
             return self.config.max_num_batched_tokens
-        decoding = [r for r in self.running if r.status is RequestStatus.RUNNING
-                    and r.num_computed_tokens >= r.num_prompt_tokens]
-        return self.step_budget.tokens(sum(self._tokens_wanted(r) for r in decoding),
-                                       len(decoding))
+        decoding = [
+            r
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.num_computed_tokens >= r.num_prompt_tokens
+        ]
+        return self.step_budget.tokens(sum(self._tokens_wanted(r) for r in decoding), len(decoding))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -331,13 +369,17 @@ class Scheduler(SchedulerBase):
         if not req.spec_token_ids:
             return []
         room = req.num_computed_tokens + num_new - req.num_tokens
-        req.spec_token_ids = req.spec_token_ids[:max(room, 0)]
+        req.spec_token_ids = req.spec_token_ids[: max(room, 0)]
         return list(req.spec_token_ids)
 
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput, now: float) -> bool:
         while not self.bm.can_allocate(req, num_new):
-            candidates = [r for r in self.running if r.status is RequestStatus.RUNNING
-                          and not any(s.request is r for s in out.scheduled)]
+            candidates = [
+                r
+                for r in self.running
+                if r.status is RequestStatus.RUNNING
+                and not any(s.request is r for s in out.scheduled)
+            ]
             victim = pick_victim(candidates, self.key, now)
             if victim is None:
                 victim = req
@@ -350,15 +392,18 @@ class Scheduler(SchedulerBase):
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A beam slot that has offered its candidates waits for its group's round: it
             # has nothing to compute until then (its offer outlives its KV).
-            ready = [r for r in admissible(self.waiting, self.running, self.max_loras)
-                     if not _offered(r)]
+            ready = [
+                r for r in admissible(self.waiting, self.running, self.max_loras) if not _offered(r)
+            ]
             req = pick_first(ready, self.key, now)
             if req is None:
                 break  # every waiting request's adapter would exceed max_loras
             if req in out.preempted:
                 break  # preempted this very step: taking it back now would only thrash
-            if req.group is not None and \
-                    len(self.running) + req.group.seats(req) > self.config.max_num_seqs:
+            if (
+                req.group is not None
+                and len(self.running) + req.group.seats(req) > self.config.max_num_seqs
+            ):
                 break  # its children will fork into running slots of their own
             if req.status is RequestStatus.SWAPPED:
                 if not self._swap_in(req, out):
@@ -390,16 +435,26 @@ class Scheduler(SchedulerBase):
             return
         scheduled = {id(s.request) for s in out.scheduled}
         for sibling in group.sequences:
-            if sibling is not req and _offered(sibling) and id(sibling) not in scheduled \
-                    and sibling.status is RequestStatus.RUNNING:
+            if (
+                sibling is not req
+                and _offered(sibling)
+                and id(sibling) not in scheduled
+                and sibling.status is RequestStatus.RUNNING
+            ):
                 self.preempt(sibling, out)
 
     def _tokens_wanted_from(self, req: Request, num_computed: int) -> int:
         wanted = req.num_tokens - num_computed
         return min(wanted, self.config.max_model_len - num_computed)
 
-    def _admit(self, req: Request, num_new: int, cached: list[int], num_cached_tokens: int,
-               out: SchedulerOutput) -> None:
+    def _admit(
+        self,
+        req: Request,
+        num_new: int,
+        cached: list[int],
+        num_cached_tokens: int,
+        out: SchedulerOutput,
+    ) -> None:
         if req.num_preemptions == 0:
             self.bm.record_lookup(req.num_prompt_tokens, num_cached_tokens)
             req.num_cached_tokens = num_cached_tokens
@@ -410,8 +465,15 @@ class Scheduler(SchedulerBase):
         self.running.append(req)
         out.scheduled.append(ScheduledRequest(req, num_new))
 
-    def _preempt_for(self, req: Request, num_new: int, cached: list[int], start: int,
-                     out: SchedulerOutput, now: float) -> bool:
+    def _preempt_for(
+        self,
+        req: Request,
+        num_new: int,
+        cached: list[int],
+        start: int,
+        out: SchedulerOutput,
+        now: float,
+    ) -> bool:
         """Priority policies: a more urgent arrival may evict less urgent running requests,
         including ones already scheduled in this step (they are taken out of it)."""
         if self.config.policy == "fifo":

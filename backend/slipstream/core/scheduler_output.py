@@ -4,6 +4,7 @@ scheduler --SchedulerOutput--> model executor (runs the forward, samples)
 --ModelRunnerOutput--> scheduler.update_from_output --RequestUpdate--> output processor
 (detokenizes, reports outputs).
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,8 +35,9 @@ class ScheduledRequest:
         """Parallel sampling: the children whose first tokens this step samples from the
         prompt's last row (one row per sequence, the parent's first), else empty."""
         group = self.request.group
-        if group is None or not group.forks_at(self.request, self.num_computed_before,
-                                               self.num_new_tokens, self.num_tokens_before):
+        if group is None or not group.forks_at(
+            self.request, self.num_computed_before, self.num_new_tokens, self.num_tokens_before
+        ):
             return []
         return group.children
 
@@ -56,8 +58,9 @@ class BatchPadding:
         """Lengths of the extra rows a step computes: the padded prompt tokens of the real
         prefill rows (packed into one row), then one row per padding sequence."""
         rows = []
-        pad_tokens = sum(self.padded_prompt_len - s.num_new_tokens
-                         for s in scheduled if s.num_new_tokens > 1)
+        pad_tokens = sum(
+            self.padded_prompt_len - s.num_new_tokens for s in scheduled if s.num_new_tokens > 1
+        )
         if pad_tokens > 0:
             rows.append(pad_tokens)
         rows.extend([max(self.padded_prompt_len, 1)] * self.num_padding_seqs)

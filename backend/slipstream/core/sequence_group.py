@@ -12,6 +12,7 @@ Seeds: child ``i`` samples with ``seed + i`` (vLLM's rule), so a seeded request 
 the ``n`` with the highest cumulative logprob are returned when the last one finishes
 (the engine's ``ParentRequest`` collects the outputs).
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,7 +34,7 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     child = copy.copy(params)  # not replace(): that would re-run __post_init__ (bad_words ids)
     if params.seed is not None and index:
         seed = params.seed + index
-        child.seed = seed if seed <= SEED_RANGE[1] else seed - 2 ** 64
+        child.seed = seed if seed <= SEED_RANGE[1] else seed - 2**64
     if index:
         child.prompt_logprobs = None
     return child
@@ -57,17 +58,24 @@ class SequenceGroup:
             return None
         parent.params = child_params(params, 0)
         seqs = [parent] + [
-            Request(child_request_id(parent.request_id, i), parent.prompt_token_ids,
-                    child_params(params, i), parent.eos_token_id, parent.priority,
-                    parent.arrival_time)
-            for i in range(1, k)]
+            Request(
+                child_request_id(parent.request_id, i),
+                parent.prompt_token_ids,
+                child_params(params, i),
+                parent.eos_token_id,
+                parent.priority,
+                parent.arrival_time,
+            )
+            for i in range(1, k)
+        ]
         group = cls(parent.request_id, params.n, seqs)
         if params.beam_search:
             stops = set(params.stop_token_ids)
             if parent.eos_token_id is not None and not params.ignore_eos:
                 stops.add(parent.eos_token_id)
-            group.beam = BeamSearch(k, frozenset(stops), params.length_penalty,
-                                    params.early_stopping)
+            group.beam = BeamSearch(
+                k, frozenset(stops), params.length_penalty, params.early_stopping
+            )
         for i, seq in enumerate(seqs):
             seq.index, seq.group = i, group
         return group
@@ -93,13 +101,17 @@ class SequenceGroup:
         """Running slots ``req`` takes when admitted: the parent brings its unforked children."""
         return len(self.sequences) if req is self.parent and not self.forked else 1
 
-    def forks_at(self, req: Request, computed_before: int, num_new: int,
-                 tokens_before: int) -> bool:
+    def forks_at(
+        self, req: Request, computed_before: int, num_new: int, tokens_before: int
+    ) -> bool:
         """Whether this step of ``req`` completes the prompt and so forks the children."""
-        return (req is self.parent and not self.forked
-                and computed_before + num_new == tokens_before == req.num_prompt_tokens)
+        return (
+            req is self.parent
+            and not self.forked
+            and computed_before + num_new == tokens_before == req.num_prompt_tokens
+        )
 
     def best(self) -> list[Request]:
         """The ``n`` sequences to return, most likely first (cumulative logprob)."""
         ranked = sorted(self.sequences, key=lambda s: s.cumulative_logprob, reverse=True)
-        return ranked[:self.n]
+        return ranked[: self.n]

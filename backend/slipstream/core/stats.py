@@ -1,4 +1,5 @@
 """Engine counters, and the snapshot of them that metrics endpoints and benchmarks read."""
+
 from __future__ import annotations
 
 import time
@@ -36,7 +37,9 @@ class StatsSnapshot:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -72,15 +75,23 @@ class EngineStats:
         self.spec_drafted += drafted
         self.spec_accepted += accepted
 
-    def snapshot(self, num_running: int, num_waiting: int, num_preemptions: int,
-                 block_manager: BlockManager) -> StatsSnapshot:
+    def snapshot(
+        self, num_running: int, num_waiting: int, num_preemptions: int, block_manager: BlockManager
+    ) -> StatsSnapshot:
         pc = block_manager.stats
         return StatsSnapshot(
-            num_running=num_running, num_waiting=num_waiting,
+            num_running=num_running,
+            num_waiting=num_waiting,
             kv_blocks_used=block_manager.num_used_blocks,
             kv_blocks_total=block_manager.num_usable_blocks,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
-            prompt_tokens_total=self.prompt_tokens, generation_tokens_total=self.generation_tokens,
-            preemptions_total=num_preemptions, num_finished=self.num_finished, steps=self.steps,
-            busy_seconds=self.busy_seconds, spec_draft_tokens=self.spec_drafted,
-            spec_accepted_tokens=self.spec_accepted)
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            prompt_tokens_total=self.prompt_tokens,
+            generation_tokens_total=self.generation_tokens,
+            preemptions_total=num_preemptions,
+            num_finished=self.num_finished,
+            steps=self.steps,
+            busy_seconds=self.busy_seconds,
+            spec_draft_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
+        )

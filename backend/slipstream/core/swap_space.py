@@ -18,6 +18,7 @@ blocks; override with ``swap_min_tokens``) and swaps the longer ones.
 ``preemption_mode="swap"`` swaps every request that has computed anything. Both fall back
 to recompute when the pool has no room.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,14 +39,16 @@ class SwapStats:
 
 
 class SwapSpace:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 num_cpu_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, num_cpu_blocks: int
+    ) -> None:
         self.bm = block_manager
         self.num_cpu_blocks = max(num_cpu_blocks, 0)
         self.mode = config.preemption_mode
         default_min = max(2 * block_manager.block_size, config.max_num_batched_tokens // 4)
-        self.min_swap_tokens = default_min if config.swap_min_tokens is None \
-            else config.swap_min_tokens
+        self.min_swap_tokens = (
+            default_min if config.swap_min_tokens is None else config.swap_min_tokens
+        )
         self.free: list[int] = list(range(self.num_cpu_blocks - 1, -1, -1))  # pop() = lowest id
         self.swapped: dict[str, list[int]] = {}  # request id -> CPU block ids, in block order
         self.stats = SwapStats()
@@ -112,8 +115,9 @@ class SwapSpace:
         self.free.extend(reversed(cpu_blocks))
         self.stats.swap_ins += 1
         self.stats.blocks_in += len(cpu_blocks)
-        return SwapTransfer(req, SwapDirection.IN, list(req.block_table[:len(cpu_blocks)]),
-                            cpu_blocks)
+        return SwapTransfer(
+            req, SwapDirection.IN, list(req.block_table[: len(cpu_blocks)]), cpu_blocks
+        )
 
     def discard(self, req: Request) -> None:
         """A finished or aborted request drops its swapped copy (no-op if it has none)."""

@@ -1,6 +1,7 @@
 """The one admission rule for ``max_queue_size``: a request is refused, not queued, when the
 queue is full. The offline engine counts its waiting requests; the engine loop adds those
 submitted but not yet handed to the engine thread."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,10 @@ class OverloadedError(RuntimeError):
 
     @classmethod
     def queue_full(cls, limit: int) -> "OverloadedError":
-        return cls(f"{OVERLOADED}: {limit} requests already waiting (max_queue_size); "
-                   f"retry after {RETRY_AFTER_S} s")
+        return cls(
+            f"{OVERLOADED}: {limit} requests already waiting (max_queue_size); "
+            f"retry after {RETRY_AFTER_S} s"
+        )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ given up on after a few tokens instead of decoding an ever longer tail. A failur
 belongs to this request alone: it is kept in ``error`` (the step ends the request with it)
 instead of being raised into the step that other requests share.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -21,9 +22,17 @@ _MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list, stop: Optional[list] = None, *,
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False, detokenize: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list,
+        stop: Optional[list] = None,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        detokenize: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.skip_special_tokens = skip_special_tokens
@@ -42,17 +51,26 @@ class IncrementalDetokenizer:
     @classmethod
     def for_params(cls, tokenizer, prompt_token_ids: list, params) -> "IncrementalDetokenizer":
         """The detokenizer a request's ``SamplingParams`` ask for."""
-        return cls(tokenizer, prompt_token_ids, params.stop,
-                   skip_special_tokens=params.skip_special_tokens,
-                   spaces_between_special_tokens=params.spaces_between_special_tokens,
-                   include_stop_str_in_output=params.include_stop_str_in_output,
-                   detokenize=params.detokenize)
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            detokenize=params.detokenize,
+        )
 
     def _decode(self, ids: list) -> str:
-        kwargs = {} if self.spaces_between_special_tokens else {
-            "spaces_between_special_tokens": False}
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False, **kwargs)
+        kwargs = (
+            {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        )
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+            **kwargs,
+        )
 
     def update(self, all_token_ids: list) -> None:
         """Absorb newly appended tokens (``all_token_ids`` is prompt + output so far)."""
@@ -64,8 +82,8 @@ class IncrementalDetokenizer:
             self.error = f"detokenization failed: {type(exc).__name__}: {exc}"
 
     def _update(self, all_token_ids: list) -> None:
-        before = self._decode(all_token_ids[self.prefix_offset:self.read_offset])
-        after = self._decode(all_token_ids[self.prefix_offset:])
+        before = self._decode(all_token_ids[self.prefix_offset : self.read_offset])
+        after = self._decode(all_token_ids[self.prefix_offset :])
         pending = len(all_token_ids) - self.read_offset
         if len(after) <= len(before) or after.endswith("\ufffd"):
             if pending < _MAX_PENDING_TOKENS:
@@ -73,7 +91,7 @@ class IncrementalDetokenizer:
             if len(after) <= len(before):  # tokens that decode to nothing (special ones)
                 self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
                 return
-        new = after[len(before):]
+        new = after[len(before) :]
         search_from = max(len(self.text) - self.hold, 0)
         self.text += new
         self.prefix_offset, self.read_offset = self.read_offset, len(all_token_ids)
@@ -87,13 +105,16 @@ class IncrementalDetokenizer:
                 best = (at, s)
         if best is not None:
             at, stop = best
-            self.text = self.text[:at + len(stop) if self.include_stop_str_in_output else at]
+            self.text = self.text[: at + len(stop) if self.include_stop_str_in_output else at]
             self.stopped_on = stop
 
     def take(self, final: bool) -> str:
         """The text delta safe to send now (everything that is left when ``final``)."""
-        end = (len(self.text) if final or self.stopped_on
-               else max(len(self.text) - self.hold, self.emitted))
-        delta = self.text[self.emitted:end]
+        end = (
+            len(self.text)
+            if final or self.stopped_on
+            else max(len(self.text) - self.hold, self.emitted)
+        )
+        delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

@@ -1,6 +1,7 @@
 """Builds what runs a model: the model itself, its paged KV cache and the runner that packs
 steps for it. The engine builds its target model here, and the draft-model proposer its
 draft model, with the same device, dtype and runner rules."""
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,12 @@ class DeviceSettings:
     def resolve(cls, config: EngineConfig) -> "DeviceSettings":
         device = model_loader.resolve_device(config.device)
         dtype = model_loader.resolve_compute_dtype(config, device)
-        return cls(device, dtype, model_loader.resolve_weight_format(config, device),
-                   model_loader.resolve_kv_cache_dtype(config, dtype))
+        return cls(
+            device,
+            dtype,
+            model_loader.resolve_weight_format(config, device),
+            model_loader.resolve_kv_cache_dtype(config, dtype),
+        )
 
 
 @dataclass
@@ -61,8 +66,9 @@ class ModelFactory:
         self.settings = settings
 
     # -- the target model --------------------------------------------------------------------
-    def load_target(self, model: Optional[torch.nn.Module] = None,
-                    tokenizer: object = None) -> TargetModel:
+    def load_target(
+        self, model: Optional[torch.nn.Module] = None, tokenizer: object = None
+    ) -> TargetModel:
         """The served model (``model`` / ``tokenizer`` given: used as they are), its CPU
         layers packed and its LoRA adapters loaded."""
         s = self.settings
@@ -76,8 +82,9 @@ class ModelFactory:
             prepare_cpu_model(model, s.weight_format, config.cpu_linear)
         lora = None
         if config.enable_lora:  # after packing: adapters wrap the packed linears
-            lora = load_lora_layers(config.lora_modules, model, config.max_lora_rank, s.dtype,
-                                    s.device)
+            lora = load_lora_layers(
+                config.lora_modules, model, config.max_lora_rank, s.dtype, s.device
+            )
         return TargetModel(model, tokenizer, config, lora)
 
     def allocate_kv_cache(self, model: torch.nn.Module) -> KVCache:
@@ -87,25 +94,43 @@ class ModelFactory:
         if c.num_gpu_blocks_override is not None:
             num_blocks = c.num_gpu_blocks_override + 1  # + the scratch block
         else:
-            budget = kv_budget_bytes(c.kv_cache_memory_bytes, c.gpu_memory_utilization,
-                                     self.settings.device)
+            budget = kv_budget_bytes(
+                c.kv_cache_memory_bytes, c.gpu_memory_utilization, self.settings.device
+            )
             num_blocks = num_blocks_for_budget(geometry, budget)
         if num_blocks < 2:
             raise ValueError(
                 f"KV budget holds {num_blocks} blocks of {geometry.bytes_per_block} bytes; raise "
-                "kv_cache_memory_bytes")
-        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)", num_blocks,
-                 geometry.block_size, num_blocks * geometry.bytes_per_block / 2**20,
-                 geometry.bytes_per_token)
+                "kv_cache_memory_bytes"
+            )
+        log.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
+            num_blocks,
+            geometry.block_size,
+            num_blocks * geometry.bytes_per_block / 2**20,
+            geometry.bytes_per_token,
+        )
         return KVCache(geometry, num_blocks, self.settings.device)
 
-    def build_runner(self, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int,
-                     lora: Optional[LoraLayers] = None) -> ModelRunner:
+    def build_runner(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        max_model_len: int,
+        lora: Optional[LoraLayers] = None,
+    ) -> ModelRunner:
         c = self.config
         return ModelRunner(
-            model, kv_cache, self.settings.device, max_model_len, c.max_num_seqs,
-            c.cuda_graph_batch_sizes if c.enable_cuda_graphs else None, c.attention_ops,
-            c.fast_forward, lora)
+            model,
+            kv_cache,
+            self.settings.device,
+            max_model_len,
+            c.max_num_seqs,
+            c.cuda_graph_batch_sizes if c.enable_cuda_graphs else None,
+            c.attention_ops,
+            c.fast_forward,
+            lora,
+        )
 
     # -- the draft model ---------------------------------------------------------------------
     def draft_stack(self, target: torch.nn.Module, target_num_blocks: int) -> ModelStack:
@@ -127,4 +152,3 @@ class ModelFactory:
         runner = self.build_runner(model, kv, c.max_model_len + c.num_speculative_tokens)
         log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, kv.nbytes / 2**20)
         return ModelStack(model, kv, runner)
-

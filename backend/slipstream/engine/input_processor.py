@@ -6,6 +6,7 @@ offline engine refuse the same requests with the same messages.
 ``process`` runs them too, then tokenizes, truncates, checks what only token ids tell, and
 compiles the grammar of a structured-output request (off the step path).
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,13 +48,19 @@ class PromptOptions:
 
 
 def is_token_ids(prompt: object) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
 
 
 def is_chat(prompt: object) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(m, dict) for m in prompt)
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(m, dict) for m in prompt)
+    )
 
 
 def needs_tokenizer(prompt: Prompt) -> bool:
@@ -70,8 +77,9 @@ def truncate_prompt(ids: list[int], keep: Optional[int], max_model_len: int) -> 
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, limits: InputLimits, eos_token_id: Optional[int],
-                 grammars: GrammarCompiler) -> None:
+    def __init__(
+        self, tokenizer, limits: InputLimits, eos_token_id: Optional[int], grammars: GrammarCompiler
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_token_id = eos_token_id
@@ -100,8 +108,9 @@ class InputProcessor:
         """Prompts longer than this many UTF-8 bytes cannot fit in ``max_model_len`` tokens:
         no token covers more bytes than the longest in the vocabulary (measured on its
         stored form, which is never shorter than the text it stands for)."""
-        longest = max((len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab()),
-                      default=1)
+        longest = max(
+            (len(t.encode("utf-8", "replace")) for t in self.tokenizer.get_vocab()), default=1
+        )
         return self.limits.max_model_len * max(longest, 1)
 
     def check_prompt_size(self, prompt: Prompt) -> None:
@@ -112,19 +121,24 @@ class InputProcessor:
                 raise ValueError(
                     f"the prompt is {size} bytes, more than max_model_len "
                     f"{self.limits.max_model_len} tokens can hold (at most "
-                    f"{self.max_prompt_bytes} bytes for this tokenizer)")
+                    f"{self.max_prompt_bytes} bytes for this tokenizer)"
+                )
 
     def _check_token_ids(self, ids: list[int]) -> None:
         vocab, limit = self.limits.input_vocab_size, self.limits.max_model_len
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {limit} "
-                             "(prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {limit} "
+                "(prompt plus at least one generated token must fit)"
+            )
         blocks, block_size = self.limits.num_usable_blocks, self.limits.block_size
         if -(-(len(ids) + 1) // block_size) > blocks:
-            raise ValueError(f"the prompt has {len(ids)} tokens and can never fit in the KV "
-                             f"cache ({blocks} blocks of {block_size})")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens and can never fit in the KV "
+                f"cache ({blocks} blocks of {block_size})"
+            )
 
     def _check_parallel_sampling(self, params: SamplingParams) -> None:
         k = params.num_sequences
@@ -133,13 +147,20 @@ class InputProcessor:
         if not self.limits.continuous_batching:
             raise ValueError("n > 1 and best_of > 1 need batching=continuous")
         if k > self.limits.max_num_seqs:
-            raise ValueError(f"the request asks for {k} sequences (n / best_of), but at most "
-                             f"max_num_seqs={self.limits.max_num_seqs} run at once")
+            raise ValueError(
+                f"the request asks for {k} sequences (n / best_of), but at most "
+                f"max_num_seqs={self.limits.max_num_seqs} run at once"
+            )
 
     # -- making the request ----------------------------------------------------------------
-    def process(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                request_id: Optional[str] = None, priority: int = 0,
-                options: PromptOptions = PromptOptions()) -> Request:
+    def process(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        options: PromptOptions = PromptOptions(),
+    ) -> Request:
         """Check, tokenize and validate; raises ``ValueError`` with a message fit for the
         client."""
         params = params or SamplingParams()
@@ -175,9 +196,11 @@ class InputProcessor:
             if options.apply_chat_template:
                 return self._apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer(prompt, add_special_tokens=options.add_special_tokens)[
-                "input_ids"]
+                "input_ids"
+            ]
         if isinstance(prompt, (list, tuple)) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             return list(prompt)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 
@@ -187,6 +210,7 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("chat messages need string 'role' and 'content' fields")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

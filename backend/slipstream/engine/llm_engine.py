@@ -9,6 +9,7 @@ The engine composes its rooms and runs the step; the work is theirs:
 
 A step: schedule -> execute + sample -> update -> outputs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,7 @@ from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")
 
-__all__ = ["LLMEngine", "OVERLOADED", "OverloadedError", "Prompt", "RETRY_AFTER_S",
-           "StepResult"]
+__all__ = ["LLMEngine", "OVERLOADED", "OverloadedError", "Prompt", "RETRY_AFTER_S", "StepResult"]
 
 KVEventSink = Callable[[list[KVCacheEvent]], None]
 
@@ -67,8 +67,13 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Optional[torch.nn.Module] = None,
-                 tokenizer: object = None, kv_event_sink: Optional[KVEventSink] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: Optional[torch.nn.Module] = None,
+        tokenizer: object = None,
+        kv_event_sink: Optional[KVEventSink] = None,
+    ) -> None:
         """``kv_event_sink`` receives the prefix cache's events after each step that made
         any, on the engine thread: it must return at once (a queue, not I/O)."""
         settings = DeviceSettings.resolve(config)
@@ -81,31 +86,47 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.kv_cache = factory.allocate_kv_cache(self.model)
         self.block_manager = BlockManager(
-            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+            self.kv_cache.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
             hasher=make_hasher(config.prefix_caching_hash_algo),
             lora_paths=config.lora_modules if config.enable_lora else None,
-            emit_events=kv_event_sink is not None)
+            emit_events=kv_event_sink is not None,
+        )
         self.kv_event_sink = kv_event_sink
         self._flush_kv_events()  # a fresh cache: AllBlocksCleared
         self.swap_pool: Optional[SwapPool] = None
         self.scheduler = self._make_scheduler()
         self._warn_short_capacity()
-        self.runner = factory.build_runner(self.model, self.kv_cache, config.max_model_len,
-                                           self.lora)
+        self.runner = factory.build_runner(
+            self.model, self.kv_cache, config.max_model_len, self.lora
+        )
         self.executor = ModelExecutor(self.runner, Sampler(config.seed))
         self.proposer: Optional[Proposer] = make_proposer(
-            config, lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
-            self.model.get_input_embeddings().num_embeddings, len(self.tokenizer))
+            config,
+            lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
+            self.model.get_input_embeddings().num_embeddings,
+            len(self.tokenizer),
+        )
         self.stats = EngineStats()
         self.queue_limit = QueueLimit(config.max_queue_size)
         self.input_processor = InputProcessor(
-            self.tokenizer, self._input_limits(), self.eos_token_id,
-            GrammarCompiler(self.tokenizer, self.logits_vocab_size, self.eos_token_id))
+            self.tokenizer,
+            self._input_limits(),
+            self.eos_token_id,
+            GrammarCompiler(self.tokenizer, self.logits_vocab_size, self.eos_token_id),
+        )
         self.output_processor = OutputProcessor(
-            self.tokenizer, self.input_processor.tokenizer_lock, self.scheduler, self.stats,
-            config.block_size, self._forget)
+            self.tokenizer,
+            self.input_processor.tokenizer_lock,
+            self.scheduler,
+            self.stats,
+            config.block_size,
+            self._forget,
+        )
         self.tracer: Optional[StepTracer] = (
-            StepTracer() if config.trace_steps or config.trace_file else None)
+            StepTracer() if config.trace_steps or config.trace_file else None
+        )
 
     # -- construction helpers ------------------------------------------------------------
     def _eos_token_id(self) -> Optional[int]:
@@ -116,9 +137,13 @@ class LLMEngine:
 
     def _warn_short_capacity(self) -> None:
         if self.scheduler.max_seq_len < self.config.max_model_len:
-            log.warning("the KV cache holds %d tokens, less than max_model_len %d: sequences "
-                        "end at %d tokens", self.scheduler.max_seq_len, self.config.max_model_len,
-                        self.scheduler.max_seq_len)
+            log.warning(
+                "the KV cache holds %d tokens, less than max_model_len %d: sequences "
+                "end at %d tokens",
+                self.scheduler.max_seq_len,
+                self.config.max_model_len,
+                self.scheduler.max_seq_len,
+            )
 
     def _make_scheduler(self) -> SchedulerBase:
         """Chosen once: the continuous scheduler, or a request-level batching baseline
@@ -135,12 +160,15 @@ class LLMEngine:
     def _input_limits(self) -> InputLimits:
         c = self.config
         return InputLimits(
-            max_model_len=c.max_model_len, block_size=c.block_size,
+            max_model_len=c.max_model_len,
+            block_size=c.block_size,
             num_usable_blocks=self.block_manager.num_usable_blocks,
             logits_vocab_size=self.logits_vocab_size,
             input_vocab_size=self.model.get_input_embeddings().num_embeddings,
-            max_num_seqs=c.max_num_seqs, continuous_batching=c.batching == "continuous",
-            lora_names=None if self.lora is None else tuple(self.lora.names))
+            max_num_seqs=c.max_num_seqs,
+            continuous_batching=c.batching == "continuous",
+            lora_names=None if self.lora is None else tuple(self.lora.names),
+        )
 
     @functools.cached_property
     def logits_vocab_size(self) -> int:
@@ -163,20 +191,31 @@ class LLMEngine:
         return self.output_processor.requests
 
     # -- requests ----------------------------------------------------------------------------
-    def make_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None, priority: int = 0,
-                     apply_chat_template: bool = False,
-                     add_special_tokens: bool = True) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        apply_chat_template: bool = False,
+        add_special_tokens: bool = True,
+    ) -> Request:
         """Tokenize and validate (``InputProcessor.process``); raises ``ValueError`` with a
         message fit for the client."""
         return self.input_processor.process(
-            prompt, params, request_id, priority,
-            PromptOptions(apply_chat_template, add_special_tokens))
+            prompt,
+            params,
+            request_id,
+            priority,
+            PromptOptions(apply_chat_template, add_special_tokens),
+        )
 
-    def tokenize(self, prompt: Prompt, apply_chat_template: bool = False,
-                 add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, prompt: Prompt, apply_chat_template: bool = False, add_special_tokens: bool = True
+    ) -> list[int]:
         return self.input_processor.tokenize(
-            prompt, PromptOptions(apply_chat_template, add_special_tokens))
+            prompt, PromptOptions(apply_chat_template, add_special_tokens)
+        )
 
     def add(self, req: Request, check_queue: bool = True) -> None:
         """``check_queue=False``: the caller has already admitted the request against
@@ -196,9 +235,14 @@ class LLMEngine:
         self.output_processor.add(sequences)
         self.scheduler.add(req)  # only the parent is queued: the children fork from it
 
-    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None, priority: int = 0,
-                    apply_chat_template: bool = False) -> Request:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        apply_chat_template: bool = False,
+    ) -> Request:
         req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
         self.add(req)
         return req
@@ -266,8 +310,9 @@ class LLMEngine:
             return StepResult([], ran=False)
         started = time.perf_counter()
         sampled = self.executor.execute_model(sched)
-        updates = self.scheduler.update_from_output(sched, sampled,
-                                                    self.output_processor.stop_string)
+        updates = self.scheduler.update_from_output(
+            sched, sampled, self.output_processor.stop_string
+        )
         self.kv_cache.copy_blocks(sched.block_copies)  # before any later step reuses a block
         self.stats.record_step(sched, time.perf_counter() - started)
         if self.proposer is not None:
@@ -296,9 +341,12 @@ class LLMEngine:
         return done
 
     # -- offline use --------------------------------------------------------------------------
-    def generate(self, prompts: list[Prompt],
-                 params: Union[None, SamplingParams, list[SamplingParams]] = None,
-                 apply_chat_template: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: Union[None, SamplingParams, list[SamplingParams]] = None,
+        apply_chat_template: bool = False,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; one aggregated ``RequestOutput`` per prompt, in order
         (``generate_sequences`` returns all ``n`` of each)."""
         results = self.generate_sequences(prompts, params, apply_chat_template)
@@ -306,28 +354,38 @@ class LLMEngine:
             raise ValueError("a request asks for n > 1 sequences: use generate_sequences")
         return [seqs[0] for seqs in results]
 
-    def generate_sequences(self, prompts: list[Prompt],
-                           params: Union[None, SamplingParams, list[SamplingParams]] = None,
-                           apply_chat_template: bool = False) -> list[list[RequestOutput]]:
+    def generate_sequences(
+        self,
+        prompts: list[Prompt],
+        params: Union[None, SamplingParams, list[SamplingParams]] = None,
+        apply_chat_template: bool = False,
+    ) -> list[list[RequestOutput]]:
         """Run prompts to completion; per prompt, its ``n`` aggregated outputs by index."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp, apply_chat_template=apply_chat_template)
-                for p, sp in zip(prompts, params_list)]
+        reqs = [
+            self.add_request(p, sp, apply_chat_template=apply_chat_template)
+            for p, sp in zip(prompts, params_list)
+        ]
         merged: dict[str, dict[int, RequestOutput]] = {r.request_id: {} for r in reqs}
         while self.has_unfinished():
             for out in self.step():
                 total = merged[out.request_id].setdefault(out.index, RequestOutput(out.request_id))
                 merge_output(total, out)
-        return [[seqs[i] for i in sorted(seqs)] or [RequestOutput(r.request_id)]
-                for r, seqs in ((r, merged[r.request_id]) for r in reqs)]
+        return [
+            [seqs[i] for i in sorted(seqs)] or [RequestOutput(r.request_id)]
+            for r, seqs in ((r, merged[r.request_id]) for r in reqs)
+        ]
 
     def get_stats(self) -> StatsSnapshot:
         s = self.scheduler
-        snapshot = self.stats.snapshot(len(s.running), len(s.waiting), s.num_preemptions,
-                                       self.block_manager)
+        snapshot = self.stats.snapshot(
+            len(s.running), len(s.waiting), s.num_preemptions, self.block_manager
+        )
         if self.lora is None:
             return snapshot
         return dataclasses.replace(
-            snapshot, max_loras=self.config.max_loras,
+            snapshot,
+            max_loras=self.config.max_loras,
             running_lora_adapters=tuple(sorted(adapters_of(s.running))),
-            waiting_lora_adapters=tuple(sorted(adapters_of(s.waiting))))
+            waiting_lora_adapters=tuple(sorted(adapters_of(s.waiting))),
+        )

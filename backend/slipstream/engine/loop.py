@@ -18,6 +18,7 @@ may compile kernels or capture graphs, get ``FIRST_STEPS_TIMEOUT_FACTOR`` times 
 engine dies as above, from that thread: every client gets its error and the server is told,
 though the stuck loop thread cannot be stopped.
 """
+
 from __future__ import annotations
 
 import enum
@@ -35,14 +36,19 @@ from slipstream.core.request import FinishReason, Request, RequestOutput, merge_
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
 from slipstream.engine.admission import OverloadedError
-from slipstream.engine.input_processor import (InputProcessor, Prompt, PromptOptions,
-                                               needs_tokenizer)
+from slipstream.engine.input_processor import InputProcessor, Prompt, PromptOptions, needs_tokenizer
 from slipstream.engine.llm_engine import LLMEngine, StepResult
 
 log = logging.getLogger("slipstream")
 
-__all__ = ["EngineDeadError", "EngineLoop", "Health", "HealthState", "OutputStream",
-           "OverloadedError"]
+__all__ = [
+    "EngineDeadError",
+    "EngineLoop",
+    "Health",
+    "HealthState",
+    "OutputStream",
+    "OverloadedError",
+]
 
 DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itself is broken
 DEFAULT_STEP_TIMEOUT_S = 120.0  # a step running this long is hung (vLLM's iteration timeout: 60)
@@ -129,16 +135,23 @@ class _TokenizeJob:
     options: PromptOptions
 
 
-def _error_output(request_id: str, message: str,
-                  reason: FinishReason = FinishReason.ERROR) -> RequestOutput:
+def _error_output(
+    request_id: str, message: str, reason: FinishReason = FinishReason.ERROR
+) -> RequestOutput:
     return RequestOutput(request_id, finished=True, finish_reason=reason, error=message)
 
 
 class EngineLoop:
-    def __init__(self, config_or_engine, *, on_output: Optional[Callable[[], None]] = None,
-                 on_dead: Optional[Callable[[Health], None]] = None,
-                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, **engine_kwargs) -> None:
+    def __init__(
+        self,
+        config_or_engine,
+        *,
+        on_output: Optional[Callable[[], None]] = None,
+        on_dead: Optional[Callable[[Health], None]] = None,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        **engine_kwargs,
+    ) -> None:
         """A config is turned into an engine by ``start()``, on the loop thread.
 
         ``on_output`` is called on the loop thread after each batch of outputs reaches the
@@ -188,21 +201,23 @@ class EngineLoop:
         if self._thread is None:
             built = threading.Event()
             failure: list = []
-            self._thread = threading.Thread(target=self._main, args=(built, failure),
-                                            name="slipstream-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._main, args=(built, failure), name="slipstream-engine", daemon=True
+            )
             self._thread.start()
             built.wait()
             if failure:
                 self._thread.join()
                 self._thread = None
                 raise failure[0]
-            self._tokenizer_thread = threading.Thread(target=self._tokenizer_main,
-                                                      name="slipstream-tokenizer", daemon=True)
+            self._tokenizer_thread = threading.Thread(
+                target=self._tokenizer_main, name="slipstream-tokenizer", daemon=True
+            )
             self._tokenizer_thread.start()
             if self._step_timeout_s > 0:
-                self._watchdog_thread = threading.Thread(target=self._watch_steps,
-                                                         name="slipstream-step-watchdog",
-                                                         daemon=True)
+                self._watchdog_thread = threading.Thread(
+                    target=self._watch_steps, name="slipstream-step-watchdog", daemon=True
+                )
                 self._watchdog_thread.start()
         return self
 
@@ -270,10 +285,15 @@ class EngineLoop:
         self.shutdown()
 
     # -- client API ---------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-               request_id: Optional[str] = None, priority: int = 0,
-               apply_chat_template: bool = False,
-               add_special_tokens: bool = True) -> OutputStream:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        apply_chat_template: bool = False,
+        add_special_tokens: bool = True,
+    ) -> OutputStream:
         """Check what is cheap in the caller's thread (errors raise here) and queue the rest.
 
         Token-id prompts are validated here in full. A text prompt is checked for size
@@ -324,13 +344,15 @@ class EngineLoop:
         """The engine's counters as of its last step (immutable: safe to read anywhere)."""
         return self._stats
 
-    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                 **kw) -> RequestOutput:
+    def generate(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, **kw
+    ) -> RequestOutput:
         """Blocking convenience: the whole output of one request (n = 1; with n > 1 read the
         stream, each output names its sequence in ``index``)."""
         if params is not None and params.n > 1:
-            raise ValueError("generate returns one sequence: submit n > 1 requests and read "
-                             "each output's index")
+            raise ValueError(
+                "generate returns one sequence: submit n > 1 requests and read each output's index"
+            )
         stream = self.submit(prompt, params, **kw)
         total = RequestOutput(stream.request_id)
         for out in stream:
@@ -353,7 +375,8 @@ class EngineLoop:
                 continue
             try:
                 req = self.engine.input_processor.process(
-                    job.prompt, job.params, job.stream.request_id, job.priority, job.options)
+                    job.prompt, job.params, job.stream.request_id, job.priority, job.options
+                )
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
                 self._reject(job.stream, exc)
                 continue
@@ -412,12 +435,15 @@ class EngineLoop:
             started = self._step_started
             if started is None or self._health.state is HealthState.DEAD:
                 continue
-            limit = self._step_timeout_s * (FIRST_STEPS_TIMEOUT_FACTOR
-                                            if self._steps_started <= FIRST_STEPS else 1)
+            limit = self._step_timeout_s * (
+                FIRST_STEPS_TIMEOUT_FACTOR if self._steps_started <= FIRST_STEPS else 1
+            )
             age = time.monotonic() - started
             if age > limit and self._step_started == started:
-                self._die(f"an engine step has run for {age:.0f} s, past step_timeout_s "
-                          f"({limit:.0f} s): the engine is hung")
+                self._die(
+                    f"an engine step has run for {age:.0f} s, past step_timeout_s "
+                    f"({limit:.0f} s): the engine is hung"
+                )
                 return
 
     def _record_step(self, outputs: list[RequestOutput], error: Optional[str]) -> bool:
@@ -535,6 +561,11 @@ class EngineLoop:
             if command[0] == "add":
                 with self._lock:
                     self._pending -= 1
-                self._deliver([RequestOutput(command[1].request_id, finished=True,
-                                             finish_reason=FinishReason.ABORT)])
+                self._deliver(
+                    [
+                        RequestOutput(
+                            command[1].request_id, finished=True, finish_reason=FinishReason.ABORT
+                        )
+                    ]
+                )
         self._refresh_stats()

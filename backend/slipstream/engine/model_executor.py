@@ -7,6 +7,7 @@ beam search's candidate offers (beam slots are ranked by their group, not sample
 sampler, prompt logprobs, and the fail-soft rule: if the batch raises, each request runs
 alone (its KV writes are idempotent), so only requests that fail by themselves end.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,12 @@ import torch
 from slipstream.core.request import Request
 from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from slipstream.worker.model_runner import ModelRunner
-from slipstream.worker.sampler import PerRequestError, Sampler, SampleResult
-from slipstream.worker.sampler import prompt_logprobs as score_prompt
+from slipstream.worker.sampler import (
+    PerRequestError,
+    Sampler,
+    SampleResult,
+    prompt_logprobs as score_prompt,
+)
 
 log = logging.getLogger("slipstream")
 
@@ -46,8 +51,11 @@ class ModelExecutor:
         except Exception as exc:
             if len(sched.scheduled) == 1:
                 return _failed_alone(sched, exc)
-            log.warning("engine step failed (%s); retrying its %d requests one by one",
-                        exc, len(sched.scheduled))
+            log.warning(
+                "engine step failed (%s); retrying its %d requests one by one",
+                exc,
+                len(sched.scheduled),
+            )
         merged = ModelRunnerOutput.empty(0)
         for item in sched.scheduled:
             alone = SchedulerOutput(scheduled=[item])
@@ -80,8 +88,11 @@ class ModelExecutor:
             if prompt_rows is not None:
                 req = item.request
                 out.prompt_logprobs[req.request_id] = score_prompt(
-                    prompt_rows, req.prompt_token_ids, len(req.prompt_logprobs) + 1,
-                    req.params.prompt_logprobs)
+                    prompt_rows,
+                    req.prompt_token_ids,
+                    len(req.prompt_logprobs) + 1,
+                    req.params.prompt_logprobs,
+                )
         return out
 
 
@@ -90,20 +101,22 @@ def _split(result: Optional[SampleResult], per_request: list[list[int]]) -> Mode
     out = ModelRunnerOutput.empty(0)
     cursor = 0
     for rows in per_request:
-        out.token_ids.append(result.token_ids[cursor:cursor + len(rows)] if rows else [])
-        out.logprobs.append(result.logprobs[cursor:cursor + len(rows)] if rows else [])
+        out.token_ids.append(result.token_ids[cursor : cursor + len(rows)] if rows else [])
+        out.logprobs.append(result.logprobs[cursor : cursor + len(rows)] if rows else [])
         cursor += len(rows)
     return out
 
 
-def _fan_out(sched: SchedulerOutput, logits: torch.Tensor,
-             sample_rows: list[list[int]]) -> _Rows:
+def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[list[int]]) -> _Rows:
     """Parallel sampling: the step that completes a group's prompt samples the prompt's last
     row once per sequence (the parent's row first, then its children's)."""
     forking = [item.forks if rows else [] for item, rows in zip(sched.scheduled, sample_rows)]
     if not any(forking):  # every step but a fork: no copy of the logits
-        return _Rows(logits, sample_rows, [item.request for item, rows
-                                           in zip(sched.scheduled, sample_rows) for _ in rows])
+        return _Rows(
+            logits,
+            sample_rows,
+            [item.request for item, rows in zip(sched.scheduled, sample_rows) for _ in rows],
+        )
     picks: list[int] = []
     rows_out: list[list[int]] = []
     owners: list[Request] = []

@@ -2,6 +2,7 @@
 strings included), collects the sequences of an n / best_of / beam request under its
 ``ParentRequest``, adds prompt logprobs to a request's first output, and retires finished
 sequences. It also keeps the registry of the sequences the engine is serving."""
+
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,14 @@ import time
 from typing import Callable, Optional
 
 from slipstream.core.beam_search import Hypothesis
-from slipstream.core.request import (BeamSnapshot, FinishReason, Request, RequestOutput,
-                                     RequestStatus, TokenLogprob)
+from slipstream.core.request import (
+    BeamSnapshot,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenLogprob,
+)
 from slipstream.core.scheduler import SchedulerBase
 from slipstream.core.scheduler_output import RequestUpdate
 from slipstream.core.sequence_group import SequenceGroup
@@ -23,9 +30,15 @@ PromptPosition = Optional[dict[int, TokenLogprob]]
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, tokenizer_lock: threading.Lock, scheduler: SchedulerBase,
-                 stats: EngineStats, block_size: int,
-                 forget: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        tokenizer_lock: threading.Lock,
+        scheduler: SchedulerBase,
+        stats: EngineStats,
+        block_size: int,
+        forget: Callable[[str], None],
+    ) -> None:
         """``forget`` drops a finished sequence's state outside this room (sampler, drafts)."""
         self.tokenizer = tokenizer
         self._tokenizer_lock = tokenizer_lock
@@ -43,13 +56,15 @@ class OutputProcessor:
         for seq in sequences:
             self.requests[seq.request_id] = seq
             self.detokenizers[seq.request_id] = IncrementalDetokenizer.for_params(
-                self.tokenizer, seq.prompt_token_ids, seq.params)
+                self.tokenizer, seq.prompt_token_ids, seq.params
+            )
         group = sequences[0].group
         if group is not None:
             self.parents[group.request_id] = ParentRequest(group)
 
-    def end(self, request_id: str, status: RequestStatus,
-            error: Optional[str]) -> Optional[RequestOutput]:
+    def end(
+        self, request_id: str, status: RequestStatus, error: Optional[str]
+    ) -> Optional[RequestOutput]:
         """End a request now (abort, failure) and free its blocks; its final output, or
         None when it is not being served."""
         req = self.requests.get(request_id)
@@ -116,9 +131,11 @@ class OutputProcessor:
         aborted = req.status is RequestStatus.FINISHED_ABORTED
         if not aborted:
             # As in vLLM, the EOS / stop token's own text is not part of the output.
-            stop_token = (req.status is RequestStatus.FINISHED_STOPPED
-                          and update.stop_string is None
-                          and not req.params.include_stop_str_in_output)
+            stop_token = (
+                req.status is RequestStatus.FINISHED_STOPPED
+                and update.stop_string is None
+                and not req.params.include_stop_str_in_output
+            )
             detok.update(req.all_token_ids[:-1] if stop_token else req.all_token_ids)
         return self._output(req, "" if aborted else detok.take(final=True), update)
 
@@ -132,18 +149,29 @@ class OutputProcessor:
 
     def _output(self, req: Request, text: str, update: RequestUpdate) -> RequestOutput:
         prompt_lps = None
-        if req.params.prompt_logprobs is not None and update.new_token_ids \
-                and req.num_output_tokens == len(update.new_token_ids):  # its first output
+        if (
+            req.params.prompt_logprobs is not None
+            and update.new_token_ids
+            and req.num_output_tokens == len(update.new_token_ids)
+        ):  # its first output
             prompt_lps = prompt_logprobs_output(req)
         return RequestOutput(
-            request_id=req.request_id, text=text, token_ids=list(update.new_token_ids),
-            logprobs=list(update.new_logprobs), finished=req.is_finished,
-            finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens, num_cached_tokens=req.num_cached_tokens,
-            cumulative_logprob=req.cumulative_logprob, error=req.error,
-            timing=req.timing() if req.is_finished else None, index=req.index,
+            request_id=req.request_id,
+            text=text,
+            token_ids=list(update.new_token_ids),
+            logprobs=list(update.new_logprobs),
+            finished=req.is_finished,
+            finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            cumulative_logprob=req.cumulative_logprob,
+            error=req.error,
+            timing=req.timing() if req.is_finished else None,
+            index=req.index,
             prompt_logprobs=prompt_lps,
-            metrics=req.metrics(self._block_size) if req.is_finished else None)
+            metrics=req.metrics(self._block_size) if req.is_finished else None,
+        )
 
     # -- beam search ---------------------------------------------------------------------------
     def _beam_report(self, update: RequestUpdate, parent: ParentRequest) -> list[RequestOutput]:
@@ -160,22 +188,26 @@ class OutputProcessor:
         first = group.parent
         for name in ("first_token_time", "last_token_time"):  # the request's, over its beams
             moments = [getattr(s, name) for s in group.sequences if getattr(s, name)]
-            setattr(first, name, (min if name.startswith("first") else max)(moments)
-                    if moments else None)
+            setattr(
+                first,
+                name,
+                (min if name.startswith("first") else max)(moments) if moments else None,
+            )
         for seq in group.sequences:
             if seq.request_id in self.requests:
                 self._retire(seq)
         parent.closed = True
         self._drop_if_closed(parent)
-        outputs = [self._hypothesis_output(group, rank, h)
-                   for rank, h in enumerate(group.beam.hypotheses[:group.n])]
+        outputs = [
+            self._hypothesis_output(group, rank, h)
+            for rank, h in enumerate(group.beam.hypotheses[: group.n])
+        ]
         if not outputs:  # no beam could finish (a vocabulary of stop tokens only)
             return [parent.close(FinishReason.LENGTH, None)]
         outputs[-1].finished = True
         return outputs
 
-    def _hypothesis_output(self, group: SequenceGroup, rank: int,
-                           hyp: Hypothesis) -> RequestOutput:
+    def _hypothesis_output(self, group: SequenceGroup, rank: int, hyp: Hypothesis) -> RequestOutput:
         first, params = group.parent, group.parent.params
         shown = hyp.token_ids
         if hyp.finish_reason is FinishReason.STOP and not params.include_stop_str_in_output:
@@ -185,12 +217,20 @@ class OutputProcessor:
             with self._tokenizer_lock:
                 text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
         return RequestOutput(
-            request_id=group.request_id, text=text, token_ids=list(hyp.token_ids),
-            logprobs=[TokenLogprob(x) for x in hyp.logprobs], finished=False,
-            finish_reason=hyp.finish_reason, num_prompt_tokens=first.num_prompt_tokens,
-            num_output_tokens=len(hyp.token_ids), num_cached_tokens=first.num_cached_tokens,
-            cumulative_logprob=hyp.cumulative_logprob, timing=first.timing(), index=rank,
-            metrics=first.metrics(self._block_size))
+            request_id=group.request_id,
+            text=text,
+            token_ids=list(hyp.token_ids),
+            logprobs=[TokenLogprob(x) for x in hyp.logprobs],
+            finished=False,
+            finish_reason=hyp.finish_reason,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_output_tokens=len(hyp.token_ids),
+            num_cached_tokens=first.num_cached_tokens,
+            cumulative_logprob=hyp.cumulative_logprob,
+            timing=first.timing(),
+            index=rank,
+            metrics=first.metrics(self._block_size),
+        )
 
     # -- ending --------------------------------------------------------------------------------
     def _retire(self, req: Request) -> None:
@@ -201,8 +241,9 @@ class OutputProcessor:
         if req.index == 0:  # one client request, whatever its n
             self._stats.num_finished += 1
 
-    def _end_group(self, group: SequenceGroup, status: RequestStatus,
-                   error: Optional[str]) -> Optional[RequestOutput]:
+    def _end_group(
+        self, group: SequenceGroup, status: RequestStatus, error: Optional[str]
+    ) -> Optional[RequestOutput]:
         """End every sequence of a request at once (abort, or one sequence failed): one final
         output for the client. None if the request had already ended."""
         parent = self._parent(group)
@@ -223,9 +264,15 @@ def _beam_snapshot(group: SequenceGroup) -> RequestOutput:
     beam = group.beam
     order = sorted(range(beam.width), key=lambda s: -beam.scores[s])
     return RequestOutput(
-        request_id=group.request_id, num_prompt_tokens=group.parent.num_prompt_tokens,
-        beams=[BeamSnapshot(group.sequences[s].output_token_ids, list(beam.logprobs[s]),
-                            beam.scores[s]) for s in order])
+        request_id=group.request_id,
+        num_prompt_tokens=group.parent.num_prompt_tokens,
+        beams=[
+            BeamSnapshot(
+                group.sequences[s].output_token_ids, list(beam.logprobs[s]), beam.scores[s]
+            )
+            for s in order
+        ],
+    )
 
 
 def prompt_logprobs_output(req: Request) -> list[PromptPosition]:

@@ -1,6 +1,7 @@
 """The client's view of a request that runs as several sequences (n, best_of, beam search):
 what vLLM calls a parent request. The sequences themselves are scheduled through their
 ``SequenceGroup`` (core); this collects their outputs into the client's stream."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,9 +54,14 @@ class ParentRequest:
         """The one final output of a request ended as a whole (abort, a failed sequence)."""
         self.closed = True
         parent = self.group.parent
-        return RequestOutput(self.request_id, finished=True, finish_reason=reason, error=error,
-                             num_prompt_tokens=parent.num_prompt_tokens,
-                             num_output_tokens=parent.num_output_tokens,
-                             num_cached_tokens=parent.num_cached_tokens,
-                             cumulative_logprob=parent.cumulative_logprob,
-                             timing=parent.timing())
+        return RequestOutput(
+            self.request_id,
+            finished=True,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=parent.num_prompt_tokens,
+            num_output_tokens=parent.num_output_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
+            timing=parent.timing(),
+        )

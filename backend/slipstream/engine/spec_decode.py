@@ -32,6 +32,7 @@ Methods:
   forward brings every request's draft cache up to date and produces its first draft,
   then one forward per further draft token for the whole batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,11 @@ def max_drafts(req: Request, config: EngineConfig, cap: Optional[int] = None) ->
     """How many drafts are worth proposing: a step appends at most ``drafts + 1`` tokens,
     which must fit both ``max_tokens`` and ``max_model_len``; at most ``cap`` (the step's
     share of the draft rows, ``draft_cap``)."""
-    k = min(config.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-            config.max_model_len - req.num_tokens - 1)
+    k = min(
+        config.num_speculative_tokens,
+        req.params.max_tokens - req.num_output_tokens - 1,
+        config.max_model_len - req.num_tokens - 1,
+    )
     return max(k if cap is None else min(k, cap), 0)
 
 
@@ -79,10 +83,15 @@ def speculates(req: Request) -> bool:
     # min_tokens blocks nothing when EOS is ignored and there are no stop tokens.
     p = req.params
     min_tokens_inert = p.ignore_eos and not p.stop_token_ids
-    return (req.grammar is None and req.group is None and p.use_speculation
-            and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty
-            and (req.num_output_tokens >= p.min_tokens or min_tokens_inert))
+    return (
+        req.grammar is None
+        and req.group is None
+        and p.use_speculation
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and (req.num_output_tokens >= p.min_tokens or min_tokens_inert)
+    )
 
 
 class Proposer:
@@ -104,8 +113,13 @@ class Proposer:
         cap = draft_cap(self.config, num_running)
         if cap == 0:
             return
-        eligible = [r for r in reqs if r.status is RequestStatus.RUNNING and speculates(r)
-                    and r.num_tokens - r.num_computed_tokens == 1]
+        eligible = [
+            r
+            for r in reqs
+            if r.status is RequestStatus.RUNNING
+            and speculates(r)
+            and r.num_tokens - r.num_computed_tokens == 1
+        ]
         if cap is not None:
             # A seeded sampled request draws one number per row, so its text would depend on
             # how many requests it shared steps with: it drafts only while that is fixed.
@@ -139,9 +153,9 @@ def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
         return []
     arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = arr[length - n:]
+        suffix = arr[length - n :]
         # windows start at 0 .. length-n-1: every occurrence before the suffix itself
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:length - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size == 0:
             continue
@@ -170,15 +184,17 @@ class DraftModelProposer(Proposer):
     """Greedy proposals from a small model running on its own paged KV cache (built by the
     engine's ``ModelFactory``, like the target's)."""
 
-    def __init__(self, config: EngineConfig, stack: ModelStack, target_vocab: int,
-                 tokenizer_size: int) -> None:
+    def __init__(
+        self, config: EngineConfig, stack: ModelStack, target_vocab: int, tokenizer_size: int
+    ) -> None:
         super().__init__(config)
         self.model = stack.model
         self.draft_vocab = self.model.get_input_embeddings().num_embeddings
         if self.draft_vocab < tokenizer_size:
             raise ValueError(
                 f"the draft model's vocabulary ({self.draft_vocab}) is smaller than the target "
-                f"tokenizer's ({tokenizer_size}): they must share a tokenizer")
+                f"tokenizer's ({tokenizer_size}): they must share a tokenizer"
+            )
         self.vocab = min(self.draft_vocab, target_vocab)
         self.kv = stack.kv_cache
         self.bm = BlockManager(self.kv.num_blocks, config.block_size, enable_prefix_caching=False)
@@ -258,7 +274,7 @@ class DraftModelProposer(Proposer):
                 break
             logits, sample_rows = self.runner.execute(sched)
             self.num_forwards += 1
-            tokens = logits[:, :self.vocab].argmax(dim=-1).tolist() if len(logits) else []
+            tokens = logits[:, : self.vocab].argmax(dim=-1).tolist() if len(logits) else []
             cursor = 0
             by_id = {id(s.seq): s for s in work}
             for item, rows in zip(sched.scheduled, sample_rows):
@@ -272,8 +288,12 @@ class DraftModelProposer(Proposer):
         return out
 
 
-def make_proposer(config: EngineConfig, draft_stack: Callable[[], ModelStack],
-                  target_vocab: int, tokenizer_size: int) -> Optional[Proposer]:
+def make_proposer(
+    config: EngineConfig,
+    draft_stack: Callable[[], ModelStack],
+    target_vocab: int,
+    tokenizer_size: int,
+) -> Optional[Proposer]:
     """``draft_stack`` builds the draft model's stack, only when the method needs one."""
     if config.speculative_method is None:
         return None

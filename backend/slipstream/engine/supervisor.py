@@ -6,6 +6,7 @@ While a restart is under way every new request is refused at once (``EngineDeadE
 and ``health()`` reports it, so the server answers "not ready" instead of queueing work for
 an engine that is not there.
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,9 +17,15 @@ from typing import Callable, Optional, Union
 
 from slipstream.core.config import EngineConfig
 from slipstream.core.stats import StatsSnapshot
-from slipstream.engine.loop import (DEFAULT_FAILURE_THRESHOLD, DEFAULT_STEP_TIMEOUT_S,
-                                    EngineDeadError, EngineLoop, Health, HealthState,
-                                    OutputStream)
+from slipstream.engine.loop import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_STEP_TIMEOUT_S,
+    EngineDeadError,
+    EngineLoop,
+    Health,
+    HealthState,
+    OutputStream,
+)
 
 log = logging.getLogger("slipstream")
 
@@ -26,12 +33,19 @@ ConfigSource = Union[EngineConfig, Callable[[], EngineConfig]]
 
 
 class EngineSupervisor:
-    def __init__(self, config: ConfigSource, *, on_output: Optional[Callable[[], None]] = None,
-                 on_give_up: Optional[Callable[[Health], None]] = None,
-                 failure_threshold: int = DEFAULT_FAILURE_THRESHOLD, max_restarts: int = 3,
-                 restart_window_s: float = 600.0, restart_backoff_s: float = 1.0,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-                 engine_kwargs: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        config: ConfigSource,
+        *,
+        on_output: Optional[Callable[[], None]] = None,
+        on_give_up: Optional[Callable[[Health], None]] = None,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        max_restarts: int = 3,
+        restart_window_s: float = 600.0,
+        restart_backoff_s: float = 1.0,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+        engine_kwargs: Optional[dict] = None,
+    ) -> None:
         """``engine_kwargs`` go to every ``LLMEngine`` built (e.g. ``kv_event_sink``: the
         sink outlives engines, so a consumer sees one stream across restarts).
         ``max_restarts`` restarts are allowed within ``restart_window_s``; the next death
@@ -63,10 +77,14 @@ class EngineSupervisor:
 
     def _new_loop(self) -> EngineLoop:
         config = self._config() if callable(self._config) else self._config
-        return EngineLoop(config, on_output=self._on_output, on_dead=self._on_dead,
-                          failure_threshold=self._failure_threshold,
-                          step_timeout_s=self._step_timeout_s,
-                          **self._engine_kwargs).start()
+        return EngineLoop(
+            config,
+            on_output=self._on_output,
+            on_dead=self._on_dead,
+            failure_threshold=self._failure_threshold,
+            step_timeout_s=self._step_timeout_s,
+            **self._engine_kwargs,
+        ).start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
@@ -90,8 +108,9 @@ class EngineSupervisor:
     def submit(self, *args, **kwargs) -> OutputStream:
         health = self._override
         if health is not None and health.state is not HealthState.STOPPED:
-            raise EngineDeadError(f"the engine is not serving ({health.state.value}): "
-                                  f"{health.error}")
+            raise EngineDeadError(
+                f"the engine is not serving ({health.state.value}): {health.error}"
+            )
         return self._loop.submit(*args, **kwargs)
 
     def abort(self, request_id: str) -> None:
@@ -107,8 +126,9 @@ class EngineSupervisor:
     # -- restarts -------------------------------------------------------------------------------
     def _on_dead(self, health: Health) -> None:
         # Called on the dying loop's thread: the restart (a model load) runs on its own.
-        threading.Thread(target=self._restart, args=(health,), name="slipstream-restart",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._restart, args=(health,), name="slipstream-restart", daemon=True
+        ).start()
 
     def _restart(self, health: Health) -> None:
         while True:
@@ -121,11 +141,17 @@ class EngineSupervisor:
                 if attempt > self._max_restarts:
                     self._give_up(health, attempt - 1)
                     return
-                self._override = Health(HealthState.RESTARTING, health.consecutive_failures,
-                                        health.error)
+                self._override = Health(
+                    HealthState.RESTARTING, health.consecutive_failures, health.error
+                )
                 old, self._loop = self._loop, None
-            log.error("slipstream engine died (%s); restart %d of %d in %.0f s", health.error,
-                      attempt, self._max_restarts, self._backoff * 2 ** (attempt - 1))
+            log.error(
+                "slipstream engine died (%s); restart %d of %d in %.0f s",
+                health.error,
+                attempt,
+                self._max_restarts,
+                self._backoff * 2 ** (attempt - 1),
+            )
             self._release(old)
             time.sleep(self._backoff * 2 ** (attempt - 1))
             try:
@@ -145,13 +171,19 @@ class EngineSupervisor:
             return
 
     def _give_up(self, health: Health, restarts: int) -> None:
-        reason = (f"the engine died {restarts + 1} times within {self._window:.0f} s; last "
-                  f"error: {health.error}")
+        reason = (
+            f"the engine died {restarts + 1} times within {self._window:.0f} s; last "
+            f"error: {health.error}"
+        )
         self._override = Health(HealthState.DEAD, health.consecutive_failures, reason)
         log.critical("slipstream: giving up on the engine: %s", reason)
         if self._on_give_up is not None:
-            threading.Thread(target=self._on_give_up, args=(self._override,),
-                             name="slipstream-give-up", daemon=True).start()
+            threading.Thread(
+                target=self._on_give_up,
+                args=(self._override,),
+                name="slipstream-give-up",
+                daemon=True,
+            ).start()
 
     @staticmethod
     def _release(loop: Optional[EngineLoop]) -> None:

@@ -1,4 +1,5 @@
 """``python -m slipstream.server [options]`` = ``slipstream serve [options]``."""
+
 import sys
 
 from slipstream.server.launch.cli import main

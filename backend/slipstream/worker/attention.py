@@ -5,6 +5,7 @@ transformers passes no per-call state we can use, so the model runner publishes 
 step's metadata (with its attention plan) and cache tensors in a ``StepContext`` for the
 length of the forward: ``with step_context(...): model(...)``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,11 +48,18 @@ def get_context() -> StepContext:
     return ctx
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                            scaling: Optional[float] = None, dropout: float = 0.0,
-                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``([1, T, H, D], None)``."""
     ctx = get_context()
     layer = module.layer_idx
@@ -61,8 +69,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     key_cache, value_cache = ctx.key_caches[layer], ctx.value_caches[layer]
     ctx.ops.store_step_kv(k, v, key_cache, value_cache, ctx.meta)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.meta, scale,
-                                  sliding_window, softcap)
+    out = ctx.ops.paged_attention(
+        q.contiguous(), key_cache, value_cache, ctx.meta, scale, sliding_window, softcap
+    )
     return out.unsqueeze(0), None
 
 

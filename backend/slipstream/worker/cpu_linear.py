@@ -14,6 +14,7 @@ torch's linear on a column-major copy of the weight (faster than the stock layou
 batches on Intel Xeons); ``stock`` changes nothing.
 Outputs differ from the stock layout by float rounding only (relative 1e-6).
 """
+
 from __future__ import annotations
 
 import enum
@@ -51,8 +52,9 @@ SMALL_GEMM_MAX_ROWS = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" 
 
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                             "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 def bucketed_rows(rows: int) -> int:
@@ -68,8 +70,9 @@ def bucketed_rows(rows: int) -> int:
     return -(-rows // grain) * grain
 
 
-def padded_product(x2: torch.Tensor,
-                   product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def padded_product(
+    x2: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """``product`` of the 2-D ``x2`` run at ``bucketed_rows`` rows; the padding is sliced off."""
     rows = x2.shape[0]
     padded = bucketed_rows(rows)
@@ -78,17 +81,20 @@ def padded_product(x2: torch.Tensor,
     return product(F.pad(x2, (0, 0, 0, padded - rows)))[:rows]
 
 
-def _onednn_forward(packed: torch.Tensor, bias: Optional[torch.Tensor],
-                    x: torch.Tensor) -> torch.Tensor:
+def _onednn_forward(
+    packed: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
     width = x.shape[-1]
     x2 = x.reshape(-1, width)
     y = padded_product(
-        x2, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""))
+        x2, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    )
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _auto_forward(packed: torch.Tensor, small: torch.Tensor, n: int,
-                  bias: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _auto_forward(
+    packed: torch.Tensor, small: torch.Tensor, n: int, bias: Optional[torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
     if 0 < rows <= SMALL_GEMM_MAX_ROWS:
@@ -118,13 +124,18 @@ def _stacked(modules: Sequence[torch.nn.Linear]) -> tuple:
     weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
     if all(m.bias is None for m in modules):
         return weight, None
-    bias = torch.cat([m.bias.detach() if m.bias is not None
-                      else weight.new_zeros(m.out_features) for m in modules])
+    bias = torch.cat(
+        [
+            m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+            for m in modules
+        ]
+    )
     return weight, bias
 
 
-def fused_linear(modules: Sequence[torch.nn.Linear],
-                 mode: CpuLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+def fused_linear(
+    modules: Sequence[torch.nn.Linear], mode: CpuLinear
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """One GEMM over ``modules`` stacked by output rows (q, k, v or gate, up share an input),
     in ``mode``'s library and layout: the GEMM reads the input once and is one call instead
     of several. Split, its output is each layer's own where the library computes an output

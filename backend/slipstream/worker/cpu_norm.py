@@ -8,6 +8,7 @@ bit) run the same arithmetic. Outputs differ from torch's by float rounding only
 squares is accumulated in another order). Only fp32 norms of the known classes change; the
 kernel's absence (``SLIPSTREAM_CPU_KERNELS=0``, no compiler) leaves every norm as it was.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,13 @@ def _forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def prepare_norms(model: torch.nn.Module) -> int:
     """Route every fp32 Llama-style RMSNorm of a CPU model through the kernel; returns how
     many were (0 where the kernel is unavailable)."""
-    norms = [m for m in model.modules() if type(m).__name__ in LLAMA_STYLE_NORMS
-             and getattr(m, "weight", None) is not None and m.weight.dtype == torch.float32]
+    norms = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in LLAMA_STYLE_NORMS
+        and getattr(m, "weight", None) is not None
+        and m.weight.dtype == torch.float32
+    ]
     if not norms or not cpu_kernels.load():
         return 0
     for module in norms:

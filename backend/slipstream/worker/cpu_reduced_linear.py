@@ -23,6 +23,7 @@ int8 is weight-only (like vLLM's W8A16 schemes): symmetric, one fp32 scale per o
 table (its rows dequantized on lookup), so tying costs no second copy; with the AMX bf16
 layout the embedding keeps its own plain bf16 table (oneDNN's packing cannot be gathered).
 """
+
 from __future__ import annotations
 
 import enum
@@ -49,6 +50,7 @@ class WeightFormat(str, enum.Enum):
 @dataclass(frozen=True)
 class CpuFeatures:
     """What the reduced paths need from the CPU (read once from /proc/cpuinfo)."""
+
     avx512_bf16: bool
     amx_bf16: bool
     avx512_vnni: bool
@@ -64,6 +66,7 @@ class WeightPlan:
     """One linear layer's weight as its products read it (exactly one of plain / packed).
     A plan to be packed for oneDNN keeps its plain weight until its first product, so that
     layers sharing an input can be stacked first (``fused_reduced``)."""
+
     out_features: int
     plain: Optional[torch.Tensor]  # [N, K] bf16 or int8, rows contiguous
     scales: Optional[torch.Tensor]  # [N] fp32: int8's per-row scales
@@ -125,8 +128,10 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
         plan.plain = None
     if plan.packed is not None:
         packed = plan.packed
-        y = padded_product(x2.to(torch.bfloat16), lambda rows: torch.ops.mkldnn._linear_pointwise(
-            rows, packed, None, "none", [], "")).float()
+        y = padded_product(
+            x2.to(torch.bfloat16),
+            lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
+        ).float()
         if plan.bias is not None:
             y.add_(plan.bias)
     elif 0 < rows <= plan.kernel_rows:
@@ -138,8 +143,14 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], plan.out_features)
 
 
-def _plan(weight: torch.Tensor, scales: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-          fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> WeightPlan:
+def _plan(
+    weight: torch.Tensor,
+    scales: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    fmt: WeightFormat,
+    features: CpuFeatures,
+    kernel: bool,
+) -> WeightPlan:
     """``weight`` is already in ``fmt`` (bf16, or int8 with ``scales``)."""
     n, k = weight.shape
     bias = None if bias is None else bias.detach().float().contiguous()
@@ -152,8 +163,9 @@ def _plan(weight: torch.Tensor, scales: Optional[torch.Tensor], bias: Optional[t
 
 
 def _onednn_ok() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                             "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 def _convert(weight: torch.Tensor, fmt: WeightFormat):
@@ -164,8 +176,9 @@ def _convert(weight: torch.Tensor, fmt: WeightFormat):
 
 def _meta_like(t: torch.Tensor) -> torch.nn.Parameter:
     """A stand-in with the weight's shape and dtype and no storage: the layer's own copy goes."""
-    return torch.nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
-                              requires_grad=False)
+    return torch.nn.Parameter(
+        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False
+    )
 
 
 @dataclass
@@ -175,9 +188,11 @@ class _Context:
     kernel: bool
 
 
-def _prepare_embedding(embedding: torch.nn.Module, plain: torch.Tensor,
-                       scales: Optional[torch.Tensor]) -> None:
+def _prepare_embedding(
+    embedding: torch.nn.Module, plain: torch.Tensor, scales: Optional[torch.Tensor]
+) -> None:
     """The embedding looks its rows up in ``plain`` and returns them as fp32."""
+
     def forward(ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, plain).float()
         if scales is not None:
@@ -188,8 +203,9 @@ def _prepare_embedding(embedding: torch.nn.Module, plain: torch.Tensor,
     embedding.forward = forward
 
 
-def _prepare_one(module: torch.nn.Linear, ctx: _Context,
-                 tied_embedding: Optional[torch.nn.Module]) -> None:
+def _prepare_one(
+    module: torch.nn.Linear, ctx: _Context, tied_embedding: Optional[torch.nn.Module]
+) -> None:
     weight, scales = _convert(module.weight, ctx.fmt)
     plan = _plan(weight, scales, module.bias, ctx.fmt, ctx.features, ctx.kernel)
     if tied_embedding is not None:
@@ -238,8 +254,11 @@ def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
         return "bf16 weights packed for oneDNN (AMX), fp32 activations"
     path = torch.ops.slipstream_cpu.weight_gemm_path() if kernel else None
     decode = f"compiled kernel ({path})" if path else "oneDNN (no compiled kernel)"
-    prompt = ("oneDNN bf16" if _bf16_gemm_ok(features)
-              else "oneDNN fp32 on a widened copy (no AVX512-BF16: slower prompts)")
+    prompt = (
+        "oneDNN bf16"
+        if _bf16_gemm_ok(features)
+        else "oneDNN fp32 on a widened copy (no AVX512-BF16: slower prompts)"
+    )
     return f"{fmt.value} weights, fp32 activations; decode rows: {decode}; prompt rows: {prompt}"
 
 
@@ -274,16 +293,18 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> WeightPlan:
     n = sum(p.out_features for p in plans)
     bias = None
     if any(p.bias is not None for p in plans):
-        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
-                          for p in plans])
+        bias = torch.cat(
+            [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in plans]
+        )
     stacked = torch.cat([p.plain for p in plans]).contiguous()
     scales = None
     if plans[0].scales is not None:
         scales = torch.cat([p.scales for p in plans]).contiguous()
     for p in plans:
         p.plain = None
-    return WeightPlan(n, stacked, scales, bias, plans[0].kernel_rows, plans[0].bf16_gemm,
-                      plans[0].pack)
+    return WeightPlan(
+        n, stacked, scales, bias, plans[0].kernel_rows, plans[0].bf16_gemm, plans[0].pack
+    )
 
 
 def release_freed_memory() -> None:

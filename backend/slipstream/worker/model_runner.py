@@ -1,4 +1,5 @@
 """Packs a scheduled step into one ragged batch and runs the model on the paged KV cache."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,20 +33,32 @@ class StepBatch:
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
     compatible = getattr(model, "is_backend_compatible", None)
-    ok = (compatible() if callable(compatible)
-          else getattr(model, "_supports_attention_backend", False))
+    ok = (
+        compatible()
+        if callable(compatible)
+        else getattr(model, "_supports_attention_backend", False)
+    )
     if not ok:
         raise ValueError(
             f"{type(model).__name__} does not support transformers' attention interface, so its "
             "attention cannot run on the paged KV cache; choose a model whose class does "
-            "(Llama, Qwen, Mistral, Gemma, Phi, GPT-NeoX, GPT-2, OPT, ...)")
+            "(Llama, Qwen, Mistral, Gemma, Phi, GPT-NeoX, GPT-2, OPT, ...)"
+        )
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 max_model_len: int, max_num_seqs: int = 0, cuda_graph_sizes=None,
-                 attention_ops: str = "auto", fast_forward: bool = True,
-                 lora: Optional[LoraLayers] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        max_model_len: int,
+        max_num_seqs: int = 0,
+        cuda_graph_sizes=None,
+        attention_ops: str = "auto",
+        fast_forward: bool = True,
+        lora: Optional[LoraLayers] = None,
+    ) -> None:
         check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
@@ -55,8 +68,11 @@ class ModelRunner:
         self.ops = get_ops(device, attention_ops)
         self.num_query_heads = model.config.get_text_config().num_attention_heads
         model.set_attn_implementation(attention.register())
-        self.fast = (FastForward.for_model(model, fuse=lora is None)
-                     if fast_forward and device.type == "cpu" else None)
+        self.fast = (
+            FastForward.for_model(model, fuse=lora is None)
+            if fast_forward and device.type == "cpu"
+            else None
+        )
         self.lora = lora  # its per-token adapter choice cannot be replayed from a CUDA graph
         if lora is not None:
             cuda_graph_sizes = None
@@ -67,8 +83,13 @@ class ModelRunner:
         if self.device.type != "cuda" or not sizes or max_num_seqs <= 0:
             return None
         self._cu_seqlens = torch.arange(max_num_seqs + 2, dtype=torch.int32, device=self.device)
-        runner = DecodeGraphRunner(self._decode_forward, max_num_seqs, self.max_blocks_per_seq,
-                                   self.device, batch_sizes=sizes)
+        runner = DecodeGraphRunner(
+            self._decode_forward,
+            max_num_seqs,
+            self.max_blocks_per_seq,
+            self.device,
+            batch_sizes=sizes,
+        )
         with torch.inference_mode():
             runner.capture()
         return runner if runner.captured else None
@@ -76,11 +97,17 @@ class ModelRunner:
     def _decode_forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
         """One token per sequence, built only from fixed-address tensors (graph-capturable)."""
         n = input_ids.shape[0]
-        meta = AttentionMetadata(slot_mapping, self._cu_seqlens[:n + 1], seq_lens, block_tables,
-                                 max_seqlen_q=1,
-                                 max_seqlen_k=self.max_blocks_per_seq * self.block_size,
-                                 block_size=self.block_size, query_lens_host=[1] * n,
-                                 seq_lens_host=[])
+        meta = AttentionMetadata(
+            slot_mapping,
+            self._cu_seqlens[: n + 1],
+            seq_lens,
+            block_tables,
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+            block_size=self.block_size,
+            query_lens_host=[1] * n,
+            seq_lens_host=[],
+        )
         return self._forward(input_ids, positions, meta, 0)
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
@@ -102,7 +129,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             tokens = req.all_token_ids + item.spec_token_ids
             row0 = len(ids)
-            ids.extend(tokens[start:start + n])
+            ids.extend(tokens[start : start + n])
             pos.extend(range(start, start + n))
             table = req.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -120,8 +147,9 @@ class ModelRunner:
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         verify.extend([False] * (len(q_lens) - len(verify)))  # padding rows
         prompt.extend([True] * (len(q_lens) - len(prompt)))
-        batch = self._to_batch(ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify,
-                               prompt)
+        batch = self._to_batch(
+            ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt
+        )
         batch.prompt_rows = prompt_rows
         if self.lora is not None:
             batch.lora = self.lora.mapping_for(lora_spans, self.device)
@@ -148,12 +176,13 @@ class ModelRunner:
             seq_lens.append(width)
             tables.append([0] * -(-width // self.block_size))
 
-    def _to_batch(self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows,
-                  verify, prompt) -> StepBatch:
+    def _to_batch(
+        self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt
+    ) -> StepBatch:
         width = max(len(t) for t in tables)
         table_arr = np.full((len(tables), width), -1, dtype=np.int32)
         for i, t in enumerate(tables):
-            table_arr[i, :len(t)] = t
+            table_arr[i, : len(t)] = t
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         dev = self.device
@@ -170,8 +199,12 @@ class ModelRunner:
             verify_host=verify,
             prompt_host=prompt,
         )
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
-                         torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows)
+        return StepBatch(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            sample_rows,
+        )
 
     def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
         # Every layer shares the step's layout: the ops work it out once, here.
@@ -180,8 +213,12 @@ class ModelRunner:
             return self.fast(input_ids, positions, keep, self._attention_step(meta))
         context = attention.StepContext(meta, self.kv.key_caches, self.kv.value_caches, self.ops)
         with attention.step_context(context):
-            out = self.model(input_ids=input_ids[None], position_ids=positions[None],
-                             use_cache=False, logits_to_keep=keep)
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=keep,
+            )
         return out.logits[0]
 
     def _attention_step(self, meta: AttentionMetadata):
@@ -190,8 +227,10 @@ class ModelRunner:
 
         def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
             ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)
-            return ops.paged_attention(q, key_caches[layer], value_caches[layer], meta, scaling,
-                                       window, None)
+            return ops.paged_attention(
+                q, key_caches[layer], value_caches[layer], meta, scaling, window, None
+            )
+
         return step
 
     @torch.inference_mode()
@@ -202,8 +241,13 @@ class ModelRunner:
         rows += [r for rows in batch.prompt_rows or [] for r in rows]
         meta = batch.meta
         if self.graphs is not None and meta.decode_only and rows:
-            logits = self.graphs(batch.input_ids, batch.positions, meta.slot_mapping,
-                                 meta.block_tables, meta.seq_lens)
+            logits = self.graphs(
+                batch.input_ids,
+                batch.positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+            )
             return logits[torch.tensor(rows, device=self.device)].float()
         keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
         if self.lora is not None:
@@ -228,7 +272,7 @@ class ModelRunner:
         num_sampled = sum(len(r) for r in batch.sample_rows)
         prompt_logits, cursor = [], num_sampled
         for rows in batch.prompt_rows:
-            prompt_logits.append(logits[cursor:cursor + len(rows)] if rows else None)
+            prompt_logits.append(logits[cursor : cursor + len(rows)] if rows else None)
             cursor += len(rows)
         return logits[:num_sampled], batch.sample_rows, prompt_logits
 

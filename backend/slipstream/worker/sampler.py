@@ -6,13 +6,15 @@ penalties), as vLLM reports them; a request that asked for ``logprobs=N`` also g
 sampled token's rank and the top-N alternatives (``TokenLogprob``).
 
 Order per row, as vLLM applies them: vocabulary constraints (``allowed_token_ids``,
-``bad_words``, ``logit_bias``), the structured-output grammar mask, ``min_tokens``, penalties, then temperature, top-k, top-p and
+``bad_words``, ``logit_bias``), the structured-output grammar mask, ``min_tokens``, penalties,
+then temperature, top-k, top-p and
 ``min_p`` for sampled requests.
 
 Fail-soft: when the batched sample raises, the rows are sampled again one by one (with the
 random generators rewound) and only the requests whose own rows fail are reported, in a
 ``PerRequestError`` that still carries the tokens of every other row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,18 +53,25 @@ class _RawLogprobs:
 
     @classmethod
     def capture(cls, logits: torch.Tensor, reqs: list) -> "_RawLogprobs":
-        changed = [i for i, r in enumerate(reqs) if r.params.uses_vocabulary_constraints
-                   or getattr(r, "grammar", None) is not None]
+        changed = [
+            i
+            for i, r in enumerate(reqs)
+            if r.params.uses_vocabulary_constraints or getattr(r, "grammar", None) is not None
+        ]
         ranked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        return cls(logits, torch.logsumexp(logits, dim=-1), changed,
-                   logits[changed].clone() if changed else None, ranked,
-                   torch.log_softmax(logits[ranked], dim=-1) if ranked else None)
+        return cls(
+            logits,
+            torch.logsumexp(logits, dim=-1),
+            changed,
+            logits[changed].clone() if changed else None,
+            ranked,
+            torch.log_softmax(logits[ranked], dim=-1) if ranked else None,
+        )
 
     def of(self, tokens: torch.Tensor, reqs: list) -> list:
         picked = self.logits.gather(1, tokens[:, None])[:, 0]
         if self.changed:
-            picked[self.changed] = self.changed_rows.gather(
-                1, tokens[self.changed][:, None])[:, 0]
+            picked[self.changed] = self.changed_rows.gather(1, tokens[self.changed][:, None])[:, 0]
         values = (picked - self.lse).tolist()
         for n, i in enumerate(self.ranked):
             row = self.ranked_rows[n]
@@ -102,7 +111,9 @@ class Sampler:
             self._request_generators[req.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, reqs: list, want_logprobs: bool = True) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, reqs: list, want_logprobs: bool = True
+    ) -> SampleResult:
         """``logits [R, V]`` with ``reqs[i]`` owning row i (a request may own several rows
         when drafts are verified; penalties then use its tokens so far).
 
@@ -124,8 +135,9 @@ class Sampler:
         for gen, state in saved:
             gen.set_state(state)
 
-    def _sample_rows_apart(self, logits: torch.Tensor, reqs: list,
-                           want_logprobs: bool) -> SampleResult:
+    def _sample_rows_apart(
+        self, logits: torch.Tensor, reqs: list, want_logprobs: bool
+    ) -> SampleResult:
         """Each request's rows alone, in order (so seeded generators advance as in a batch)."""
         tokens, logprobs, failures = [], [], {}
         for i, req in enumerate(reqs):
@@ -133,7 +145,7 @@ class Sampler:
                 row = None
             else:
                 try:
-                    row = self._sample(logits[i:i + 1].clone(), [req], want_logprobs)
+                    row = self._sample(logits[i : i + 1].clone(), [req], want_logprobs)
                 except Exception as exc:  # noqa: BLE001 - reported to that request only
                     failures[req.request_id] = f"sampling failed: {exc}"
                     row = None
@@ -240,8 +252,11 @@ class Sampler:
         blocked = [(i, self._blocked_tokens(r, vocab)) for i, r in enumerate(reqs)]
         blocked = [(i, ids) for i, ids in blocked if ids]
         repeat = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
-        counted = [i for i, r in enumerate(reqs) if (r.params.presence_penalty
-                   or r.params.frequency_penalty) and r.num_output_tokens]
+        counted = [
+            i
+            for i, r in enumerate(reqs)
+            if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output_tokens
+        ]
         if not (blocked or repeat or counted):
             return logits
         logits = logits.clone()
@@ -254,10 +269,12 @@ class Sampler:
             penalty = torch.tensor([r.params.repetition_penalty for r in reqs])[rows]
             vals = flat[index]
             flat[index] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp(
-                -_FINITE, _FINITE)
+                -_FINITE, _FINITE
+            )
         if counted:
-            index, counts = _flat_index(counted, [reqs[i].output_token_ids for i in counted],
-                                        vocab).unique(return_counts=True)
+            index, counts = _flat_index(
+                counted, [reqs[i].output_token_ids for i in counted], vocab
+            ).unique(return_counts=True)
             rows = index // vocab
             freq = torch.tensor([r.params.frequency_penalty for r in reqs])[rows]
             presence = torch.tensor([r.params.presence_penalty for r in reqs])[rows]
@@ -298,12 +315,13 @@ def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogp
     return TokenLogprob(sampled, rank, top)
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], first: int,
-                    top_n: int) -> list[TokenLogprob]:
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_token_ids: list[int], first: int, top_n: int
+) -> list[TokenLogprob]:
     """vLLM's ``prompt_logprobs``: row j of ``logits`` scores prompt token ``first + j``; each
     entry is that token's logprob under the raw model distribution, its rank and the top-N."""
     logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
-    targets = torch.tensor(prompt_token_ids[first:first + logprobs.shape[0]], dtype=torch.long)
+    targets = torch.tensor(prompt_token_ids[first : first + logprobs.shape[0]], dtype=torch.long)
     values = logprobs.gather(1, targets[:, None])
     ranks = (logprobs >= values).sum(dim=1).tolist()
     tops = [()] * len(ranks)
@@ -318,7 +336,7 @@ def banned_next_tokens(bad_words_token_ids: list, generated: list) -> list:
     banned = []
     for seq in bad_words_token_ids:
         prefix = seq[:-1]
-        if not prefix or generated[len(generated) - len(prefix):] == prefix:
+        if not prefix or generated[len(generated) - len(prefix) :] == prefix:
             banned.append(seq[-1])
     return banned
 
@@ -332,8 +350,10 @@ def prepare(params: SamplingParams, tokenizer, vocab_size: int) -> None:
     if params.logit_bias:
         invalid = sorted(t for t in params.logit_bias if t >= vocab_size)
         if invalid:
-            raise ValueError(f"token_id(s) {invalid} in logit_bias contain out-of-vocab token "
-                             f"ids. Vocabulary size: {vocab_size}")
+            raise ValueError(
+                f"token_id(s) {invalid} in logit_bias contain out-of-vocab token "
+                f"ids. Vocabulary size: {vocab_size}"
+            )
     sequences = []
     for word in params.bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):

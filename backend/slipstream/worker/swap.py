@@ -6,6 +6,7 @@ preallocated tensor of CPU blocks with the device cache's geometry (``[2, layers
 block_size, kv_heads, head_dim]``), pinned when the cache lives on a GPU;
 ``swap_space_bytes`` sets its size. Copies are synchronous.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,22 @@ class SwapPool:
         if self._data is None:
             g = self.kv.geometry
             pin = self.kv.data.device.type == "cuda"
-            self._data = torch.empty(2, g.num_layers, self.num_blocks, g.block_size,
-                                     g.num_kv_heads, g.head_dim, dtype=g.dtype, device="cpu",
-                                     pin_memory=pin)
-            log.info("swap pool: %d CPU blocks, %.1f MiB", self.num_blocks,
-                     self._data.numel() * self._data.element_size() / 2**20)
+            self._data = torch.empty(
+                2,
+                g.num_layers,
+                self.num_blocks,
+                g.block_size,
+                g.num_kv_heads,
+                g.head_dim,
+                dtype=g.dtype,
+                device="cpu",
+                pin_memory=pin,
+            )
+            log.info(
+                "swap pool: %d CPU blocks, %.1f MiB",
+                self.num_blocks,
+                self._data.numel() * self._data.element_size() / 2**20,
+            )
         return self._data
 
     def apply(self, sched: SchedulerOutput) -> None:

@@ -22,6 +22,7 @@ runs there instead, a row per task with its working copy in the core's cache (th
 operators below each stream the whole batch through memory: ~1 ms per operator at 32 rows on
 one core here); the same rules, the same uniforms.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,17 +34,22 @@ BIN_WIDTH = 0.05  # nats of log-probability per bin
 NUM_BINS = 640  # 32 nats: what lies below is one last bin (mass below e^-32 of the top)
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                uniforms: torch.Tensor) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
     """``logits [S, V]`` (penalties applied), ``params[i]`` and ``uniforms[i]`` (float64 in
     [0, 1)) for row i: one token id per row."""
     vocab = logits.shape[-1]
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     if compiled(logits):
         return torch.ops.slipstream_cpu.sample_rows(
-            logits, temps, torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
+            logits,
+            temps,
+            torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]),
             torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms)
+            torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            uniforms,
+        )
     scaled = (logits / temps[:, None]).clamp_(max=_FINITE)
     probs = torch.softmax(scaled, dim=-1)
     groups = {"whole": [], "nucleus": [], "top_k": []}
@@ -56,8 +62,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         if len(rows) == len(params):
             return draw[kind](scaled, probs, params, uniforms)
         if rows:
-            tokens[rows] = draw[kind](scaled[rows], probs[rows], [params[i] for i in rows],
-                                      uniforms[rows])
+            tokens[rows] = draw[kind](
+                scaled[rows], probs[rows], [params[i] for i in rows], uniforms[rows]
+            )
     return tokens
 
 
@@ -92,14 +99,16 @@ def _pick(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return picked
 
 
-def _draw_whole(scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams],
-                uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_whole(
+    scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
     """Neither top-k nor top-p: the whole vocabulary (min_p applied)."""
     return _pick(_min_p(probs, params), uniforms)
 
 
-def _draw_top_k(scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams],
-                uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_top_k(
+    scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
     """The k most likely tokens by one ``topk`` (renormalised over them, as top-k masks the
     logits before the softmax), then min_p and top-p within them: each rule keeps a prefix."""
     top_k = torch.tensor([p.top_k for p in params])
@@ -115,8 +124,9 @@ def _draw_top_k(scaled: torch.Tensor, probs: torch.Tensor, params: list[Sampling
     return ids.gather(1, _pick(values, uniforms)[:, None])[:, 0]
 
 
-def _draw_nucleus(scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams],
-                  uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_nucleus(
+    scaled: torch.Tensor, probs: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
     """top-p (and min_p) over the whole vocabulary: the threshold from the binned masses."""
     probs = _min_p(probs, params)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
@@ -124,8 +134,9 @@ def _draw_nucleus(scaled: torch.Tensor, probs: torch.Tensor, params: list[Sampli
     return _pick(probs.masked_fill(probs < threshold[:, None], 0.0), uniforms)
 
 
-def nucleus_threshold(scaled: torch.Tensor, probs: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+def nucleus_threshold(
+    scaled: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Per row, the smallest probability in the nucleus: the most likely tokens whose mass
     before each is at most ``top_p`` x the row's mass (``probs`` may hold zeros: dropped)."""
     rows, vocab = probs.shape
@@ -137,8 +148,9 @@ def nucleus_threshold(scaled: torch.Tensor, probs: torch.Tensor,
     limit = top_p * cumulative[:, -1]
     crossing = torch.searchsorted(cumulative, limit[:, None], right=True)[:, 0]
     crossing.clamp_(max=NUM_BINS - 1)
-    above = torch.where(crossing > 0, cumulative.gather(
-        1, (crossing - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    above = torch.where(
+        crossing > 0, cumulative.gather(1, (crossing - 1).clamp(min=0)[:, None])[:, 0], 0.0
+    )
     # the crossing bin's tokens, ranked within their row: row first, most likely first
     bin_id = (crossing + torch.arange(rows) * NUM_BINS).to(torch.int32)
     row, col = ((bins == bin_id[:, None]) & (probs > 0)).nonzero(as_tuple=True)
@@ -148,9 +160,15 @@ def nucleus_threshold(scaled: torch.Tensor, probs: torch.Tensor,
     counts = torch.bincount(row, minlength=rows)
     starts = torch.cumsum(counts, dim=0) - counts
     running = torch.cumsum(values, dim=0)
-    offset = torch.where(counts > 0, running[starts.clamp(max=len(values) - 1)]
-                         - values[starts.clamp(max=len(values) - 1)], 0.0) \
-        if len(values) else torch.zeros(rows, dtype=torch.float64)
+    offset = (
+        torch.where(
+            counts > 0,
+            running[starts.clamp(max=len(values) - 1)] - values[starts.clamp(max=len(values) - 1)],
+            0.0,
+        )
+        if len(values)
+        else torch.zeros(rows, dtype=torch.float64)
+    )
     before = running - values - offset[row] + above[row]
     kept = before <= limit[row]
     threshold = torch.full((rows,), float("inf"), dtype=torch.float64)

@@ -1,5 +1,6 @@
 """Triton loads this file; the adapter lives in the package
 (``slipstream.server.stub.triton_model``)."""
+
 import os
 import sys
 

@@ -9,6 +9,7 @@ for the hashes, a real ``BlockPool`` with KV events on and ``Request`` objects (
 ``cache_salt`` included) for the events, ``msgspec.msgpack.Encoder`` on ``KVEventBatch``
 as ``ZmqEventPublisher`` encodes them.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ import sys
 from pathlib import Path
 
 import msgspec
-
 import vllm
 from vllm import envs
 from vllm.distributed.kv_events import KVEventBatch
@@ -46,9 +46,15 @@ def use_int_hashes(on: bool) -> None:
 
 def request(rid: str, lora: bool, salt: bool) -> Request:
     lora_request = LoRARequest(LORA["name"], LORA["id"], LORA["path"]) if lora else None
-    return Request(rid, list(TOKENS), SamplingParams(max_tokens=1), None,
-                   lora_request=lora_request, cache_salt=SALT if salt else None,
-                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256_cbor))
+    return Request(
+        rid,
+        list(TOKENS),
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=lora_request,
+        cache_salt=SALT if salt else None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256_cbor),
+    )
 
 
 def hashes_case(name: str, seed: str | None, lora: bool, salt: bool) -> dict:
@@ -58,9 +64,14 @@ def hashes_case(name: str, seed: str | None, lora: bool, salt: bool) -> dict:
         os.environ["PYTHONHASHSEED"] = seed
     init_none_hash(sha256_cbor)
     req = request(name, lora, salt)
-    return {"name": name, "pythonhashseed": seed, "lora": lora, "cache_salt": salt,
-            "none_hash": kv_cache_utils.NONE_HASH.hex(),
-            "block_hashes": [h.hex() for h in req.block_hashes]}
+    return {
+        "name": name,
+        "pythonhashseed": seed,
+        "lora": lora,
+        "cache_salt": salt,
+        "none_hash": kv_cache_utils.NONE_HASH.hex(),
+        "block_hashes": [h.hex() for h in req.block_hashes],
+    }
 
 
 def encode(events: list) -> str:
@@ -73,8 +84,12 @@ def batches_case(int_hashes: bool, lora: bool, salt: bool) -> dict:
     use_int_hashes(int_hashes)
     os.environ.pop("PYTHONHASHSEED", None)
     init_none_hash(sha256_cbor)
-    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BLOCK_SIZE,
-                     enable_kv_cache_events=True)
+    pool = BlockPool(
+        num_gpu_blocks=6,
+        enable_caching=True,
+        hash_block_size=BLOCK_SIZE,
+        enable_kv_cache_events=True,
+    )
     req = request("r", lora, salt)
     blocks = pool.get_new_blocks(5)
     pool.cache_full_blocks(req, blocks, 0, 4, BLOCK_SIZE, 0)
@@ -85,23 +100,46 @@ def batches_case(int_hashes: bool, lora: bool, salt: bool) -> dict:
     pool.free_blocks(pool.blocks[1:])
     assert pool.reset_prefix_cache()
     cleared = pool.take_events()
-    return {"int_hashes": int_hashes, "lora": lora, "cache_salt": salt,
-            "stored": encode(stored), "removed": encode(removed), "cleared": encode(cleared)}
+    return {
+        "int_hashes": int_hashes,
+        "lora": lora,
+        "cache_salt": salt,
+        "stored": encode(stored),
+        "removed": encode(removed),
+        "cleared": encode(cleared),
+    }
 
 
 def main() -> None:
-    cases = [hashes_case("plain", None, False, False),
-             hashes_case("seeded", "123", False, False),
-             hashes_case("lora", None, True, False),
-             hashes_case("salted", None, False, True),
-             hashes_case("lora_salted", None, True, True)]
-    batches = [batches_case(i, lora, salt) for i in (True, False)
-               for lora, salt in ((False, False), (True, True))]
-    OUT.write_text(json.dumps({
-        "made_by": f"vLLM {vllm.__version__}, msgspec {msgspec.__version__}, "
-                   f"Python {sys.version.split()[0]}: {Path(__file__).name}",
-        "block_size": BLOCK_SIZE, "tokens": TOKENS, "lora": LORA, "cache_salt": SALT,
-        "ts": TS, "hashes": cases, "batches": batches}, indent=1) + "\n")
+    cases = [
+        hashes_case("plain", None, False, False),
+        hashes_case("seeded", "123", False, False),
+        hashes_case("lora", None, True, False),
+        hashes_case("salted", None, False, True),
+        hashes_case("lora_salted", None, True, True),
+    ]
+    batches = [
+        batches_case(i, lora, salt)
+        for i in (True, False)
+        for lora, salt in ((False, False), (True, True))
+    ]
+    OUT.write_text(
+        json.dumps(
+            {
+                "made_by": f"vLLM {vllm.__version__}, msgspec {msgspec.__version__}, "
+                f"Python {sys.version.split()[0]}: {Path(__file__).name}",
+                "block_size": BLOCK_SIZE,
+                "tokens": TOKENS,
+                "lora": LORA,
+                "cache_salt": SALT,
+                "ts": TS,
+                "hashes": cases,
+                "batches": batches,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {OUT}")
 
 

@@ -4,6 +4,7 @@ Subcommands live in ``COMMANDS``: name -> (help, add_args(parser), run(args) -> 
 name -> "module.path" of a module defining ``HELP``, ``add_args`` and ``run`` (imported only
 when that subcommand is used). Add one with ``register_command`` or an entry in the dict.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,19 +20,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from slipstream.server.launch.launcher import (DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY,
-                                               TritonServer, TritonServerError,
-                                               render_model_repository)
+from slipstream.server.launch.launcher import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    TritonServerError,
+    render_model_repository,
+)
 
 if TYPE_CHECKING:
     from slipstream.server.openai.frontend import OpenAIFrontend
 
 DEMO_PROMPT = "What is the capital of France?"
 # tritonserver options `serve` sets from its own flags: --server-arg may not repeat them.
-OWNED_SERVER_OPTIONS = ("--model-repository", "--model-store", "--http-address", "--http-port",
-                        "--grpc-address", "--grpc-port", "--metrics-address", "--metrics-port",
-                        "--model-control-mode", "--load-model", "--exit-timeout-secs",
-                        "--backend-directory", "--log-verbose", "--log-file")
+OWNED_SERVER_OPTIONS = (
+    "--model-repository",
+    "--model-store",
+    "--http-address",
+    "--http-port",
+    "--grpc-address",
+    "--grpc-port",
+    "--metrics-address",
+    "--metrics-port",
+    "--model-control-mode",
+    "--load-model",
+    "--exit-timeout-secs",
+    "--backend-directory",
+    "--log-verbose",
+    "--log-file",
+)
 
 
 # --------------------------------------------------------------------------- streaming client
@@ -64,9 +81,13 @@ class _StreamedAnswer:
         return result.get_response().parameters["triton_final_response"].bool_param
 
     def summary(self) -> dict:
-        return {"text": "".join(self.parts), "finish_reason": self.finish_reason,
-                "ttft_s": self.ttft_s, "seconds": time.monotonic() - self.start,
-                "num_output_tokens": self.num_output_tokens}
+        return {
+            "text": "".join(self.parts),
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            "seconds": time.monotonic() - self.start,
+            "num_output_tokens": self.num_output_tokens,
+        }
 
 
 def _prompt_inputs(prompt: str, max_tokens: int, temperature: float, chat: bool) -> list:
@@ -89,9 +110,17 @@ def _prompt_inputs(prompt: str, max_tokens: int, temperature: float, chat: bool)
     ]
 
 
-def stream_prompt(grpc_url: str, prompt: str, *, model: str = DEFAULT_MODEL_NAME,
-                  max_tokens: int = 128, temperature: float = 0.0, chat: bool = True,
-                  on_text: Optional[Callable[[str], None]] = None, timeout: float = 600.0) -> dict:
+def stream_prompt(
+    grpc_url: str,
+    prompt: str,
+    *,
+    model: str = DEFAULT_MODEL_NAME,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    chat: bool = True,
+    on_text: Optional[Callable[[str], None]] = None,
+    timeout: float = 600.0,
+) -> dict:
     """Stream one answer over gRPC; returns {"text", "finish_reason", "ttft_s", "seconds",
     "num_output_tokens"}. Raises RuntimeError with the server's message on an error."""
     import tritonclient.grpc as grpcclient
@@ -128,52 +157,90 @@ def parse_sets(items: Optional[list[str]]) -> dict[str, str]:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face "
-                                   "model directory; same as --set model=...")
-    p.add_argument("--model-repository", default=os.environ.get(
-        "SLIPSTREAM_MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)),
-        help="Triton model repository to serve (copied with the overrides applied)")
+    p.add_argument(
+        "--model",
+        help="'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face "
+        "model directory; same as --set model=...",
+    )
+    p.add_argument(
+        "--model-repository",
+        default=os.environ.get("SLIPSTREAM_MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)),
+        help="Triton model repository to serve (copied with the overrides applied)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
     p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
     openai_port = os.environ.get("SLIPSTREAM_OPENAI_PORT")
-    p.add_argument("--openai-port", type=int, default=int(openai_port) if openai_port else None,
-                   help="also serve the OpenAI-compatible API (/v1/chat/completions, "
-                        "/v1/completions, /v1/models, /health) on this port, through Triton; "
-                        "0 = any free port (printed); off by default "
-                        "(env SLIPSTREAM_OPENAI_PORT)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
-                   help="override a config.pbtxt parameter (engine setting), repeatable")
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=int(openai_port) if openai_port else None,
+        help="also serve the OpenAI-compatible API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health) on this port, through Triton; "
+        "0 = any free port (printed); off by default "
+        "(env SLIPSTREAM_OPENAI_PORT)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        default=[],
+        help="override a config.pbtxt parameter (engine setting), repeatable",
+    )
     p.add_argument("--prompt", help="once ready, stream the answer to this prompt over gRPC")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens for --prompt")
-    p.add_argument("--raw-prompt", action="store_true",
-                   help="send --prompt as is, without the model's chat template")
-    p.add_argument("--exit-after-prompt", action="store_true",
-                   help="stop the server after answering --prompt")
+    p.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="send --prompt as is, without the model's chat template",
+    )
+    p.add_argument(
+        "--exit-after-prompt", action="store_true", help="stop the server after answering --prompt"
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--exit-timeout", type=float, default=30.0,
-                   help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish")
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="restart tritonserver when it dies (e.g. its model's stub was killed), "
-                        "at most this many times in 10 minutes; 0 = exit instead")
-    p.add_argument("--log-file", help="tritonserver log (default: a temp file; '-': stdout, "
-                                      "as in a container)")
+    p.add_argument(
+        "--exit-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C/SIGTERM, seconds in-flight requests get to finish",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restart tritonserver when it dies (e.g. its model's stub was killed), "
+        "at most this many times in 10 minutes; 0 = exit instead",
+    )
+    p.add_argument(
+        "--log-file", help="tritonserver log (default: a temp file; '-': stdout, as in a container)"
+    )
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    p.add_argument("--server-arg", action="append", default=[], metavar="--OPTION=VALUE",
-                   help="pass an option to tritonserver as is (repeatable), e.g. "
-                        "--server-arg=--log-format=ISO8601; the options serve sets itself "
-                        f"({', '.join(OWNED_SERVER_OPTIONS)}) are refused")
-    p.add_argument("--vllm-alias", action="store_true",
-                   help="also install the slipstream backend under the name 'vllm': a repository "
-                        "written for Triton's vLLM backend (backend: \"vllm\", 1/model.json) "
-                        "loads unchanged, and tools that look for backend 'vllm' (Triton's "
-                        "OpenAI frontend) treat its models as vLLM ones")
-    p.add_argument("--allow-model-control", action="store_true",
-                   help="open Triton's model-repository API (/v2/repository: load, unload, "
-                        "index) to every client that reaches the HTTP or gRPC port. Off by "
-                        "default: only the launcher, with a random key, may use it (loading a "
-                        "Python-backend model runs its code; an unload takes the model away)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="--OPTION=VALUE",
+        help="pass an option to tritonserver as is (repeatable), e.g. "
+        "--server-arg=--log-format=ISO8601; the options serve sets itself "
+        f"({', '.join(OWNED_SERVER_OPTIONS)}) are refused",
+    )
+    p.add_argument(
+        "--vllm-alias",
+        action="store_true",
+        help="also install the slipstream backend under the name 'vllm': a repository "
+        'written for Triton\'s vLLM backend (backend: "vllm", 1/model.json) '
+        "loads unchanged, and tools that look for backend 'vllm' (Triton's "
+        "OpenAI frontend) treat its models as vLLM ones",
+    )
+    p.add_argument(
+        "--allow-model-control",
+        action="store_true",
+        help="open Triton's model-repository API (/v2/repository: load, unload, "
+        "index) to every client that reaches the HTTP or gRPC port. Off by "
+        "default: only the launcher, with a random key, may use it (loading a "
+        "Python-backend model runs its code; an unload takes the model away)",
+    )
 
 
 def server_args(values: list[str]) -> list[str]:
@@ -183,11 +250,14 @@ def server_args(values: list[str]) -> list[str]:
     for value in values:
         name = value.split("=", 1)[0]
         if not name.startswith("--"):
-            raise SystemExit(f"--server-arg {value!r}: give tritonserver options as "
-                             "--server-arg=--name=value")
+            raise SystemExit(
+                f"--server-arg {value!r}: give tritonserver options as --server-arg=--name=value"
+            )
         if name in OWNED_SERVER_OPTIONS:
-            raise SystemExit(f"--server-arg {name}: set by slipstream serve itself; use its "
-                             "own flags (--host, --http-port, --model-repository, ...)")
+            raise SystemExit(
+                f"--server-arg {name}: set by slipstream serve itself; use its "
+                "own flags (--host, --http-port, --model-repository, ...)"
+            )
     return list(values)
 
 
@@ -209,8 +279,10 @@ def _validate(repo: Path, aliases=()) -> dict:
     except ValueError as e:
         raise SystemExit(f"invalid engine setting: {e}")
     if not checked:
-        raise SystemExit(f"{repo} holds no model served by the slipstream backend"
-                         + ("" if aliases else " (backend \"vllm\" models need --vllm-alias)"))
+        raise SystemExit(
+            f"{repo} holds no model served by the slipstream backend"
+            + ("" if aliases else ' (backend "vllm" models need --vllm-alias)')
+        )
     return {name: settings.engine for name, settings in checked.items()}
 
 
@@ -228,15 +300,26 @@ def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
         server.kill()  # its process group and shared-memory regions
         now = time.monotonic()
         restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
-        print(f"tritonserver exited unexpectedly (code {code}); log {server.log_path}:\n"
-              f"{server.log_tail(2000)}", file=sys.stderr, flush=True)
+        print(
+            f"tritonserver exited unexpectedly (code {code}); log {server.log_path}:\n"
+            f"{server.log_tail(2000)}",
+            file=sys.stderr,
+            flush=True,
+        )
         if len(restarts) >= max_restarts:
-            print(f"not restarting: {len(restarts)} restarts in the last "
-                  f"{RESTART_WINDOW_S / 60:.0f} minutes", file=sys.stderr, flush=True)
+            print(
+                f"not restarting: {len(restarts)} restarts in the last "
+                f"{RESTART_WINDOW_S / 60:.0f} minutes",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         restarts.append(now)
-        print(f"restarting tritonserver ({len(restarts)} of at most {max_restarts} in "
-              f"{RESTART_WINDOW_S / 60:.0f} minutes) ...", flush=True)
+        print(
+            f"restarting tritonserver ({len(restarts)} of at most {max_restarts} in "
+            f"{RESTART_WINDOW_S / 60:.0f} minutes) ...",
+            flush=True,
+        )
         t0 = time.monotonic()
         try:
             server.start()
@@ -283,19 +366,33 @@ class _Session:
 def run_serve(args: argparse.Namespace) -> int:
     extra_args = server_args(args.server_arg)
     plan = _plan_serve(args)
-    session = _Session(TritonServer(
-        plan.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, startup_timeout=args.startup_timeout,
-        log_path=args.log_file, log_verbose=args.log_verbose, exit_timeout=args.exit_timeout,
-        models=plan.names, backend_aliases=plan.aliases,
-        open_model_control=args.allow_model_control, extra_args=extra_args))
+    session = _Session(
+        TritonServer(
+            plan.repo,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            startup_timeout=args.startup_timeout,
+            log_path=args.log_file,
+            log_verbose=args.log_verbose,
+            exit_timeout=args.exit_timeout,
+            models=plan.names,
+            backend_aliases=plan.aliases,
+            open_model_control=args.allow_model_control,
+            extra_args=extra_args,
+        )
+    )
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
         code = _serve(args, plan, session)
     except _Stop as e:
-        print(f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
-              "Ctrl-C again to kill", flush=True)
+        print(
+            f"\n{e}: stopping; in-flight requests may finish (up to {args.exit_timeout:.0f} s), "
+            "Ctrl-C again to kill",
+            flush=True,
+        )
     except (TritonServerError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
@@ -330,17 +427,23 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
 def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int:
     """Start, announce, answer --prompt, then serve until stopped: the exit code."""
     server = session.server
-    print(f"starting tritonserver (model {plan.engine.get('model', 'default')}; log "
-          f"{server.log_path or 'on stdout'}) ...", flush=True)
+    print(
+        f"starting tritonserver (model {plan.engine.get('model', 'default')}; log "
+        f"{server.log_path or 'on stdout'}) ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     if not _start_first(server):
         return _serve_until_stopped(server, args.max_restarts)
-    print(f"ready in {time.monotonic() - t0:.1f} s\n"
-          f"  models   {', '.join(plan.names)}\n"
-          f"  HTTP     http://{server.http_url}  (POST /v2/models/{plan.prompt_model}/generate, "
-          f"/generate_stream)\n"
-          f"  gRPC     {server.grpc_url}\n"
-          f"  metrics  {server.metrics_url}", flush=True)
+    print(
+        f"ready in {time.monotonic() - t0:.1f} s\n"
+        f"  models   {', '.join(plan.names)}\n"
+        f"  HTTP     http://{server.http_url}  (POST /v2/models/{plan.prompt_model}/generate, "
+        f"/generate_stream)\n"
+        f"  gRPC     {server.grpc_url}\n"
+        f"  metrics  {server.metrics_url}",
+        flush=True,
+    )
     if args.openai_port is not None:
         session.openai_api = _start_openai(args, plan.repo, plan.aliases, server)
     if args.prompt:
@@ -353,14 +456,22 @@ def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int
 
 def _answer_prompt(args: argparse.Namespace, server: TritonServer, model: str) -> None:
     print(f"\n>>> {args.prompt}", flush=True)
-    result = stream_prompt(server.grpc_url, args.prompt, model=model,
-                           max_tokens=args.max_tokens, chat=not args.raw_prompt,
-                           on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    result = stream_prompt(
+        server.grpc_url,
+        args.prompt,
+        model=model,
+        max_tokens=args.max_tokens,
+        chat=not args.raw_prompt,
+        on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
+    )
     rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
     ttft = result["ttft_s"] or 0.0
-    print(f"\n[{result['num_output_tokens']} tokens, finish_reason="
-          f"{result['finish_reason']}, first token {ttft * 1000:.0f} ms, "
-          f"{rate:.1f} tokens/s]", flush=True)
+    print(
+        f"\n[{result['num_output_tokens']} tokens, finish_reason="
+        f"{result['finish_reason']}, first token {ttft * 1000:.0f} ms, "
+        f"{rate:.1f} tokens/s]",
+        flush=True,
+    )
 
 
 def _stop_session(session: _Session) -> None:
@@ -374,26 +485,42 @@ def _stop_session(session: _Session) -> None:
             session.openai_api.stop()
 
 
-def _start_openai(args: argparse.Namespace, repo: Path, aliases: list[str],
-                  server: TritonServer) -> "OpenAIFrontend":
+def _start_openai(
+    args: argparse.Namespace, repo: Path, aliases: list[str], server: TritonServer
+) -> "OpenAIFrontend":
     """The OpenAI-compatible API on a thread of this process, talking to ``server`` over
     gRPC (it keeps its ports across restarts, so the API outlives them)."""
     from slipstream.server.openai.frontend import OpenAIFrontend
 
-    api = OpenAIFrontend.for_repository(repo, server.grpc_url, aliases,
-                                        metrics_url=server.metrics_url, host=args.host,
-                                        port=args.openai_port).start()
-    print(f"  OpenAI   {api.url}/v1  (chat/completions, completions, models; {api.url}/health)",
-          flush=True)
+    api = OpenAIFrontend.for_repository(
+        repo,
+        server.grpc_url,
+        aliases,
+        metrics_url=server.metrics_url,
+        host=args.host,
+        port=args.openai_port,
+    ).start()
+    print(
+        f"  OpenAI   {api.url}/v1  (chat/completions, completions, models; {api.url}/health)",
+        flush=True,
+    )
     return api
 
 
 # --------------------------------------------------------------------------- install-backend
 def add_install_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend-directory", default="/opt/tritonserver/backends",
-                   help="Triton's backend directory (default /opt/tritonserver/backends)")
-    p.add_argument("--alias", action="append", default=[], metavar="NAME",
-                   help="also install it under this backend name (e.g. vllm), repeatable")
+    p.add_argument(
+        "--backend-directory",
+        default="/opt/tritonserver/backends",
+        help="Triton's backend directory (default /opt/tritonserver/backends)",
+    )
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also install it under this backend name (e.g. vllm), repeatable",
+    )
 
 
 def run_install_backend(args: argparse.Namespace) -> int:
@@ -412,10 +539,16 @@ def run_install_backend(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- the table
 Command = Union[tuple, str]
 COMMANDS: dict = {
-    "serve": ("start tritonserver with the slipstream model (optionally answer --prompt)",
-              add_serve_args, run_serve),
-    "install-backend": ("install the slipstream Python-based backend into a Triton backend "
-                        "directory", add_install_backend_args, run_install_backend),
+    "serve": (
+        "start tritonserver with the slipstream model (optionally answer --prompt)",
+        add_serve_args,
+        run_serve,
+    ),
+    "install-backend": (
+        "install the slipstream Python-based backend into a Triton backend directory",
+        add_install_backend_args,
+        run_install_backend,
+    ),
     "bench": "slipstream_bench.cli",
 }
 

@@ -35,6 +35,7 @@ The model-repository API is restricted (``--http-restricted-api`` /
 repository calls, unless ``open_model_control``: with the Python backend a loadable model
 directory is code execution, and an unload takes the model away from every client.
 """
+
 from __future__ import annotations
 
 import glob
@@ -68,8 +69,9 @@ MODEL_CONTROL_HEADER = "slipstream-model-control-key"
 BACKEND_NAME = "slipstream"
 BACKEND_SOURCE = REPO_ROOT / "triton_backends" / BACKEND_NAME / "model.py"
 # What triton_backends/slipstream/model.py says, for installs without the repository's files.
-BACKEND_MODEL_PY = ("from slipstream.server.stub.triton_model import TritonPythonModel  "
-                    "# noqa: F401\n")
+BACKEND_MODEL_PY = (
+    "from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: F401\n"
+)
 
 
 class TritonServerError(RuntimeError):
@@ -117,7 +119,8 @@ def _pytriton_root() -> Optional[Path]:
 
 def cache_dir() -> Path:
     root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream"
+    )
     return Path(root)
 
 
@@ -134,8 +137,12 @@ def find_tritonserver(prefer: str = "auto", backend_aliases: Sequence[str] = ())
         raise TritonServerError(f"SLIPSTREAM_TRITONSERVER={forced} does not exist")
     if found:
         backends = Path(found).resolve().parent.parent / "backends"
-        return TritonInstall(Path(found), overlay_backend_dir(
-            backends if backends.is_dir() else None, backend_aliases), [], "path")
+        return TritonInstall(
+            Path(found),
+            overlay_backend_dir(backends if backends.is_dir() else None, backend_aliases),
+            [],
+            "path",
+        )
     if prefer in ("auto", "path"):
         if prefer == "path":
             raise TritonServerError("tritonserver is not on PATH")
@@ -143,12 +150,17 @@ def find_tritonserver(prefer: str = "auto", backend_aliases: Sequence[str] = ())
     if root is None:
         raise TritonServerError(
             "tritonserver not found: run inside a Triton container (tritonserver on PATH) or "
-            "install the nvidia-pytriton wheel (pip install -e '.[server]')")
+            "install the nvidia-pytriton wheel (pip install -e '.[server]')"
+        )
     libs = root.parent.parent / "nvidia_pytriton.libs"
     libdir = sysconfig.get_config_var("LIBDIR")
     lib_dirs = [str(p) for p in (libs, libdir) if p and Path(p).is_dir()]
-    return TritonInstall(root / "bin" / "tritonserver",
-                         prepare_backend_dir(root, backend_aliases), lib_dirs, "pytriton")
+    return TritonInstall(
+        root / "bin" / "tritonserver",
+        prepare_backend_dir(root, backend_aliases),
+        lib_dirs,
+        "pytriton",
+    )
 
 
 def backend_model_py() -> str:
@@ -161,17 +173,29 @@ def prepare_backend_dir(pytriton_root: Path, aliases: Sequence[str] = ()) -> Pat
     from the wheel, ``slipstream/model.py`` and one copy per alias."""
     stub = pytriton_root / "python_backend_stubs" / _python_tag() / "triton_python_backend_stub"
     if not stub.exists():
-        raise TritonServerError(f"nvidia-pytriton ships no Python backend stub for Python "
-                                f"{_python_tag()} (looked for {stub})")
+        raise TritonServerError(
+            f"nvidia-pytriton ships no Python backend stub for Python "
+            f"{_python_tag()} (looked for {stub})"
+        )
     src = pytriton_root / "backends" / "python"
-    files = {"libtriton_python.so": src / "libtriton_python.so",
-             "triton_python_backend_utils.py": src / "triton_python_backend_utils.py",
-             "triton_python_backend_stub": stub}
+    files = {
+        "libtriton_python.so": src / "libtriton_python.so",
+        "triton_python_backend_utils.py": src / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": stub,
+    }
     model_py = backend_model_py()
     names = [BACKEND_NAME, *sorted(set(aliases) - {BACKEND_NAME})]
-    stamp = json.dumps({"files": {n: [str(p), p.stat().st_size, int(p.stat().st_mtime)]
-                                  for n, p in sorted(files.items())},
-                        "backends": names, "model.py": model_py}, sort_keys=True)
+    stamp = json.dumps(
+        {
+            "files": {
+                n: [str(p), p.stat().st_size, int(p.stat().st_mtime)]
+                for n, p in sorted(files.items())
+            },
+            "backends": names,
+            "model.py": model_py,
+        },
+        sort_keys=True,
+    )
     key = f"py{_python_tag()}-{uuid.uuid5(uuid.NAMESPACE_URL, stamp).hex[:12]}"
 
     def fill(tmp: Path) -> None:
@@ -196,8 +220,10 @@ def overlay_backend_dir(backends: Optional[Path], aliases: Sequence[str] = ()) -
         return backends
     model_py = backend_model_py()
     entries = sorted(p.name for p in backends.iterdir())
-    stamp = json.dumps({"source": str(backends), "entries": entries, "backends": names,
-                        "model.py": model_py}, sort_keys=True)
+    stamp = json.dumps(
+        {"source": str(backends), "entries": entries, "backends": names, "model.py": model_py},
+        sort_keys=True,
+    )
     key = f"overlay-{uuid.uuid5(uuid.NAMESPACE_URL, stamp).hex[:12]}"
 
     def fill(tmp: Path) -> None:
@@ -236,8 +262,9 @@ def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(install.lib_dirs + ([old] if old else []))
     # This interpreter's bin/ first: the stub's embedded Python then resolves this environment.
     bindir = os.path.dirname(sys.executable)
-    env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep)
-                                             if p and p != bindir])
+    env["PATH"] = os.pathsep.join(
+        [bindir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir]
+    )
     if sys.prefix != sys.base_prefix:
         env.setdefault("VIRTUAL_ENV", sys.prefix)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -247,7 +274,9 @@ def server_env(install: TritonInstall, base: Optional[Mapping[str, str]] = None)
 # --------------------------------------------------------------------------- repository
 _PARAM_RE = re.compile(
     r'parameters\s*:?\s*\{\s*key\s*:\s*"(?P<key>[^"]+)"\s*value\s*:?\s*\{\s*'
-    r'string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}', re.S)
+    r'string_value\s*:\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*\}\s*\}',
+    re.S,
+)
 
 
 def _pbtxt_escape(value: str) -> str:
@@ -260,14 +289,17 @@ def _pbtxt_unescape(value: str) -> str:
 
 def read_parameters(config_pbtxt: str) -> dict:
     """The ``parameters`` of a config.pbtxt as a dict of strings."""
-    return {m.group("key"): _pbtxt_unescape(m.group("value"))
-            for m in _PARAM_RE.finditer(config_pbtxt)}
+    return {
+        m.group("key"): _pbtxt_unescape(m.group("value")) for m in _PARAM_RE.finditer(config_pbtxt)
+    }
 
 
 def set_parameters(config_pbtxt: str, overrides: Mapping[str, object]) -> str:
     """Replace (or append) ``parameters`` entries; values are written as strings."""
-    values = {k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
-              for k, v in overrides.items()}
+    values = {
+        k: ("" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in overrides.items()
+    }
     seen = set()
 
     def repl(m: re.Match) -> str:
@@ -278,20 +310,29 @@ def set_parameters(config_pbtxt: str, overrides: Mapping[str, object]) -> str:
         start, end = m.span("value")
         text = m.group(0)
         off = m.start()
-        return text[:start - off] + _pbtxt_escape(values[key]) + text[end - off:]
+        return text[: start - off] + _pbtxt_escape(values[key]) + text[end - off :]
 
     out = _PARAM_RE.sub(repl, config_pbtxt)
     extra = [k for k in values if k not in seen]
     if extra:
-        out = out.rstrip("\n") + "\n" + "".join(
-            f'parameters: {{\n  key: "{k}"\n'
-            f'  value: {{ string_value: "{_pbtxt_escape(values[k])}" }}\n}}\n'
-            for k in extra)
+        out = (
+            out.rstrip("\n")
+            + "\n"
+            + "".join(
+                f'parameters: {{\n  key: "{k}"\n'
+                f'  value: {{ string_value: "{_pbtxt_escape(values[k])}" }}\n}}\n'
+                for k in extra
+            )
+        )
     return out
 
 
-def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] = None,
-                            models: Optional[Sequence[str]] = None) -> Path:
+def render_model_repository(
+    src,
+    dst,
+    overrides: Optional[Mapping[str, object]] = None,
+    models: Optional[Sequence[str]] = None,
+) -> Path:
     """Mirror model repository ``src`` at ``dst`` with config ``parameters`` replaced.
 
     Files below ``LINK_FROM_BYTES`` (configs, ``model.py``, ``model.json``) are copied, so a
@@ -306,8 +347,11 @@ def render_model_repository(src, dst, overrides: Optional[Mapping[str, object]] 
         raise FileNotFoundError(f"model repository {src} does not exist")
     overrides = dict(overrides or {})
     model = overrides.get("model")
-    if isinstance(model, (str, Path)) and str(model) not in ("", "default") \
-            and Path(model).is_dir():
+    if (
+        isinstance(model, (str, Path))
+        and str(model) not in ("", "default")
+        and Path(model).is_dir()
+    ):
         overrides["model"] = str(Path(model).resolve())
     if dst.exists():
         shutil.rmtree(dst)
@@ -352,8 +396,11 @@ def _log_file(log_path) -> Optional[Path]:
     """Where Triton's log goes: None for stdout (STDOUT_LOG), a temp file when none is given."""
     if log_path == STDOUT_LOG:
         return None
-    return Path(log_path) if log_path else Path(
-        tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+    return (
+        Path(log_path)
+        if log_path
+        else Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log")[1])
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -371,14 +418,27 @@ class TritonServer:
     a GPU is present (``gpu_metrics=None``), since DCGM has nothing to report without one.
     """
 
-    def __init__(self, model_repository=DEFAULT_MODEL_REPOSITORY, *, http_port: int = 8000,
-                 grpc_port: int = 8001, metrics_port: int = 8002, host: str = "127.0.0.1",
-                 models: Sequence[str] = (DEFAULT_MODEL_NAME,), startup_timeout: float = 600.0,
-                 log_path=None, log_verbose: int = 0, extra_args: Sequence[str] = (),
-                 env: Optional[Mapping[str, str]] = None, prefer: str = "auto",
-                 exit_timeout: float = 30.0, gpu_metrics: Optional[bool] = None,
-                 backend_aliases: Sequence[str] = (), model_control: str = "explicit",
-                 open_model_control: bool = False) -> None:
+    def __init__(
+        self,
+        model_repository=DEFAULT_MODEL_REPOSITORY,
+        *,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        host: str = "127.0.0.1",
+        models: Sequence[str] = (DEFAULT_MODEL_NAME,),
+        startup_timeout: float = 600.0,
+        log_path=None,
+        log_verbose: int = 0,
+        extra_args: Sequence[str] = (),
+        env: Optional[Mapping[str, str]] = None,
+        prefer: str = "auto",
+        exit_timeout: float = 30.0,
+        gpu_metrics: Optional[bool] = None,
+        backend_aliases: Sequence[str] = (),
+        model_control: str = "explicit",
+        open_model_control: bool = False,
+    ) -> None:
         """``model_control="explicit"`` (the default) loads every model of the repository at
         start and lets ``stop`` unload them before signalling; "none" is Triton's default.
 
@@ -402,8 +462,9 @@ class TritonServer:
         self.backend_aliases = list(backend_aliases)
         self.model_control = model_control
         # None: the API is open to anyone who reaches the ports (an operator's explicit choice)
-        self.model_control_key: Optional[str] = (None if open_model_control
-                                                 else secrets.token_hex(24))
+        self.model_control_key: Optional[str] = (
+            None if open_model_control else secrets.token_hex(24)
+        )
         self.last_stop: Optional[StopReport] = None
         self._own_log = log_path is None
         self.log_path = _log_file(log_path)
@@ -431,23 +492,42 @@ class TritonServer:
 
     def command(self) -> list:
         assert self.install is not None
-        cmd = [str(self.install.binary), "--model-repository", str(self.model_repository),
-               "--http-address", self.host, "--http-port", str(self.http_port),
-               "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
-               "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
-               "--allow-gpu-metrics", "true" if self.gpu_metrics else "false",
-               "--log-verbose", str(self.log_verbose),
-               "--exit-timeout-secs", str(int(self.exit_timeout)),
-               # Several servers on one machine (tests run beside a dev server) must not share
-               # the Python backend's shared-memory regions.
-               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+        cmd = [
+            str(self.install.binary),
+            "--model-repository",
+            str(self.model_repository),
+            "--http-address",
+            self.host,
+            "--http-port",
+            str(self.http_port),
+            "--grpc-address",
+            self.host,
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-address",
+            self.host,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--allow-gpu-metrics",
+            "true" if self.gpu_metrics else "false",
+            "--log-verbose",
+            str(self.log_verbose),
+            "--exit-timeout-secs",
+            str(int(self.exit_timeout)),
+            # Several servers on one machine (tests run beside a dev server) must not share
+            # the Python backend's shared-memory regions.
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+        ]
         if self.model_control == "explicit" and not any(
-                a.startswith("--model-control-mode") for a in self.extra_args):
+            a.startswith("--model-control-mode") for a in self.extra_args
+        ):
             cmd += ["--model-control-mode=explicit", "--load-model=*"]
         if self.model_control_key is not None:
             restriction = f"model-repository:{MODEL_CONTROL_HEADER}={self.model_control_key}"
-            cmd += [f"--http-restricted-api={restriction}",
-                    f"--grpc-restricted-protocol={restriction}"]
+            cmd += [
+                f"--http-restricted-api={restriction}",
+                f"--grpc-restricted-protocol={restriction}",
+            ]
         if self.install.backend_dir is not None:
             cmd += ["--backend-directory", str(self.install.backend_dir)]
         return cmd + self.extra_args
@@ -461,8 +541,14 @@ class TritonServer:
         self._log = open(self.log_path, "ab", buffering=0) if self.log_path else None
         self._log_start = self._log.tell() if self._log is not None else 0  # this run's lines
         # Own session: Ctrl-C in the terminal reaches our handler only; we stop Triton ourselves.
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         if wait:
             try:
                 self.wait_ready()
@@ -504,8 +590,8 @@ class TritonServer:
         except OSError:
             return []
         found = re.findall(
-            r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)",
-                           text, re.M)
+            r"failed to load '([^']+)' version \d+: (?:Internal: )?([^\n]*?)(?:\\n|\"$)", text, re.M
+        )
         return list(dict.fromkeys(found))
 
     def _get(self, path: str, timeout: float = 2.0) -> int:
@@ -532,13 +618,15 @@ class TritonServer:
                 reasons = "".join(f"\n  {name}: {why}" for name, why in self.load_errors())
                 raise TritonServerError(
                     f"tritonserver exited with code {code} before it was ready{reasons}\nlog "
-                    f"{self.log_path}:\n{self.log_tail()}")
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
             if self.is_ready():
                 return
             if time.monotonic() > deadline:
                 raise TritonServerError(
                     f"tritonserver not ready after {self.startup_timeout:.0f} s; log "
-                    f"{self.log_path}:\n{self.log_tail()}")
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.25)
 
     def stop(self, timeout: Optional[float] = None) -> Optional[int]:
@@ -559,7 +647,8 @@ class TritonServer:
             # an idle keep-alive connection (which Triton waits on for its whole exit
             # timeout) is not waited for.
             wait = {"unloaded": min(3.0, timeout), "stuck": 0.0}.get(
-                outcome, max(deadline - time.monotonic(), 1.0))
+                outcome, max(deadline - time.monotonic(), 1.0)
+            )
             try:
                 proc.wait(timeout=wait)
             except subprocess.TimeoutExpired:
@@ -570,10 +659,14 @@ class TritonServer:
         return code
 
     def _post(self, path: str, timeout: float = 10.0) -> tuple:
-        headers = ({MODEL_CONTROL_HEADER: self.model_control_key}
-                   if self.model_control_key is not None else {})
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=b"", method="POST",
-                                     headers=headers)
+        headers = (
+            {MODEL_CONTROL_HEADER: self.model_control_key}
+            if self.model_control_key is not None
+            else {}
+        )
+        req = urllib.request.Request(
+            f"http://{self.http_url}{path}", data=b"", method="POST", headers=headers
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read().decode()
@@ -596,13 +689,16 @@ class TritonServer:
         log_start = log.stat().st_size if log is not None and log.exists() else 0
         for name, state in self.model_states().items():
             if state in ("READY", "LOADING"):
-                self._post(f"/v2/repository/models/{name}/unload",
-                           timeout=max(deadline - time.monotonic(), 1.0))
+                self._post(
+                    f"/v2/repository/models/{name}/unload",
+                    timeout=max(deadline - time.monotonic(), 1.0),
+                )
         idle_since = None
         while time.monotonic() < deadline and self.running:
             states = self.model_states()
-            if states and all(state not in ("READY", "LOADING", "UNLOADING")
-                              for state in states.values()):
+            if states and all(
+                state not in ("READY", "LOADING", "UNLOADING") for state in states.values()
+            ):
                 return "unloaded"
             # Triton 2.51 can keep a model referenced for ever after a gRPC stream was
             # cancelled (a race fixed upstream in 25.05): nothing left to finish, yet no
@@ -633,9 +729,11 @@ class TritonServer:
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
             return None
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(("slipstream_requests_running",
-                                      "slipstream_requests_waiting"))]
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("slipstream_requests_running", "slipstream_requests_waiting"))
+        ]
         return sum(values) if values else None
 
     def kill(self) -> Optional[int]:
@@ -652,8 +750,9 @@ class TritonServer:
         proc.wait()
         if self._log is not None:
             self._log.close()
-        self.last_stop = StopReport(exit_code=proc.returncode, killed=killed,
-                                    shm_regions_removed=self.remove_shm_regions())
+        self.last_stop = StopReport(
+            exit_code=proc.returncode, killed=killed, shm_regions_removed=self.remove_shm_regions()
+        )
         return proc.returncode
 
     def remove_shm_regions(self) -> list:

@@ -6,6 +6,7 @@ when it is a ``python`` model whose ``1/model.py`` re-exports the Slipstream ada
 layout of ``model_repository/slipstream``). Other models (ensembles, plain Python models) are
 Triton's business and are left alone.
 """
+
 from __future__ import annotations
 
 import re
@@ -39,8 +40,10 @@ def find_models(repo: Path, aliases: Sequence[str] = ()) -> list:
     for config in sorted(Path(repo).glob("*/config.pbtxt")):
         backend = backend_of(config.read_text())
         directory = config.parent
-        ours = backend in names or (backend == "python" and any(
-            _ADAPTER in p.read_text() for p in directory.glob("*/model.py")))
+        ours = backend in names or (
+            backend == "python"
+            and any(_ADAPTER in p.read_text() for p in directory.glob("*/model.py"))
+        )
         if ours:
             found.append(RepositoryModel(directory.name, backend, directory))
     return found
@@ -54,8 +57,8 @@ def check_models(models: Sequence[RepositoryModel]) -> dict:
     for m in models:
         try:
             settings: ModelSettings = load_settings(
-                read_parameters((m.directory / "config.pbtxt").read_text()), m.backend,
-                m.directory)
+                read_parameters((m.directory / "config.pbtxt").read_text()), m.backend, m.directory
+            )
             EngineConfig.from_dict(settings.engine)
         except ValueError as e:
             raise ValueError(f"model {m.name!r}: {e}") from None

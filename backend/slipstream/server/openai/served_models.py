@@ -5,6 +5,7 @@ renders ``messages``, and ``max_model_len`` (the default output budget, as vLLM'
 Read from the same rendered model repository ``slipstream serve`` hands to Triton, so the
 frontend and the models agree without asking the models anything at request time.
 """
+
 from __future__ import annotations
 
 import functools

@@ -8,6 +8,7 @@ are rationed: a streaming request every ``streaming_s``, a request with nothing 
 ``per_second`` times a second (at batch 64 in the benchmark's burst the streaming polls alone
 were 3,809 round trips against 4,658 responses).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

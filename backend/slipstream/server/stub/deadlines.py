@@ -7,6 +7,7 @@ reaches the model as ``request.timeout()`` (microseconds: set from the ``timeout
 of ``/infer`` and gRPC requests) or, from the HTTP ``generate`` endpoints, which pass
 parameters through untouched, as a ``timeout`` request parameter (microseconds as well).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ class Deadline:
     source: str  # "the request's timeout" or "max_request_seconds"
 
     def message(self, elapsed: float) -> str:
-        return (f"request timed out: it ran {elapsed:.1f} s, past {self.source} "
-                f"({self.seconds:g} s)")
+        return f"request timed out: it ran {elapsed:.1f} s, past {self.source} ({self.seconds:g} s)"
 
 
 def _parameter_timeout_us(parameters: Union[None, str, Mapping[str, Any]]) -> int:
@@ -37,14 +37,16 @@ def _parameter_timeout_us(parameters: Union[None, str, Mapping[str, Any]]) -> in
     return int(value)
 
 
-def request_deadline(arrival: float, timeout_us: int, parameters,
-                     max_request_seconds: float) -> Optional[Deadline]:
+def request_deadline(
+    arrival: float, timeout_us: int, parameters, max_request_seconds: float
+) -> Optional[Deadline]:
     """The earliest of the request's own timeout and the server's limit (None: no limit)."""
     own_us = timeout_us or _parameter_timeout_us(parameters)
     limits = []
     if own_us > 0:
         limits.append(Deadline(arrival + own_us / 1e6, own_us / 1e6, "the request's timeout"))
     if max_request_seconds > 0:
-        limits.append(Deadline(arrival + max_request_seconds, max_request_seconds,
-                               "max_request_seconds"))
+        limits.append(
+            Deadline(arrival + max_request_seconds, max_request_seconds, "max_request_seconds")
+        )
     return min(limits, key=lambda d: d.at) if limits else None

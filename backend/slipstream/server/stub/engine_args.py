@@ -13,6 +13,7 @@ the load there, and so it does here. Every key is one of:
 
 Pure Python: the tests and ``slipstream serve`` check a repository without starting Triton.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ log = logging.getLogger("slipstream")
 # multi-LoRA CI model among them) still carry them. Accepted with a warning: no effect here.
 REMOVED_IN_VLLM = {
     "lora_extra_vocab_size": "LoRA adapters here never add vocabulary (vLLM dropped the "
-                             "argument as well)",
+    "argument as well)",
 }
 
 
@@ -49,8 +50,14 @@ def _same(name: str) -> Callable[[Any], dict]:
 
 
 def _dtype(value: Any) -> dict:
-    names = {"auto": "auto", "float32": "float32", "float": "float32", "float16": "float16",
-             "half": "float16", "bfloat16": "bfloat16"}
+    names = {
+        "auto": "auto",
+        "float32": "float32",
+        "float": "float32",
+        "float16": "float16",
+        "half": "float16",
+        "bfloat16": "bfloat16",
+    }
     if str(value) not in names:
         raise ValueError(f"dtype must be one of {sorted(names)}, got {value!r}")
     return {"dtype": names[str(value)]}
@@ -62,16 +69,20 @@ def _quantization(value: Any) -> dict:
     if value in (None, "", "none"):
         return {"quantization": None}
     if value != "int8":
-        raise ValueError(f"quantization={value!r} is not supported (weights load unquantized, "
-                         "or with 'int8' quantized at load: weight-only, per-row scales, CPU)")
+        raise ValueError(
+            f"quantization={value!r} is not supported (weights load unquantized, "
+            "or with 'int8' quantized at load: weight-only, per-row scales, CPU)"
+        )
     return {"quantization": "int8"}
 
 
 def _kv_cache_dtype(value: Any) -> dict:
     names = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16"}
     if str(value) not in names:
-        raise ValueError(f"kv_cache_dtype={value!r} is not supported (the KV cache uses the "
-                         f"model's dtype, or one of {sorted(names)})")
+        raise ValueError(
+            f"kv_cache_dtype={value!r} is not supported (the KV cache uses the "
+            f"model's dtype, or one of {sorted(names)})"
+        )
     return {"kv_cache_dtype": names[str(value)]}
 
 
@@ -92,8 +103,10 @@ def _scheduling_policy(value: Any) -> dict:
 def _hash_algo(value: Any) -> dict:
     # vLLM's sha256 (pickle) and xxhash digests depend on its own pickling: not reproduced.
     if value not in HASH_ALGOS:
-        raise ValueError(f"prefix_caching_hash_algo={value!r} is not supported, only "
-                         f"{' and '.join(HASH_ALGOS)} are")
+        raise ValueError(
+            f"prefix_caching_hash_algo={value!r} is not supported, only "
+            f"{' and '.join(HASH_ALGOS)} are"
+        )
     return {"prefix_caching_hash_algo": value}
 
 
@@ -102,25 +115,37 @@ def _speculative_config(value: Any) -> dict:
         value = json.loads(value)
     if not isinstance(value, dict):
         raise ValueError("speculative_config must be an object")
-    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
-             "prompt_lookup_min", "disable_by_batch_size"}
+    known = {
+        "method",
+        "model",
+        "num_speculative_tokens",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        "disable_by_batch_size",
+    }
     unknown = sorted(set(value) - known)
     if unknown:
-        raise ValueError(f"speculative_config: unsupported keys {unknown} (supported: "
-                         f"{sorted(known)})")
+        raise ValueError(
+            f"speculative_config: unsupported keys {unknown} (supported: {sorted(known)})"
+        )
     method = value.get("method") or ("draft" if value.get("model") else None)
     if method in ("ngram", "[ngram]"):
         method = "ngram"
     elif method in ("draft_model", "draft"):
         method = "draft"
     else:
-        raise ValueError(f"speculative_config: method must be 'ngram' or a draft 'model', got "
-                         f"{value.get('method')!r}")
+        raise ValueError(
+            f"speculative_config: method must be 'ngram' or a draft 'model', got "
+            f"{value.get('method')!r}"
+        )
     out = {"speculative_method": method}
-    renames = {"model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens",
-               "prompt_lookup_max": "ngram_prompt_lookup_max",
-               "prompt_lookup_min": "ngram_prompt_lookup_min",
-               "disable_by_batch_size": "speculative_disable_by_batch_size"}
+    renames = {
+        "model": "speculative_model",
+        "num_speculative_tokens": "num_speculative_tokens",
+        "prompt_lookup_max": "ngram_prompt_lookup_max",
+        "prompt_lookup_min": "ngram_prompt_lookup_min",
+        "disable_by_batch_size": "speculative_disable_by_batch_size",
+    }
     out.update({renames[k]: v for k, v in value.items() if k in renames})
     return out
 
@@ -141,7 +166,8 @@ MAPPED: dict = {
     "prefix_caching_hash_algo": _hash_algo,
     "enable_prefix_caching": lambda v: {"enable_prefix_caching": _flag(v, "enable_prefix_caching")},
     "enable_chunked_prefill": lambda v: {
-        "enable_chunked_prefill": _flag(v, "enable_chunked_prefill")},
+        "enable_chunked_prefill": _flag(v, "enable_chunked_prefill")
+    },
     "enforce_eager": lambda v: {"enable_cuda_graphs": not _flag(v, "enforce_eager")},
     "gpu_memory_utilization": _same("gpu_memory_utilization"),
     "kv_cache_memory_bytes": _same("kv_cache_memory_bytes"),
@@ -177,9 +203,15 @@ WHY_FIXED = {
     "enable_expert_parallel": "one device per model",
 }
 # No effect on what a Triton model serves: accepted (listed in the README).
-NO_EFFECT = {"served_model_name", "disable_log_requests", "enable_log_requests",
-             "distributed_executor_backend", "disable_custom_all_reduce", "max_seq_len_to_capture",
-             "max_cpu_loras"}
+NO_EFFECT = {
+    "served_model_name",
+    "disable_log_requests",
+    "enable_log_requests",
+    "distributed_executor_backend",
+    "disable_custom_all_reduce",
+    "max_seq_len_to_capture",
+    "max_cpu_loras",
+}
 SERVER_OPTIONS = {"disable_log_stats", "max_logprobs", "kv_events_config"}
 
 
@@ -217,21 +249,25 @@ def _apply(result: EngineArgs, key: str, value: Any) -> None:
             result.engine.update(MAPPED[key](value))
     elif key in FIXED:
         if not _equal(value, FIXED[key]):
-            raise ValueError(f"{key}={value!r} is not supported ({WHY_FIXED[key]}), only "
-                             f"{json.dumps(FIXED[key])} is")
+            raise ValueError(
+                f"{key}={value!r} is not supported ({WHY_FIXED[key]}), only "
+                f"{json.dumps(FIXED[key])} is"
+            )
     elif key == "disable_log_stats":
         result.disable_log_stats = _flag(value, key)
     elif key == "max_logprobs":
         result.max_logprobs = int(value)
     elif key in REMOVED_IN_VLLM:
-        log.warning("model.json: %s=%r is accepted and has no effect: %s", key, value,
-                    REMOVED_IN_VLLM[key])
+        log.warning(
+            "model.json: %s=%r is accepted and has no effect: %s", key, value, REMOVED_IN_VLLM[key]
+        )
     elif key == "kv_events_config":
         result.kv_events_config = value
     elif key not in NO_EFFECT:
         supported = sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS)
-        raise ValueError(f"unknown or unsupported engine argument {key!r} (supported: "
-                         f"{', '.join(supported)})")
+        raise ValueError(
+            f"unknown or unsupported engine argument {key!r} (supported: {', '.join(supported)})"
+        )
 
 
 def _equal(value: Any, fixed: Any) -> bool:
@@ -264,8 +300,10 @@ def resolve_model(name: str, search_dirs: list) -> str:
     if cached is not None:
         return cached
     tried = ", ".join(str(c) for c in candidates)
-    raise ValueError(f"model {name!r} not found: not a directory ({tried}) nor a Hugging Face "
-                     "model in the local cache; this backend does not download models")
+    raise ValueError(
+        f"model {name!r} not found: not a directory ({tried}) nor a Hugging Face "
+        "model in the local cache; this backend does not download models"
+    )
 
 
 def _hub_cache(repo_id: str) -> Optional[str]:
@@ -273,6 +311,7 @@ def _hub_cache(repo_id: str) -> Optional[str]:
         return None
     try:
         from huggingface_hub import snapshot_download
+
         return snapshot_download(repo_id, local_files_only=True)
     except Exception:  # not cached, not a valid id, or no huggingface_hub
         return None

@@ -12,6 +12,7 @@
 Pure Python: errors are ``ValueError`` with a client-facing text (request_parser.py turns them into
 ``BadRequestError``). The spec itself is checked by ``core.structured_outputs``.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,32 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 # vLLM's older per-constraint names -> the structured_outputs field each one sets.
-LEGACY_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-               "guided_grammar": "grammar", "guided_json_object": "json_object",
-               "guided_whitespace_pattern": "whitespace_pattern"}
+LEGACY_KEYS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_json_object": "json_object",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 # Names that choose vLLM's grammar library: accepted and ignored (there is one here).
 IGNORED_KEYS = ("guided_decoding_backend",)
-REQUEST_KEYS = ("structured_outputs", "guided_decoding", "response_format", *LEGACY_KEYS,
-                *IGNORED_KEYS)
+REQUEST_KEYS = (
+    "structured_outputs",
+    "guided_decoding",
+    "response_format",
+    *LEGACY_KEYS,
+    *IGNORED_KEYS,
+)
 TRTLLM_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 # TensorRT-LLM's guide types -> (structured_outputs field, fixed value or None = the guide).
 # Its "json" is any JSON object or array (xgrammar's built-in JSON grammar); the guide is unused.
-TRTLLM_GUIDE_TYPES = {"json": ("json", {"type": ["object", "array"]}),
-                      "json_schema": ("json", None), "regex": ("regex", None),
-                      "ebnf_grammar": ("grammar", None)}
+TRTLLM_GUIDE_TYPES = {
+    "json": ("json", {"type": ["object", "array"]}),
+    "json_schema": ("json", None),
+    "regex": ("regex", None),
+    "ebnf_grammar": ("grammar", None),
+}
 
 
 def gather_structured_outputs(values: dict, inputs: Mapping[str, np.ndarray]) -> None:
@@ -46,8 +60,9 @@ def gather_structured_outputs(values: dict, inputs: Mapping[str, np.ndarray]) ->
         value = values.pop(key, None)
         if value not in (None, "", {}):
             found.append((key, value))
-    legacy = {field: values.pop(key) for key, field in LEGACY_KEYS.items()
-              if values.get(key) is not None}
+    legacy = {
+        field: values.pop(key) for key, field in LEGACY_KEYS.items() if values.get(key) is not None
+    }
     for key in (*LEGACY_KEYS, *IGNORED_KEYS):
         values.pop(key, None)
     if set(legacy) - {"whitespace_pattern"}:
@@ -59,8 +74,10 @@ def gather_structured_outputs(values: dict, inputs: Mapping[str, np.ndarray]) ->
     if typed is not None:
         found.append(("guided_decoding_guide_type", typed))
     if len(found) > 1:
-        raise ValueError("structured outputs are given more than once ("
-                         f"{', '.join(k for k, _ in found)}); send one")
+        raise ValueError(
+            "structured outputs are given more than once ("
+            f"{', '.join(k for k, _ in found)}); send one"
+        )
     if found:
         spec = found[0][1]
         if isinstance(spec, dict) and "whitespace_pattern" in legacy:
@@ -94,8 +111,9 @@ def _from_response_format(value: Any) -> Optional[dict]:
         if schema is None:
             raise ValueError("response_format json_schema needs 'json_schema': {'schema': ...}")
         return {"json": schema}
-    raise ValueError(f"response_format type must be text, json_object or json_schema, got "
-                     f"{kind[:40]!r}")
+    raise ValueError(
+        f"response_format type must be text, json_object or json_schema, got {kind[:40]!r}"
+    )
 
 
 def _from_trtllm_inputs(inputs: Mapping[str, np.ndarray]) -> Optional[dict]:
@@ -106,14 +124,17 @@ def _from_trtllm_inputs(inputs: Mapping[str, np.ndarray]) -> Optional[dict]:
             raise ValueError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type'")
         return None
     if guide_type not in TRTLLM_GUIDE_TYPES:
-        raise ValueError(f"guided_decoding_guide_type must be one of "
-                         f"{', '.join(TRTLLM_GUIDE_TYPES)}; got {guide_type[:40]!r}")
+        raise ValueError(
+            f"guided_decoding_guide_type must be one of "
+            f"{', '.join(TRTLLM_GUIDE_TYPES)}; got {guide_type[:40]!r}"
+        )
     field, fixed = TRTLLM_GUIDE_TYPES[guide_type]
     if fixed is not None:
         return {field: fixed}
     if not guide:
-        raise ValueError(f"guided_decoding_guide_type '{guide_type}' needs a "
-                         "'guided_decoding_guide'")
+        raise ValueError(
+            f"guided_decoding_guide_type '{guide_type}' needs a 'guided_decoding_guide'"
+        )
     return {field: guide}
 
 

@@ -4,6 +4,7 @@ As in Triton's vLLM backend, the check runs before each batch of requests; the f
 unloads the model (it goes not-ready; Triton then answers "unknown model") and the requests
 that found it unhealthy get vLLM's UNAVAILABLE text, which its clients match.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -9,6 +9,7 @@ type in errors) and the inputs table of README.md ("Requests and responses", reg
 The order is Triton's vLLM backend's, then Slipstream's typed sampling inputs, then the
 TensorRT-LLM ensemble's: it is the order of the model's metadata.
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,8 +67,11 @@ class RequestInput:
 
     def config_entry(self) -> dict[str, object]:
         """The entry ``auto_complete_config`` hands to ``add_input``."""
-        entry: dict[str, object] = {"name": self.name, "data_type": self.data_type.config_name,
-                                    "dims": list(self.dims)}
+        entry: dict[str, object] = {
+            "name": self.name,
+            "data_type": self.data_type.config_name,
+            "dims": list(self.dims),
+        }
         if self.optional:
             entry["optional"] = True
         return entry
@@ -78,17 +82,20 @@ def _flag(name: str, description: str) -> RequestInput:
 
 
 def _int(name: str, description: str, target: str = "") -> RequestInput:
-    return RequestInput(name, TritonType.INT32, (1,), Reading.SAMPLING_INT, description,
-                        target=target or name)
+    return RequestInput(
+        name, TritonType.INT32, (1,), Reading.SAMPLING_INT, description, target=target or name
+    )
 
 
 def _float(name: str, description: str) -> RequestInput:
-    return RequestInput(name, TritonType.FP32, (1,), Reading.SAMPLING_FLOAT, description,
-                        target=name)
+    return RequestInput(
+        name, TritonType.FP32, (1,), Reading.SAMPLING_FLOAT, description, target=name
+    )
 
 
-def _trtllm(name: str, data_type: TritonType, dims: tuple[int, ...],
-            description: str) -> RequestInput:
+def _trtllm(
+    name: str, data_type: TritonType, dims: tuple[int, ...], description: str
+) -> RequestInput:
     return RequestInput(name, data_type, dims, Reading.TRTLLM, description)
 
 
@@ -101,29 +108,40 @@ _SAMPLING_PARAMETERS = (
     "alternatives, at most 20), `logit_bias` (token id -> bias), `allowed_token_ids`, "
     "`bad_words`, `skip_special_tokens`, `spaces_between_special_tokens`, "
     "`truncate_prompt_tokens`, `detokenize`, `prompt_logprobs` (each prompt token's logprob, "
-    "rank and top-N, at most 20), `lora_name` (a LoRA adapter, see \"Multi-LoRA\"), `n` "
+    'rank and top-N, at most 20), `lora_name` (a LoRA adapter, see "Multi-LoRA"), `n` '
     "(sequences returned) and `best_of` (sequences generated, >= `n`), beam search "
     "(`beam_width` or vLLM's former `use_beam_search`, `length_penalty`, `early_stopping`: see "
     "below), `structured_outputs` (and `guided_*`, `response_format`: "
-    "[Structured outputs](#structured-outputs)); values may be strings (`\"temperature\": \"0\"`)")
+    '[Structured outputs](#structured-outputs)); values may be strings (`"temperature": "0"`)'
+)
 _EXCLUDE_INPUT = (
     "non-streaming: return only the generated text (default: prompt + text). Streaming never "
-    "repeats the prompt, and `false` with `stream=true` is an error")
-_GUIDE = ("TensorRT-LLM's structured outputs: `json` (any JSON object or array; no guide), "
-          "`json_schema`, `regex`, `ebnf_grammar` (see [Structured outputs](#structured-outputs))")
+    "repeats the prompt, and `false` with `stream=true` is an error"
+)
+_GUIDE = (
+    "TensorRT-LLM's structured outputs: `json` (any JSON object or array; no guide), "
+    "`json_schema`, `regex`, `ebnf_grammar` (see [Structured outputs](#structured-outputs))"
+)
 _TOKEN_IDS = "refused: the TRT-LLM core model's token-id interface is not served"
 _PTUNING = "refused: prompt tuning is not supported"
 _LORA_WEIGHTS = "refused: LoRA weights in the request (serve adapters with `enable_lora`)"
 
 INPUTS: tuple[RequestInput, ...] = (
-    RequestInput("text_input", TritonType.STRING, (1,), Reading.PROMPT,
-                 "the prompt (UTF-8)", optional=False),
-    RequestInput("image", TritonType.STRING, (-1,), Reading.REFUSED,
-                 "refused: this backend serves text-only models",
-                 refusal="this backend serves text-only models"),
+    RequestInput(
+        "text_input", TritonType.STRING, (1,), Reading.PROMPT, "the prompt (UTF-8)", optional=False
+    ),
+    RequestInput(
+        "image",
+        TritonType.STRING,
+        (-1,),
+        Reading.REFUSED,
+        "refused: this backend serves text-only models",
+        refusal="this backend serves text-only models",
+    ),
     _flag("stream", "one response per generated piece (`true`) or one response at the end"),
-    RequestInput("sampling_parameters", TritonType.STRING, (1,), Reading.JSON,
-                 _SAMPLING_PARAMETERS),
+    RequestInput(
+        "sampling_parameters", TritonType.STRING, (1,), Reading.JSON, _SAMPLING_PARAMETERS
+    ),
     _flag("exclude_input_in_output", _EXCLUDE_INPUT),
     _flag("return_finish_reason", _RETURN),
     _flag("return_cumulative_logprob", _RETURN),
@@ -132,27 +150,43 @@ INPUTS: tuple[RequestInput, ...] = (
     _flag("return_num_input_tokens", _RETURN),
     _flag("return_num_output_tokens", _RETURN),
     # refused by the adapter, with vLLM's text naming the model
-    RequestInput("embedding_request", TritonType.STRING, (1,), Reading.REFUSED,
-                 "refused: the model has no embedding task",
-                 refusal="the model has no embedding task"),
+    RequestInput(
+        "embedding_request",
+        TritonType.STRING,
+        (1,),
+        Reading.REFUSED,
+        "refused: the model has no embedding task",
+        refusal="the model has no embedding task",
+    ),
     _flag("apply_chat_template", "wrap the prompt in the model's chat template"),
     _int("max_tokens", _TYPED),
     _int("min_tokens", _TYPED),
     _int("top_k", _TYPED),
-    _int("end_id", "becomes a stop token id (whose text is not emitted)",
-         target="stop_token_ids"),
-    RequestInput("priority", TritonType.INT32, (1,), Reading.OPTION,
-                 "scheduling priority (policy `priority`; lower is served first)",
-                 target="priority"),
+    _int("end_id", "becomes a stop token id (whose text is not emitted)", target="stop_token_ids"),
+    RequestInput(
+        "priority",
+        TritonType.INT32,
+        (1,),
+        Reading.OPTION,
+        "scheduling priority (policy `priority`; lower is served first)",
+        target="priority",
+    ),
     _float("temperature", _TYPED),
     _float("top_p", _TYPED),
     _float("repetition_penalty", _TYPED),
     _float("presence_penalty", _TYPED),
     _float("frequency_penalty", _TYPED),
-    RequestInput("seed", TritonType.UINT64, (1,), Reading.SAMPLING_INT,
-                 "per-request sampling seed", target="seed"),
-    RequestInput("stop_words", TritonType.STRING, (-1,), Reading.STOP_WORDS, "stop strings",
-                 target="stop"),
+    RequestInput(
+        "seed",
+        TritonType.UINT64,
+        (1,),
+        Reading.SAMPLING_INT,
+        "per-request sampling seed",
+        target="seed",
+    ),
+    RequestInput(
+        "stop_words", TritonType.STRING, (-1,), Reading.STOP_WORDS, "stop strings", target="stop"
+    ),
     # TensorRT-LLM ensemble inputs (trtllm/inputs.py maps them; "refused" = only when set)
     _trtllm("bad_words", TritonType.STRING, (-1,), "words never generated"),
     _trtllm("pad_id", TritonType.INT32, (1,), "accepted; outputs are text, nothing is padded"),
@@ -167,8 +201,12 @@ INPUTS: tuple[RequestInput, ...] = (
     _trtllm("return_perf_metrics", TritonType.BOOL, (1,), "add the per-request metrics"),
     _trtllm("embedding_bias_words", TritonType.STRING, (-1,), "words whose logits get a bias"),
     _trtllm("embedding_bias_weights", TritonType.FP32, (-1,), "each word's bias"),
-    _trtllm("decoder_text_input", TritonType.STRING, (1,),
-            "refused: encoder-decoder models are not supported"),
+    _trtllm(
+        "decoder_text_input",
+        TritonType.STRING,
+        (1,),
+        "refused: encoder-decoder models are not supported",
+    ),
     _trtllm("lora_task_id", TritonType.UINT64, (1,), "refused: LoRA by task id"),
     # declared so that they are refused by name (trtllm.inputs.check_unsupported) rather than
     # as unexpected inputs
@@ -202,8 +240,11 @@ def markdown_table(rows: tuple[RequestInput, ...] = INPUTS) -> str:
         if row.reading is Reading.TRTLLM:
             continue
         last = groups[-1][-1] if groups else None
-        if last is not None and (last.data_type, last.dims, last.description) == \
-                (row.data_type, row.dims, row.description):
+        if last is not None and (last.data_type, last.dims, last.description) == (
+            row.data_type,
+            row.dims,
+            row.description,
+        ):
             groups[-1].append(row)
         else:
             groups.append([row])

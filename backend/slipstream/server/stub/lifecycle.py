@@ -5,6 +5,7 @@ The stub is started by ``tritonserver`` (its parent) with the shared-memory regi
 its second argument; Triton's own ``--exit-timeout-secs`` bounds how long a graceful stop
 waits for in-flight requests before it exits regardless (and may crash doing so).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,9 @@ def _cmdline(pid: int) -> list[str]:
 
 def triton_exit_timeout(server_pid: Optional[int] = None) -> int:
     """tritonserver's ``--exit-timeout-secs`` (its default when not given)."""
-    value = _option(_cmdline(os.getppid() if server_pid is None else server_pid),
-                    "--exit-timeout-secs")
+    value = _option(
+        _cmdline(os.getppid() if server_pid is None else server_pid), "--exit-timeout-secs"
+    )
     try:
         return max(int(value), 0) if value is not None else TRITON_DEFAULT_EXIT_TIMEOUT_S
     except ValueError:
@@ -65,16 +67,19 @@ class HttpStopProbe:
         host = _option(args, "--http-address") or "0.0.0.0"
         self.address = None
         if allow and port.isdigit():
-            self.address = ("127.0.0.1" if host in ("0.0.0.0", "") else
-                            "::1" if host == "::" else host, int(port))
+            self.address = (
+                "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host,
+                int(port),
+            )
 
     def stopping(self, timeout: float = 0.5) -> bool:
         if self.address is None:
             return False
         try:
             with socket.create_connection(self.address, timeout=timeout) as sock:
-                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: triton\r\n"
-                             b"Connection: close\r\n\r\n")
+                sock.sendall(
+                    b"GET /v2/health/live HTTP/1.1\r\nHost: triton\r\nConnection: close\r\n\r\n"
+                )
                 return sock.recv(16) == b""  # closed unanswered: it no longer serves
         except ConnectionError:  # refused (frontend gone) or reset (new connections refused)
             return True
@@ -104,14 +109,23 @@ class Watchdog:
         python = sys.executable or shutil.which("python3")
         if start_time is None or not python or server_pid <= 1:
             return None
-        cmd = [python, watchdog.__file__, "--stub-pid", str(os.getpid()),
-               "--server-pid", str(server_pid), "--server-start", str(start_time)]
+        cmd = [
+            python,
+            watchdog.__file__,
+            "--stub-pid",
+            str(os.getpid()),
+            "--server-pid",
+            str(server_pid),
+            "--server-start",
+            str(start_time),
+        ]
         region = stub_shm_region()
         if region:
             cmd += ["--shm", region]
         try:
-            process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                       close_fds=True)
+            process = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True
+            )
         except OSError as exc:
             log.warning("slipstream: no watchdog (%s); a dead stub will not be noticed", exc)
             return None

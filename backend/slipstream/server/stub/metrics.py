@@ -19,6 +19,7 @@ thread, off the thread that sends responses; counters are summed locally and flu
 refresh and when a request finishes. Where the Python backend has no HISTOGRAM kind (before
 Triton 24.10), each histogram becomes ``<name>_count`` / ``<name>_sum`` counters.
 """
+
 from __future__ import annotations
 
 import queue
@@ -42,10 +43,14 @@ GAUGES = {  # metric suffix -> (description, StatsSnapshot attribute)
     "kv_blocks_used": ("KV cache blocks in use", "kv_blocks_used"),
     "kv_blocks_capacity": ("KV cache blocks in the pool", "kv_blocks_total"),
     "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
-    "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / tokens looked up",
-                              "prefix_cache_hit_rate"),
-    "spec_acceptance_rate": ("Speculative decoding: accepted / proposed draft tokens",
-                             "spec_acceptance_rate"),
+    "prefix_cache_hit_rate": (
+        "Prompt tokens served from the prefix cache / tokens looked up",
+        "prefix_cache_hit_rate",
+    ),
+    "spec_acceptance_rate": (
+        "Speculative decoding: accepted / proposed draft tokens",
+        "spec_acceptance_rate",
+    ),
 }
 COUNTERS = {
     "prompt_tokens_total": ("Prompt tokens processed", "prompt_tokens_total"),
@@ -54,23 +59,85 @@ COUNTERS = {
     "requests_finished_total": ("Requests finished (any reason)", "num_finished"),
     "engine_steps_total": ("Engine steps run", "steps"),
     "spec_draft_tokens_total": ("Speculative decoding: draft tokens proposed", "spec_draft_tokens"),
-    "spec_accepted_tokens_total": ("Speculative decoding: draft tokens accepted",
-                                   "spec_accepted_tokens"),
+    "spec_accepted_tokens_total": (
+        "Speculative decoding: draft tokens accepted",
+        "spec_accepted_tokens",
+    ),
 }
 HISTOGRAMS = {
-    "time_to_first_token_seconds": ("Time from arrival to the first generated token",
-                                    TTFT_BUCKETS),
-    "time_per_output_token_seconds": ("Mean time between output tokens of a request",
-                                      TPOT_BUCKETS),
+    "time_to_first_token_seconds": ("Time from arrival to the first generated token", TTFT_BUCKETS),
+    "time_per_output_token_seconds": ("Mean time between output tokens of a request", TPOT_BUCKETS),
     "e2e_request_latency_seconds": ("Time from arrival to the last response", E2E_BUCKETS),
 }
 
-VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-VLLM_REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+VLLM_TPOT_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+VLLM_REQUEST_TIME_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -90,22 +157,30 @@ def one_two_five_buckets(limit: int) -> list:
 # vLLM's counters and gauges: name -> (help, kind, buckets).
 _VLLM_SCALAR_FAMILIES = {
     "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "COUNTER", None),
-    "vllm:generation_tokens_total": ("Number of generation tokens processed.", "COUNTER",
-                                     None),
-    "vllm:num_preemptions_total": ("Cumulative number of preemption from the engine.",
-                                   "COUNTER", None),
-    "vllm:prefix_cache_queries_total": ("Prefix cache queries, in terms of number of "
-                                        "queried tokens.", "COUNTER", None),
-    "vllm:prefix_cache_hits_total": ("Prefix cache hits, in terms of number of cached "
-                                     "tokens.", "COUNTER", None),
-    "vllm:num_requests_running": ("Number of requests in model execution batches.",
-                                  "GAUGE", None),
-    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "GAUGE",
-                                  None),
-    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "GAUGE",
-                                 None),
-    "vllm:gpu_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage (the name "
-                                  "before vLLM 0.10).", "GAUGE", None),
+    "vllm:generation_tokens_total": ("Number of generation tokens processed.", "COUNTER", None),
+    "vllm:num_preemptions_total": (
+        "Cumulative number of preemption from the engine.",
+        "COUNTER",
+        None,
+    ),
+    "vllm:prefix_cache_queries_total": (
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "COUNTER",
+        None,
+    ),
+    "vllm:prefix_cache_hits_total": (
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "COUNTER",
+        None,
+    ),
+    "vllm:num_requests_running": ("Number of requests in model execution batches.", "GAUGE", None),
+    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "GAUGE", None),
+    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "GAUGE", None),
+    "vllm:gpu_cache_usage_perc": (
+        "KV-cache usage. 1 means 100 percent usage (the name before vLLM 0.10).",
+        "GAUGE",
+        None,
+    ),
 }
 
 
@@ -114,35 +189,72 @@ def vllm_families(max_model_len: int) -> dict:
     times = VLLM_REQUEST_TIME_BUCKETS
     return {
         **_VLLM_SCALAR_FAMILIES,
-        "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
-                                             "HISTOGRAM", VLLM_TTFT_BUCKETS),
-        "vllm:time_per_output_token_seconds": ("Histogram of time per output token in "
-                                               "seconds.", "HISTOGRAM", VLLM_TPOT_BUCKETS),
-        "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.",
-                                             "HISTOGRAM", VLLM_TPOT_BUCKETS),
-        "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_"
-                                                       "seconds per request.", "HISTOGRAM",
-                                                       VLLM_TPOT_BUCKETS),
-        "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in "
-                                             "seconds.", "HISTOGRAM", times),
-        "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for "
-                                            "request.", "HISTOGRAM", times),
-        "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for "
-                                                "request.", "HISTOGRAM", times),
-        "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for "
-                                              "request.", "HISTOGRAM", times),
-        "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for "
-                                             "request.", "HISTOGRAM", times),
-        "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "HISTOGRAM",
-                                       tokens),
-        "vllm:request_generation_tokens": ("Number of generation tokens processed.",
-                                           "HISTOGRAM", tokens),
-        "vllm:request_params_n": ("Histogram of the n request parameter.", "HISTOGRAM",
-                                  VLLM_N_BUCKETS),
-        "vllm:request_max_num_generation_tokens": ("Histogram of maximum number of requested "
-                                                   "generation tokens.", "HISTOGRAM", tokens),
-        "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.",
-                                           "HISTOGRAM", tokens),
+        "vllm:time_to_first_token_seconds": (
+            "Histogram of time to first token in seconds.",
+            "HISTOGRAM",
+            VLLM_TTFT_BUCKETS,
+        ),
+        "vllm:time_per_output_token_seconds": (
+            "Histogram of time per output token in seconds.",
+            "HISTOGRAM",
+            VLLM_TPOT_BUCKETS,
+        ),
+        "vllm:inter_token_latency_seconds": (
+            "Histogram of inter-token latency in seconds.",
+            "HISTOGRAM",
+            VLLM_TPOT_BUCKETS,
+        ),
+        "vllm:request_time_per_output_token_seconds": (
+            "Histogram of time_per_output_token_seconds per request.",
+            "HISTOGRAM",
+            VLLM_TPOT_BUCKETS,
+        ),
+        "vllm:e2e_request_latency_seconds": (
+            "Histogram of end to end request latency in seconds.",
+            "HISTOGRAM",
+            times,
+        ),
+        "vllm:request_queue_time_seconds": (
+            "Histogram of time spent in WAITING phase for request.",
+            "HISTOGRAM",
+            times,
+        ),
+        "vllm:request_inference_time_seconds": (
+            "Histogram of time spent in RUNNING phase for request.",
+            "HISTOGRAM",
+            times,
+        ),
+        "vllm:request_prefill_time_seconds": (
+            "Histogram of time spent in PREFILL phase for request.",
+            "HISTOGRAM",
+            times,
+        ),
+        "vllm:request_decode_time_seconds": (
+            "Histogram of time spent in DECODE phase for request.",
+            "HISTOGRAM",
+            times,
+        ),
+        "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "HISTOGRAM", tokens),
+        "vllm:request_generation_tokens": (
+            "Number of generation tokens processed.",
+            "HISTOGRAM",
+            tokens,
+        ),
+        "vllm:request_params_n": (
+            "Histogram of the n request parameter.",
+            "HISTOGRAM",
+            VLLM_N_BUCKETS,
+        ),
+        "vllm:request_max_num_generation_tokens": (
+            "Histogram of maximum number of requested generation tokens.",
+            "HISTOGRAM",
+            tokens,
+        ),
+        "vllm:request_params_max_tokens": (
+            "Histogram of the max_tokens request parameter.",
+            "HISTOGRAM",
+            tokens,
+        ),
     }
 
 
@@ -206,14 +318,20 @@ class _Factory:
         self.labels = dict(labels)
         self._families: list = []
 
-    def metric(self, name: str, desc: str, kind: str, buckets: Optional[Sequence] = None,
-               labels: Optional[Mapping[str, str]] = None):
+    def metric(
+        self,
+        name: str,
+        desc: str,
+        kind: str,
+        buckets: Optional[Sequence] = None,
+        labels: Optional[Mapping[str, str]] = None,
+    ):
         labels = {**self.labels, **(labels or {})}
         if kind == "HISTOGRAM" and getattr(self.mf, "HISTOGRAM", None) is None:
-            return _SummaryFallback(self.metric(name + "_count", desc + " (count)", "COUNTER",
-                                                labels=labels),
-                                    self.metric(name + "_sum", desc + " (sum)", "COUNTER",
-                                                labels=labels))
+            return _SummaryFallback(
+                self.metric(name + "_count", desc + " (count)", "COUNTER", labels=labels),
+                self.metric(name + "_sum", desc + " (sum)", "COUNTER", labels=labels),
+            )
         family = self._family(name, desc, getattr(self.mf, kind))
         if buckets is not None:
             return family.Metric(labels=labels, buckets=list(buckets))
@@ -233,10 +351,13 @@ class SlipstreamFamilies:
     def __init__(self, factory: _Factory, post: Callable) -> None:
         self._post = post
         self.gauges = {k: factory.metric(PREFIX + k, d, "GAUGE") for k, (d, _) in GAUGES.items()}
-        self.counters = {k: factory.metric(PREFIX + k, d, "COUNTER")
-                         for k, (d, _) in COUNTERS.items()}
-        self.histograms = {k: factory.metric(PREFIX + k, d, "HISTOGRAM", buckets=b)
-                           for k, (d, b) in HISTOGRAMS.items()}
+        self.counters = {
+            k: factory.metric(PREFIX + k, d, "COUNTER") for k, (d, _) in COUNTERS.items()
+        }
+        self.histograms = {
+            k: factory.metric(PREFIX + k, d, "HISTOGRAM", buckets=b)
+            for k, (d, b) in HISTOGRAMS.items()
+        }
         self._last = {k: 0.0 for k in COUNTERS}
         self._gauge_values: dict = {}
 
@@ -259,49 +380,82 @@ class SlipstreamFamilies:
         if out.finish_reason not in ("stop", "length"):
             return
         if track.first_token is not None:
-            self._post(self.histograms["time_to_first_token_seconds"].observe,
-                       track.first_token - track.arrival)
+            self._post(
+                self.histograms["time_to_first_token_seconds"].observe,
+                track.first_token - track.arrival,
+            )
             if track.num_output_tokens > 1:
-                self._post(self.histograms["time_per_output_token_seconds"].observe,
-                           (now - track.first_token) / (track.num_output_tokens - 1))
+                self._post(
+                    self.histograms["time_per_output_token_seconds"].observe,
+                    (now - track.first_token) / (track.num_output_tokens - 1),
+                )
         self._post(self.histograms["e2e_request_latency_seconds"].observe, now - track.arrival)
 
 
 # ---------------------------------------------------------------------------- vllm:*
 class VllmFamilies:
-    def __init__(self, factory: _Factory, post: Callable, *, max_model_len: int,
-                 block_size: int, num_blocks: int, max_loras: int = 0) -> None:
+    def __init__(
+        self,
+        factory: _Factory,
+        post: Callable,
+        *,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        max_loras: int = 0,
+    ) -> None:
         self._post = post
-        self.m = {name: factory.metric(name, desc, kind, buckets)
-                  for name, (desc, kind, buckets) in vllm_families(max_model_len).items()}
-        self.success = {reason: factory.metric(
-            "vllm:request_success_total", "Count of successfully processed requests.", "COUNTER",
-            labels={"finished_reason": reason}) for reason in FINISHED_REASONS}
+        self.m = {
+            name: factory.metric(name, desc, kind, buckets)
+            for name, (desc, kind, buckets) in vllm_families(max_model_len).items()
+        }
+        self.success = {
+            reason: factory.metric(
+                "vllm:request_success_total",
+                "Count of successfully processed requests.",
+                "COUNTER",
+                labels={"finished_reason": reason},
+            )
+            for reason in FINISHED_REASONS
+        }
         # Read by endpoint pickers: block size for prefix-aware routing, and LoRA state.
-        post(factory.metric("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                            "GAUGE", labels={"block_size": str(block_size),
-                                             "num_gpu_blocks": str(num_blocks)}).set, 1)
+        post(
+            factory.metric(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                "GAUGE",
+                labels={"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)},
+            ).set,
+            1,
+        )
         self._factory = factory
         self._lora_series: dict = {}  # label values -> vllm:lora_requests_info series
         self._lora_current: Optional[tuple] = None
         self._update_lora(StatsSnapshot(max_loras=max_loras))
         self._pending = {"vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": 0}
-        self._last = {"preemptions_total": 0.0, "prefix_cache_queries": 0.0,
-                      "prefix_cache_hits": 0.0}
+        self._last = {
+            "preemptions_total": 0.0,
+            "prefix_cache_queries": 0.0,
+            "prefix_cache_hits": 0.0,
+        }
         self._gauge_values: dict = {}
 
     def update(self, stats: StatsSnapshot) -> None:
         usage = stats.kv_cache_usage
-        for name, value in (("vllm:num_requests_running", stats.num_running),
-                            ("vllm:num_requests_waiting", stats.num_waiting),
-                            ("vllm:kv_cache_usage_perc", usage),
-                            ("vllm:gpu_cache_usage_perc", usage)):
+        for name, value in (
+            ("vllm:num_requests_running", stats.num_running),
+            ("vllm:num_requests_waiting", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", usage),
+            ("vllm:gpu_cache_usage_perc", usage),
+        ):
             if self._gauge_values.get(name) != float(value):
                 self._post(self.m[name].set, float(value))
                 self._gauge_values[name] = float(value)
-        for key, name in (("preemptions_total", "vllm:num_preemptions_total"),
-                          ("prefix_cache_queries", "vllm:prefix_cache_queries_total"),
-                          ("prefix_cache_hits", "vllm:prefix_cache_hits_total")):
+        for key, name in (
+            ("preemptions_total", "vllm:num_preemptions_total"),
+            ("prefix_cache_queries", "vllm:prefix_cache_queries_total"),
+            ("prefix_cache_hits", "vllm:prefix_cache_hits_total"),
+        ):
             value = float(getattr(stats, key))
             if value > self._last[key]:
                 self._post(self.m[name].increment, value - self._last[key])
@@ -313,17 +467,19 @@ class VllmFamilies:
         """vLLM's info gauge: the adapters in use as labels, the time they were last current as
         value; as in vLLM, each label set is its own series and readers take the newest (a
         Triton metric family keeps every series it made, so each is made once and reused)."""
-        labels = {"max_lora": str(stats.max_loras),
-                  "running_lora_adapters": ",".join(stats.running_lora_adapters),
-                  "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters)}
+        labels = {
+            "max_lora": str(stats.max_loras),
+            "running_lora_adapters": ",".join(stats.running_lora_adapters),
+            "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters),
+        }
         key = tuple(labels.values())
         if key == self._lora_current:
             return
         self._lora_current = key
         if key not in self._lora_series:
             self._lora_series[key] = self._factory.metric(
-                "vllm:lora_requests_info", "Running stats on lora requests.", "GAUGE",
-                labels=labels)
+                "vllm:lora_requests_info", "Running stats on lora requests.", "GAUGE", labels=labels
+            )
         self._post(self._lora_series[key].set, time.time())
 
     def flush(self) -> None:
@@ -332,8 +488,7 @@ class VllmFamilies:
                 self._post(self.m[name].increment, count)
                 self._pending[name] = 0
 
-    def on_tokens(self, track: RequestTrack, out, num_tokens: int, now: float,
-                  first: bool) -> None:
+    def on_tokens(self, track: RequestTrack, out, num_tokens: int, now: float, first: bool) -> None:
         self._pending["vllm:generation_tokens_total"] += num_tokens
         if first:
             self._pending["vllm:prompt_tokens_total"] += out.num_prompt_tokens
@@ -364,20 +519,25 @@ class VllmFamilies:
             "vllm:request_generation_tokens": track.num_output_tokens,
             "vllm:request_params_n": track.n,
             "vllm:request_params_max_tokens": track.max_tokens,
-            "vllm:request_max_num_generation_tokens": max(track.tokens_by_sequence.values(),
-                                                          default=track.num_output_tokens),
+            "vllm:request_max_num_generation_tokens": max(
+                track.tokens_by_sequence.values(), default=track.num_output_tokens
+            ),
             "vllm:request_time_per_output_token_seconds": (
                 (now - track.first_token) / (track.num_output_tokens - 1)
-                if track.first_token is not None and track.num_output_tokens > 1 else 0.0),
+                if track.first_token is not None and track.num_output_tokens > 1
+                else 0.0
+            ),
         }
         timing = getattr(out, "timing", None)
         if timing is not None and timing.first_scheduled is not None:
             observe["vllm:request_queue_time_seconds"] = timing.first_scheduled - timing.arrival
-            observe["vllm:request_inference_time_seconds"] = \
+            observe["vllm:request_inference_time_seconds"] = (
                 timing.finished - timing.first_scheduled
+            )
             if timing.first_token is not None:
-                observe["vllm:request_prefill_time_seconds"] = \
+                observe["vllm:request_prefill_time_seconds"] = (
                     timing.first_token - timing.first_scheduled
+                )
                 observe["vllm:request_decode_time_seconds"] = timing.finished - timing.first_token
         for name, value in observe.items():
             self._post(self.m[name].observe, max(float(value), 0.0))
@@ -387,10 +547,18 @@ class VllmFamilies:
 class ModelMetrics:
     """The metrics of one model instance, as the Triton adapter drives them."""
 
-    def __init__(self, pb_utils, labels: Mapping[str, str],
-                 families: Sequence[str] = ("slipstream",), *, max_model_len: int = 2048,
-                 block_size: int = 16, num_blocks: int = 0, max_num_seqs: int = 0,
-                 max_loras: int = 0) -> None:
+    def __init__(
+        self,
+        pb_utils,
+        labels: Mapping[str, str],
+        families: Sequence[str] = ("slipstream",),
+        *,
+        max_model_len: int = 2048,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        max_num_seqs: int = 0,
+        max_loras: int = 0,
+    ) -> None:
         self._recorder = _Recorder()
         self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
         self.families: list = []
@@ -400,16 +568,28 @@ class ModelMetrics:
             if "vllm" in families:
                 # vLLM's own label (dashboards and endpoint pickers filter on it) beside
                 # Triton vLLM backend's model / version
-                self._vllm_factory = _Factory(pb_utils, {**labels,
-                                                         "model_name": labels.get("model", "")})
-                self.families.append(VllmFamilies(self._vllm_factory, self._recorder.post,
-                                                  max_model_len=max_model_len,
-                                                  block_size=block_size, num_blocks=num_blocks,
-                                                  max_loras=max_loras))
+                self._vllm_factory = _Factory(
+                    pb_utils, {**labels, "model_name": labels.get("model", "")}
+                )
+                self.families.append(
+                    VllmFamilies(
+                        self._vllm_factory,
+                        self._recorder.post,
+                        max_model_len=max_model_len,
+                        block_size=block_size,
+                        num_blocks=num_blocks,
+                        max_loras=max_loras,
+                    )
+                )
             if "trtllm" in families:
-                self.families.append(TrtllmFamilies(factory, self._recorder.post,
-                                                    max_num_seqs=max_num_seqs,
-                                                    block_size=block_size))
+                self.families.append(
+                    TrtllmFamilies(
+                        factory,
+                        self._recorder.post,
+                        max_num_seqs=max_num_seqs,
+                        block_size=block_size,
+                    )
+                )
         except BaseException:
             self._recorder.stop()
             raise
@@ -429,8 +609,9 @@ class ModelMetrics:
         track.num_output_tokens += num_tokens
         for o in outs:
             index = getattr(o, "index", 0)
-            track.tokens_by_sequence[index] = track.tokens_by_sequence.get(index, 0) + \
-                len(o.token_ids)
+            track.tokens_by_sequence[index] = track.tokens_by_sequence.get(index, 0) + len(
+                o.token_ids
+            )
         for family in self.families:
             if isinstance(family, VllmFamilies):
                 family.on_tokens(track, outs[0], num_tokens, now, first)

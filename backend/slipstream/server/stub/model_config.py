@@ -15,6 +15,7 @@ are on, vLLM-named families too (what the inference gateway and vLLM's dashboard
 under ``python`` (``model_repository/slipstream/1/model.py``) Slipstream's own (its metrics on,
 ``metric_families`` adds ``vllm``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,13 +57,25 @@ TRTLLM_OUTPUTS = [
     {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
     {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
     # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
-    *[{"name": n, "data_type": "TYPE_INT32", "dims": [1]}
-      for n in ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
-                "total_draft_tokens")],
-    *[{"name": n, "data_type": "TYPE_INT64", "dims": [1]}
-      for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
-                "last_token_time_ns")],
+    *[
+        {"name": n, "data_type": "TYPE_INT32", "dims": [1]}
+        for n in (
+            "kv_cache_alloc_new_blocks",
+            "kv_cache_reused_blocks",
+            "kv_cache_alloc_total_blocks",
+            "total_accepted_draft_tokens",
+            "total_draft_tokens",
+        )
+    ],
+    *[
+        {"name": n, "data_type": "TYPE_INT64", "dims": [1]}
+        for n in (
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+        )
+    ],
     {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
 ]
@@ -171,8 +184,10 @@ def _parameter(declared: dict, key: str) -> str:
 
 def _trtllm_style(declared: dict) -> bool:
     """A config written for TensorRT-LLM's clients: its compatibility, or a batch dimension."""
-    return _parameter(declared, "compatibility") == "trtllm" or \
-        int(declared.get("max_batch_size") or 0) > 0
+    return (
+        _parameter(declared, "compatibility") == "trtllm"
+        or int(declared.get("max_batch_size") or 0) > 0
+    )
 
 
 def _trtllm_outputs(declared: dict) -> bool:
@@ -192,7 +207,7 @@ def _bool(name: str, value: str, default: bool) -> bool:
         return default
     parsed = parse_bool(value, EXACT)
     if parsed is None:
-        raise ValueError(f"config parameter {name} must be \"true\" or \"false\", got {value!r}")
+        raise ValueError(f'config parameter {name} must be "true" or "false", got {value!r}')
     return parsed
 
 
@@ -206,8 +221,9 @@ def _families(value: str, default: tuple) -> tuple:
     return names
 
 
-def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
-                  version_dir: Optional[Path] = None) -> ModelSettings:
+def load_settings(
+    parameters: Mapping[str, str], backend: str, model_dir: Path, version_dir: Optional[Path] = None
+) -> ModelSettings:
     """Everything a model needs to start, checked; ``ValueError`` says what is wrong."""
     model_dir = Path(model_dir)
     version_dir = Path(version_dir) if version_dir is not None else model_dir / "1"
@@ -218,8 +234,7 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     for key in PATH_SETTINGS:
         if isinstance(engine.get(key), str) and engine[key]:
             engine[key] = resolve_model(engine[key], search)
-    if parse_bool(str(engine.get("enable_lora", "")), JSON_FLAG) \
-            and "lora_modules" not in engine:
+    if parse_bool(str(engine.get("enable_lora", "")), JSON_FLAG) and "lora_modules" not in engine:
         engine["lora_modules"] = read_multi_lora(version_dir, search)
     # A server refuses work it cannot start soon instead of queueing without bound
     # (model.json or the config may still say 0: unbounded).
@@ -228,16 +243,18 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
     own_layout = backend == "python"
     # On by default except under the vllm alias, which keeps Triton vLLM backend's default
     # (off) for repositories written for it: routers and dashboards read these series.
-    report = _bool("REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"],
-                   default=backend != "vllm")
+    report = _bool(
+        "REPORT_CUSTOM_METRICS", server["REPORT_CUSTOM_METRICS"], default=backend != "vllm"
+    )
     return ModelSettings(
         engine=engine,
         default_max_tokens=int(server["default_max_tokens"]),
         apply_chat_template=_bool("apply_chat_template", server["apply_chat_template"], False),
         metrics_interval_s=float(server["metrics_interval_ms"]) / 1000.0,
         report_metrics=report and not vllm_args.disable_log_stats,
-        metric_families=_families(server["metric_families"],
-                                  ("slipstream",) if own_layout else ("slipstream", "vllm")),
+        metric_families=_families(
+            server["metric_families"], ("slipstream",) if own_layout else ("slipstream", "vllm")
+        ),
         health_check=_bool("ENABLE_VLLM_HEALTH_CHECK", server["ENABLE_VLLM_HEALTH_CHECK"], False),
         max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
@@ -245,13 +262,15 @@ def load_settings(parameters: Mapping[str, str], backend: str, model_dir: Path,
         step_timeout_s=float(server["step_timeout_s"]),
         max_request_seconds=float(server["max_request_seconds"]),
         compatibility=_compatibility(server["compatibility"]),
-        interface=_interface(server["interface"]), kv_events=kv_events)
+        interface=_interface(server["interface"]),
+        kv_events=kv_events,
+    )
 
 
 def _interface(value: str) -> str:
     value = value.strip()
     if value not in ("", "llmapi"):
-        raise ValueError(f"interface must be \"llmapi\" or left out, got {value!r}")
+        raise ValueError(f'interface must be "llmapi" or left out, got {value!r}')
     return value
 
 
@@ -263,8 +282,10 @@ def _kv_events(value, engine: dict) -> Optional[KVEventsConfig]:
         return None
     algo = str(engine.get("prefix_caching_hash_algo") or "sha256_cbor")
     if algo != "sha256_cbor":
-        raise ValueError("kv_events_config: KV events carry vLLM's block hashes, which need "
-                         f"prefix_caching_hash_algo sha256_cbor, not {algo!r}")
+        raise ValueError(
+            "kv_events_config: KV events carry vLLM's block hashes, which need "
+            f"prefix_caching_hash_algo sha256_cbor, not {algo!r}"
+        )
     engine["prefix_caching_hash_algo"] = algo
     return config
 
@@ -272,5 +293,5 @@ def _kv_events(value, engine: dict) -> Optional[KVEventsConfig]:
 def _compatibility(value: str) -> str:
     value = value.strip() or "vllm"
     if value not in ("vllm", "trtllm"):
-        raise ValueError(f"compatibility must be \"vllm\" or \"trtllm\", got {value!r}")
+        raise ValueError(f'compatibility must be "vllm" or "trtllm", got {value!r}')
     return value

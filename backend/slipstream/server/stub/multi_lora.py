@@ -5,6 +5,7 @@ A relative path is looked up against the model's directory, its version director
 working directory (vllm_backend hands it to vLLM, which resolves it against the working
 directory); adapters are never downloaded. Pure Python.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ def read_multi_lora(version_dir: Path, search_dirs: Sequence[Path]) -> dict[str,
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(adapters, dict) or not all(
-            isinstance(k, str) and k and isinstance(v, str) and v for k, v in adapters.items()):
+        isinstance(k, str) and k and isinstance(v, str) and v for k, v in adapters.items()
+    ):
         raise ValueError(f"{path}: must map LoRA names to adapter directories")
     return {name: _resolve(name, where, search_dirs, path) for name, where in adapters.items()}
 

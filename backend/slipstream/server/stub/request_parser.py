@@ -11,6 +11,7 @@ or sampling field the row names. Nothing here imports Triton: ``parse_request`` 
 of input name -> numpy array and the request parameters (dict or JSON string), so it is
 tested without a server.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ from slipstream.core.boolean_text import REQUEST, parse_bool
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, show
 from slipstream.server.stub.guided_decoding import REQUEST_KEYS, gather_structured_outputs
-from slipstream.server.stub.input_table import BY_NAME as INPUT_BY_NAME
-from slipstream.server.stub.input_table import INPUTS, Reading, RequestInput, TritonType
+from slipstream.server.stub.input_table import (
+    BY_NAME as INPUT_BY_NAME,
+    INPUTS,
+    Reading,
+    RequestInput,
+    TritonType,
+)
 
 DEFAULT_MAX_TOKENS = 16
 # Largest sampling_parameters / request parameters JSON: far above any valid request (stop
@@ -94,8 +100,9 @@ def _is_bytes_dtype(a: np.ndarray) -> bool:
 def _scalar(name: str, a: np.ndarray) -> Any:
     a = np.asarray(a)
     if a.size != 1:
-        raise BadRequestError(f"input '{name}' must hold exactly one element, got shape "
-                              f"{list(a.shape)}")
+        raise BadRequestError(
+            f"input '{name}' must hold exactly one element, got shape {list(a.shape)}"
+        )
     return a.reshape(-1)[0]
 
 
@@ -112,8 +119,10 @@ def _decode(name: str, value: Any) -> str:
 
 def _check_dtype(name: str, a: np.ndarray, ok: bool) -> None:
     if not ok:
-        raise BadRequestError(f"input '{name}' must be {INPUT_TYPES.get(name, '?')}, got numpy "
-                              f"dtype {np.asarray(a).dtype}")
+        raise BadRequestError(
+            f"input '{name}' must be {INPUT_TYPES.get(name, '?')}, got numpy "
+            f"dtype {np.asarray(a).dtype}"
+        )
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -144,8 +153,9 @@ def _as_int(name: str, value: Any) -> int:
 def _load_json(subject: str, text: Union[str, bytes]) -> Any:
     """``subject`` with its verb, e.g. "request parameters are"."""
     if len(text) > MAX_JSON_BYTES:
-        raise BadRequestError(f"{subject} {len(text)} bytes long; at most {MAX_JSON_BYTES} "
-                              "are allowed")
+        raise BadRequestError(
+            f"{subject} {len(text)} bytes long; at most {MAX_JSON_BYTES} are allowed"
+        )
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -164,11 +174,14 @@ def _parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
     return dict(parameters)
 
 
-def parse_request(inputs: Mapping[str, np.ndarray],
-                  parameters: Union[None, str, Mapping[str, Any]] = None, *,
-                  default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                  default_apply_chat_template: bool = False,
-                  max_logprobs: int = MAX_LOGPROBS) -> ParsedRequest:
+def parse_request(
+    inputs: Mapping[str, np.ndarray],
+    parameters: Union[None, str, Mapping[str, Any]] = None,
+    *,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_apply_chat_template: bool = False,
+    max_logprobs: int = MAX_LOGPROBS,
+) -> ParsedRequest:
     """Validate one request. Raises ``BadRequestError`` (a ValueError) with a client-facing text."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     request_params = _parameters_dict(parameters)
@@ -180,8 +193,9 @@ def parse_request(inputs: Mapping[str, np.ndarray],
     _refuse_inputs(inputs)
     if "stop_words" in values:  # from JSON / parameters: a string or a list of strings
         values.setdefault("stop", values.pop("stop_words"))
-    explicit_exclude = any("exclude_input_in_output" in source
-                           for source in (inputs, sampling_json, request_params))
+    explicit_exclude = any(
+        "exclude_input_in_output" in source for source in (inputs, sampling_json, request_params)
+    )
     options = _read_options(values, default_apply_chat_template, explicit_exclude)
     params = _sampling_params(values, inputs, default_max_tokens, max_logprobs)
     return ParsedRequest(prompt, params, options)
@@ -208,19 +222,25 @@ def _read_sampling_json(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {}
     loaded = _load_json("input 'sampling_parameters' is", text)
     if not isinstance(loaded, dict):
-        raise BadRequestError("input 'sampling_parameters' must be a JSON object, got "
-                              f"{type(loaded).__name__}")
+        raise BadRequestError(
+            f"input 'sampling_parameters' must be a JSON object, got {type(loaded).__name__}"
+        )
     return loaded
 
 
 def _is_setting(key: str) -> bool:
     """Whether a request parameter is a setting: they carry other things too."""
-    return key in _SAMPLING_FIELDS or key in _REFUSED or key in _BOOL_OPTIONS \
+    return (
+        key in _SAMPLING_FIELDS
+        or key in _REFUSED
+        or key in _BOOL_OPTIONS
         or key in _PARAMETER_SETTINGS
+    )
 
 
-def _merged_settings(request_params: Mapping[str, Any],
-                     sampling_json: Mapping[str, Any]) -> dict[str, Any]:
+def _merged_settings(
+    request_params: Mapping[str, Any], sampling_json: Mapping[str, Any]
+) -> dict[str, Any]:
     """Lowest precedence first: request parameters, then sampling_parameters (the typed
     tensors, read next, override both)."""
     values = {key: value for key, value in request_params.items() if _is_setting(key)}
@@ -264,8 +284,9 @@ def _read_float(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> N
 def _read_stop_words(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
     _check_dtype(row.name, arr, _is_bytes_dtype(arr))
     if arr.size > MAX_STOP_STRINGS:  # before decoding every element
-        raise BadRequestError(f"input '{row.name}' has {arr.size} strings; at most "
-                              f"{MAX_STOP_STRINGS} are allowed")
+        raise BadRequestError(
+            f"input '{row.name}' has {arr.size} strings; at most {MAX_STOP_STRINGS} are allowed"
+        )
     values[row.target] = [_decode(row.name, x) for x in arr.reshape(-1)]
 
 
@@ -284,8 +305,9 @@ def _refuse_inputs(inputs: Mapping[str, np.ndarray]) -> None:
             raise BadRequestError(f"input '{name}' is not supported: {row.refusal}")
 
 
-def _read_options(values: dict[str, Any], default_apply_chat_template: bool,
-                  explicit_exclude: bool) -> RequestOptions:
+def _read_options(
+    values: dict[str, Any], default_apply_chat_template: bool, explicit_exclude: bool
+) -> RequestOptions:
     """Take the options out of ``values`` (what stays is sampling settings)."""
     options = RequestOptions(apply_chat_template=default_apply_chat_template)
     for name in _BOOL_OPTIONS:
@@ -296,13 +318,18 @@ def _read_options(values: dict[str, Any], default_apply_chat_template: bool,
     if options.stream:
         if explicit_exclude and not options.exclude_input_in_output:
             raise BadRequestError(  # vLLM's text: its clients match it
-                "When streaming, `exclude_input_in_output` = False is not allowed.")
+                "When streaming, `exclude_input_in_output` = False is not allowed."
+            )
         options.exclude_input_in_output = True
     return options
 
 
-def _sampling_params(values: dict[str, Any], inputs: Mapping[str, np.ndarray],
-                     default_max_tokens: int, max_logprobs: int) -> SamplingParams:
+def _sampling_params(
+    values: dict[str, Any],
+    inputs: Mapping[str, np.ndarray],
+    default_max_tokens: int,
+    max_logprobs: int,
+) -> SamplingParams:
     try:
         gather_structured_outputs(values, inputs)
     except ValueError as e:
@@ -331,13 +358,17 @@ def refuse_unsupported(values: dict, max_logprobs: int = MAX_LOGPROBS) -> None:
         if got is None or isinstance(got, bool):
             continue
         if str(got).strip().lstrip("-").isdigit() and int(got) > max_logprobs:
-            raise BadRequestError(f"Requested {what} logprobs of {int(got)}, which is greater "
-                                  f"than max allowed: {max_logprobs}")
+            raise BadRequestError(
+                f"Requested {what} logprobs of {int(got)}, which is greater "
+                f"than max allowed: {max_logprobs}"
+            )
 
 
-def lora_error(inputs: Mapping[str, np.ndarray],
-               parameters: Union[None, str, Mapping[str, Any]] = None,
-               supported: Optional[Sequence[str]] = None) -> Optional[str]:
+def lora_error(
+    inputs: Mapping[str, np.ndarray],
+    parameters: Union[None, str, Mapping[str, Any]] = None,
+    supported: Optional[Sequence[str]] = None,
+) -> Optional[str]:
     """vllm_backend's refusal of a ``lora_name`` (LoRA off: ``supported`` None; or not one of
     ``supported``), from the ``sampling_parameters`` JSON or the request parameters (HTTP
     ``"parameters"``); None when it may be served. A malformed request is left for
@@ -345,8 +376,10 @@ def lora_error(inputs: Mapping[str, np.ndarray],
     sources = []
     if inputs.get("sampling_parameters") is not None:
         try:
-            text = _decode("sampling_parameters", _scalar(
-                "sampling_parameters", np.asarray(inputs["sampling_parameters"])))
+            text = _decode(
+                "sampling_parameters",
+                _scalar("sampling_parameters", np.asarray(inputs["sampling_parameters"])),
+            )
             sources.append(_load_json("sampling_parameters is", text))
         except BadRequestError:
             pass

@@ -2,6 +2,7 @@
 request asked for, and what each engine output of it becomes (streamed deltas, or one final
 response), with vLLM's per-token logprobs entries. Pure Python (no Triton import).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,40 +17,61 @@ from slipstream.server.stub.request_parser import ParsedRequest, RequestOptions
 def output_names(options: RequestOptions) -> list:
     """The output tensors a request asked for (text_output always)."""
     names = ["text_output"]
-    for flag, name in (("return_finish_reason", "finish_reason"),
-                       ("return_num_input_tokens", "num_input_tokens"),
-                       ("return_num_output_tokens", "num_output_tokens"),
-                       ("return_cumulative_logprob", "cumulative_logprob"),
-                       ("return_logprobs", "logprobs"),
-                       ("return_prompt_logprobs", "prompt_logprobs")):
+    for flag, name in (
+        ("return_finish_reason", "finish_reason"),
+        ("return_num_input_tokens", "num_input_tokens"),
+        ("return_num_output_tokens", "num_output_tokens"),
+        ("return_cumulative_logprob", "cumulative_logprob"),
+        ("return_logprobs", "logprobs"),
+        ("return_prompt_logprobs", "prompt_logprobs"),
+    ):
         if getattr(options, flag):
             names.append(name)
     return names
 
 
-def build_outputs(options: RequestOptions, text: str, *, finish_reason: Optional[str],
-                  num_input_tokens: int, num_output_tokens: int, cumulative_logprob: float,
-                  logprobs_json: str = "null", prompt_logprobs_json: str = "null") -> dict:
+def build_outputs(
+    options: RequestOptions,
+    text: str,
+    *,
+    finish_reason: Optional[str],
+    num_input_tokens: int,
+    num_output_tokens: int,
+    cumulative_logprob: float,
+    logprobs_json: str = "null",
+    prompt_logprobs_json: str = "null",
+) -> dict:
     """name -> numpy array for the requested outputs of one response, in Triton's vLLM
     backend's wire format: ``finish_reason`` is ``"None"`` until the last response,
     ``num_input_tokens`` a UINT32 scalar, ``num_output_tokens`` UINT32 [1] (tokens in this
     response when streaming), ``logprobs`` a JSON string (``"null"`` when not asked for)."""
-    return build_sequence_outputs(options, [text], finish_reasons=[finish_reason],
-                                  num_input_tokens=num_input_tokens,
-                                  num_output_tokens=[num_output_tokens],
-                                  cumulative_logprobs=[cumulative_logprob],
-                                  logprobs_json=[logprobs_json],
-                                  prompt_logprobs_json=prompt_logprobs_json)
+    return build_sequence_outputs(
+        options,
+        [text],
+        finish_reasons=[finish_reason],
+        num_input_tokens=num_input_tokens,
+        num_output_tokens=[num_output_tokens],
+        cumulative_logprobs=[cumulative_logprob],
+        logprobs_json=[logprobs_json],
+        prompt_logprobs_json=prompt_logprobs_json,
+    )
 
 
-def build_sequence_outputs(options: RequestOptions, texts: Sequence[str], *,
-                           finish_reasons: Sequence[Optional[str]], num_input_tokens: int,
-                           num_output_tokens: Sequence[int], cumulative_logprobs: Sequence[float],
-                           logprobs_json: Sequence[str],
-                           prompt_logprobs_json: str = "null") -> dict:
+def build_sequence_outputs(
+    options: RequestOptions,
+    texts: Sequence[str],
+    *,
+    finish_reasons: Sequence[Optional[str]],
+    num_input_tokens: int,
+    num_output_tokens: Sequence[int],
+    cumulative_logprobs: Sequence[float],
+    logprobs_json: Sequence[str],
+    prompt_logprobs_json: str = "null",
+) -> dict:
     """``build_outputs`` for ``n`` sequences: as vLLM's backend returns ``n`` > 1, each
     per-sequence output holds one element per sequence, in index order; ``prompt_logprobs``
     (this backend's addition) is one JSON string for the request."""
+
     def strings(values) -> np.ndarray:
         return np.array([str(v).encode("utf-8") for v in values], dtype=np.object_)
 
@@ -69,8 +91,9 @@ def build_sequence_outputs(options: RequestOptions, texts: Sequence[str], *,
     return out
 
 
-def logprobs_entries(token_ids: Sequence[int], logprobs: Sequence[float], tokenizer,
-                     detokenize: bool = True) -> list:
+def logprobs_entries(
+    token_ids: Sequence[int], logprobs: Sequence[float], tokenizer, detokenize: bool = True
+) -> list:
     """vLLM's per-token logprobs: ``{token id: {"logprob", "rank", "decoded_token"}}`` with
     the sampled token first, then its top-N alternatives (ranks 1..N). Each token is decoded
     on its own, as vLLM does, so the sampled tokens' pieces concatenate to the text."""
@@ -79,21 +102,35 @@ def logprobs_entries(token_ids: Sequence[int], logprobs: Sequence[float], tokeni
         position = {token: (float(lp), getattr(lp, "rank", None))}
         for i, (alt, value) in enumerate(getattr(lp, "top", ())):
             position.setdefault(alt, (value, i + 1))
-        entries.append({str(t): {"logprob": v, "rank": rank,
-                                 "decoded_token": decode_token(tokenizer, t) if detokenize
-                                 else None}
-                        for t, (v, rank) in position.items()})
+        entries.append(
+            {
+                str(t): {
+                    "logprob": v,
+                    "rank": rank,
+                    "decoded_token": decode_token(tokenizer, t) if detokenize else None,
+                }
+                for t, (v, rank) in position.items()
+            }
+        )
     return entries
 
 
 def prompt_logprobs_entries(prompt_logprobs: Sequence, tokenizer, detokenize: bool = True) -> list:
     """vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per token
     ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt token first."""
-    return [None if position is None else
-            {str(t): {"logprob": float(lp), "rank": getattr(lp, "rank", None),
-                      "decoded_token": decode_token(tokenizer, t) if detokenize else None}
-             for t, lp in position.items()}
-            for position in prompt_logprobs]
+    return [
+        None
+        if position is None
+        else {
+            str(t): {
+                "logprob": float(lp),
+                "rank": getattr(lp, "rank", None),
+                "decoded_token": decode_token(tokenizer, t) if detokenize else None,
+            }
+            for t, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
 
 
 def decode_token(tokenizer, token_id: int) -> str:
@@ -133,8 +170,9 @@ class ResponseBuilder:
         """The response for one engine output of a streaming request."""
         self._note(out)
         deltas = [_SequenceState() for _ in self.sequences]
-        deltas[out.index] = _SequenceState([out.text], list(out.token_ids),
-                                           list(out.logprobs or []))
+        deltas[out.index] = _SequenceState(
+            [out.text], list(out.token_ids), list(out.logprobs or [])
+        )
         return self._outputs(out, ["".join(d.texts) for d in deltas], deltas, out.prompt_logprobs)
 
     def absorb(self, out) -> None:
@@ -163,19 +201,30 @@ class ResponseBuilder:
     def _outputs(self, out, texts: list, parts: list, prompt_lps: Optional[list]) -> dict:
         logprobs_json = ["null"] * len(parts)
         if self.options.return_logprobs and self.params.logprobs is not None:
-            logprobs_json = [json.dumps(logprobs_entries(p.token_ids, p.logprobs, self.tokenizer,
-                                                         self.params.detokenize)) for p in parts]
+            logprobs_json = [
+                json.dumps(
+                    logprobs_entries(
+                        p.token_ids, p.logprobs, self.tokenizer, self.params.detokenize
+                    )
+                )
+                for p in parts
+            ]
         prompt_json = "null"
         if self.options.return_prompt_logprobs and prompt_lps is not None:
-            prompt_json = json.dumps(prompt_logprobs_entries(prompt_lps, self.tokenizer,
-                                                             self.params.detokenize))
+            prompt_json = json.dumps(
+                prompt_logprobs_entries(prompt_lps, self.tokenizer, self.params.detokenize)
+            )
         if len(self.sequences) == 1:  # the finished output carries the sequence's own state
             finish_reasons = [out.finish_reason]
         else:
             finish_reasons = [s.finish_reason for s in self.sequences]
         return build_sequence_outputs(
-            self.options, texts, finish_reasons=finish_reasons,
+            self.options,
+            texts,
+            finish_reasons=finish_reasons,
             num_input_tokens=out.num_prompt_tokens,
             num_output_tokens=[len(p.token_ids) for p in parts],
             cumulative_logprobs=[s.cumulative_logprob for s in self.sequences],
-            logprobs_json=logprobs_json, prompt_logprobs_json=prompt_json)
+            logprobs_json=logprobs_json,
+            prompt_logprobs_json=prompt_json,
+        )

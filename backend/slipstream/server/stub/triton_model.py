@@ -20,6 +20,7 @@ ready): once it is stopping or unloading the model, new requests are refused and
 flight get until Triton's own exit timeout (less a margin) to finish, then end with
 UNAVAILABLE, so that no client is cut off without a final response when Triton gives up.
 """
+
 import json
 import os
 import queue
@@ -39,15 +40,25 @@ from slipstream.server.stub.deadlines import request_deadline
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
-from slipstream.server.stub.request_parser import (BadRequestError, RequestOptions,
-                                                   _parameters_dict, lora_error, parse_request)
+from slipstream.server.stub.request_parser import (
+    BadRequestError,
+    RequestOptions,
+    _parameters_dict,
+    lora_error,
+    parse_request,
+)
 from slipstream.server.stub.responses import ResponseBuilder
-from slipstream.server.trtllm.row_sender import RowGroup
-from slipstream.server.trtllm.inputs import (PER_SEQUENCE_NEEDS_DECOUPLED, STREAMING_NOT_DECOUPLED,
-                                             check_unsupported, split_rows, translate,
-                                             trtllm_queue_full)
-from slipstream.server.trtllm.outputs import TrtllmResponses
 from slipstream.server.trtllm import llmapi
+from slipstream.server.trtllm.inputs import (
+    PER_SEQUENCE_NEEDS_DECOUPLED,
+    STREAMING_NOT_DECOUPLED,
+    check_unsupported,
+    split_rows,
+    translate,
+    trtllm_queue_full,
+)
+from slipstream.server.trtllm.outputs import TrtllmResponses
+from slipstream.server.trtllm.row_sender import RowGroup
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -59,8 +70,7 @@ DRAIN_MARGIN_S = 3.0  # ends a drain this long before Triton's exit timeout runs
 def _error(message, code=None):
     if code is None:
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
-    return pb_utils.InferenceResponse(output_tensors=[],
-                                      error=pb_utils.TritonError(message, code))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
 def _request_timeout_us(request):
@@ -109,8 +119,11 @@ class TritonPythonModel:
         raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.model_name, self.model_version = args["model_name"], args["model_version"]
         settings = model_config.load_settings(
-            raw, config.get("backend", "python"), args.get("model_repository", ""),
-            pb_utils.get_model_dir() if hasattr(pb_utils, "get_model_dir") else None)
+            raw,
+            config.get("backend", "python"),
+            args.get("model_repository", ""),
+            pb_utils.get_model_dir() if hasattr(pb_utils, "get_model_dir") else None,
+        )
         self.settings = settings
         # TRT-LLM style configs: a batch dimension (rows split here), unary answers.
         self.batched = int(config.get("max_batch_size") or 0) > 0
@@ -131,10 +144,14 @@ class TritonPythonModel:
         engine_kwargs = {"kv_event_sink": self.kv_events.publish} if self.kv_events else {}
         try:
             self.loop = EngineSupervisor(
-                engine_config, on_output=self.wake.set, on_give_up=self._give_up,
+                engine_config,
+                on_output=self.wake.set,
+                on_give_up=self._give_up,
                 failure_threshold=settings.engine_failure_threshold,
-                max_restarts=settings.max_engine_restarts, step_timeout_s=settings.step_timeout_s,
-                engine_kwargs=engine_kwargs).start()
+                max_restarts=settings.max_engine_restarts,
+                step_timeout_s=settings.step_timeout_s,
+                engine_kwargs=engine_kwargs,
+            ).start()
         except BaseException:
             if self.kv_events is not None:
                 self.kv_events.shutdown()
@@ -148,8 +165,9 @@ class TritonPythonModel:
         self.stopping = False
         self.next_ready_check = 0.0
         self.not_ready_checks, self.first_not_ready = 0, 0.0
-        self.sender_thread = threading.Thread(target=self._sender_loop, name="slipstream-sender",
-                                              daemon=True)
+        self.sender_thread = threading.Thread(
+            target=self._sender_loop, name="slipstream-sender", daemon=True
+        )
         self.sender_thread.start()
         self.logger.log_info(f"slipstream engine ready: {settings.engine}")
 
@@ -167,15 +185,16 @@ class TritonPythonModel:
         if not self.settings.report_metrics:
             return NoMetrics()
         try:
-            return ModelMetrics(pb_utils, {"model": args["model_name"],
-                                           "version": args["model_version"]},
-                                self.settings.metric_families,
-                                max_model_len=engine_config.max_model_len,
-                                block_size=engine_config.block_size,
-                                num_blocks=self.loop.stats().kv_blocks_total,
-                                max_num_seqs=engine_config.max_num_seqs,
-                                max_loras=engine_config.max_loras if self.lora_names is not None
-                                else 0)
+            return ModelMetrics(
+                pb_utils,
+                {"model": args["model_name"], "version": args["model_version"]},
+                self.settings.metric_families,
+                max_model_len=engine_config.max_model_len,
+                block_size=engine_config.block_size,
+                num_blocks=self.loop.stats().kv_blocks_total,
+                max_num_seqs=engine_config.max_num_seqs,
+                max_loras=engine_config.max_loras if self.lora_names is not None else 0,
+            )
         except Exception as e:  # e.g. tritonserver --allow-metrics=false
             self.logger.log_warn(f"slipstream: custom metrics unavailable ({e})")
             return NoMetrics()
@@ -204,8 +223,12 @@ class TritonPythonModel:
             senders = [sender]
             if self.batched or not self.decoupled:
                 senders = RowGroup(sender, len(rows), self.decoupled, pb_utils).senders()
-            deadline = request_deadline(arrival, _request_timeout_us(request),
-                                        request.parameters(), self.settings.max_request_seconds)
+            deadline = request_deadline(
+                arrival,
+                _request_timeout_us(request),
+                request.parameters(),
+                self.settings.max_request_seconds,
+            )
             for index, (row, row_sender) in enumerate(zip(rows, senders)):
                 self._submit(row, request.parameters(), row_sender, arrival, index, deadline)
         return None
@@ -220,8 +243,9 @@ class TritonPythonModel:
                 return
             row = self._translate(inputs, batch_index)
             parsed = self._parse(row, parameters)
-            stream = self.loop.submit(parsed.prompt, parsed.params,
-                                      **_submit_options(parsed.options))
+            stream = self.loop.submit(
+                parsed.prompt, parsed.params, **_submit_options(parsed.options)
+            )
         except Exception as e:  # never let one request take the batch down
             self._refuse(sender, e)
             return
@@ -230,39 +254,58 @@ class TritonPythonModel:
             builder = llmapi.LlmapiResponses(inner, row.options)
         else:
             builder = TrtllmResponses(inner, row.options, self.loop.tokenizer)
-        self.incoming.put(_Pending(stream, sender, parsed, builder,
-                                   self.metrics.track(arrival, parsed.params), arrival, deadline))
+        self.incoming.put(
+            _Pending(
+                stream,
+                sender,
+                parsed,
+                builder,
+                self.metrics.track(arrival, parsed.params),
+                arrival,
+                deadline,
+            )
+        )
         self.wake.set()
 
     def _translate(self, inputs, batch_index: int):
         """The row's TensorRT-LLM (or LLM-API) inputs mapped onto what the parser reads."""
         if "embedding_request" in inputs:
-            raise BadRequestError(
-                f"Model {self.model_name} does not support 'embed' request")
+            raise BadRequestError(f"Model {self.model_name} does not support 'embed' request")
         if self.settings.interface == "llmapi":
             row = llmapi.translate(inputs)
         else:
-            row = translate(inputs, self._encode, batch_index=batch_index,
-                            with_indices=self.batched,
-                            trtllm_defaults=self.settings.compatibility == "trtllm")
+            row = translate(
+                inputs,
+                self._encode,
+                batch_index=batch_index,
+                with_indices=self.batched,
+                trtllm_defaults=self.settings.compatibility == "trtllm",
+            )
         if row.options.return_log_probs and "cum_log_probs" not in self.output_names:
-            raise BadRequestError("input 'return_log_probs' needs the outputs cum_log_probs "
-                                  "and output_log_probs, which this model does not declare "
-                                  "(set its compatibility parameter to \"trtllm\")")
+            raise BadRequestError(
+                "input 'return_log_probs' needs the outputs cum_log_probs "
+                "and output_log_probs, which this model does not declare "
+                '(set its compatibility parameter to "trtllm")'
+            )
         if row.options.return_perf_metrics and "arrival_time_ns" not in self.output_names:
-            raise BadRequestError("input 'return_perf_metrics' needs the perf metrics "
-                                  "outputs, which this model does not declare (set its "
-                                  "compatibility parameter to \"trtllm\")")
+            raise BadRequestError(
+                "input 'return_perf_metrics' needs the perf metrics "
+                "outputs, which this model does not declare (set its "
+                'compatibility parameter to "trtllm")'
+            )
         row.options.with_indices &= "batch_index" in self.output_names
         return row
 
     def _parse(self, row, parameters):
         if row.parameters:  # TRT-LLM inputs win over the same request parameters
             parameters = {**_parameters_dict(parameters), **row.parameters}
-        parsed = parse_request(row.inputs, parameters,
-                               default_max_tokens=self.default_max_tokens,
-                               default_apply_chat_template=self.apply_chat_template,
-                               max_logprobs=self.settings.max_logprobs)
+        parsed = parse_request(
+            row.inputs,
+            parameters,
+            default_max_tokens=self.default_max_tokens,
+            default_apply_chat_template=self.apply_chat_template,
+            max_logprobs=self.settings.max_logprobs,
+        )
         if parsed.options.stream and not self.decoupled:
             raise BadRequestError(STREAMING_NOT_DECOUPLED)
         if row.options.num_return_sequences > 1 and not self.decoupled:
@@ -297,16 +340,18 @@ class TritonPythonModel:
             problem = self._engine_problem()
             if problem is not None:
                 self.healthy = False
-                self.logger.log_error(f"slipstream: engine unhealthy ({problem}); unloading "
-                                      f"model {self.model_name}")
+                self.logger.log_error(
+                    f"slipstream: engine unhealthy ({problem}); unloading model {self.model_name}"
+                )
                 try:
                     pb_utils.unload_model(self.model_name)  # non-blocking; explicit mode only
                 except Exception as e:
                     self.logger.log_error(f"slipstream: could not unload the model: {e}")
         if not self.healthy:
             for request in requests:
-                self._reject(request.get_response_sender(),
-                             _error(UNHEALTHY_MESSAGE, _code("UNAVAILABLE")))
+                self._reject(
+                    request.get_response_sender(), _error(UNHEALTHY_MESSAGE, _code("UNAVAILABLE"))
+                )
         return self.healthy
 
     def _engine_problem(self):
@@ -396,8 +441,10 @@ class TritonPythonModel:
             if self.not_ready_checks == 1 and not certain:  # a drain cannot be undone: look again
                 return
             self.draining_since = self.first_not_ready
-            self.logger.log_warn(f"slipstream: Triton is unloading this model or stopping; "
-                                 f"{len(active)} requests get {self.drain_grace:.0f} s to finish")
+            self.logger.log_warn(
+                f"slipstream: Triton is unloading this model or stopping; "
+                f"{len(active)} requests get {self.drain_grace:.0f} s to finish"
+            )
         if now - self.draining_since >= self.drain_grace:
             for p in active:
                 if not p.shutdown_abort:
@@ -434,8 +481,9 @@ class TritonPythonModel:
         return False
 
     def _poll_cancellation(self, p, now, has_output: bool) -> None:
-        if p.cancelled or not CANCEL_POLLS.due(p.last_cancel_check, now, has_output,
-                                               self.num_active):
+        if p.cancelled or not CANCEL_POLLS.due(
+            p.last_cancel_check, now, has_output, self.num_active
+        ):
             return
         p.last_cancel_check = now
         if p.sender.is_cancelled():
@@ -447,14 +495,16 @@ class TritonPythonModel:
         if p.deadline is None or p.timed_out or p.cancelled or now < p.deadline.at:
             return
         p.timed_out = True
-        self.logger.log_warn(f"slipstream: request {p.stream.request_id} "
-                             f"{p.deadline.message(now - p.arrival)}")
+        self.logger.log_warn(
+            f"slipstream: request {p.stream.request_id} {p.deadline.message(now - p.arrival)}"
+        )
         self.loop.abort(p.stream.request_id)
 
     @staticmethod
     def _response(outputs):
         return pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()]
+        )
 
     def _finish(self, p, out):
         end = time.monotonic()
@@ -488,8 +538,11 @@ class TritonPythonModel:
         if p.timed_out:
             return _error(ERROR_PREFIX + p.deadline.message(end - p.arrival), _code("UNAVAILABLE"))
         if p.shutdown_abort:
-            return _error(f"request aborted: the server is shutting down and it did not "
-                          f"finish within {self.drain_grace:.0f} s", _code("UNAVAILABLE"))
+            return _error(
+                f"request aborted: the server is shutting down and it did not "
+                f"finish within {self.drain_grace:.0f} s",
+                _code("UNAVAILABLE"),
+            )
         if out.error:
             return _error(f"{ERROR_PREFIX}{out.error}")
         return _error("request aborted (server shutting down)", _code("UNAVAILABLE"))

@@ -17,6 +17,7 @@ shared-memory region, which nobody else will.
 Standard library only: it must start fast and small beside a model-sized stub.
 Run as ``python watchdog.py --stub-pid P --server-pid Q --server-start T [--shm NAME]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def process_start_time(pid: int) -> Optional[int]:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) "
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
     return int(fields[19])
 
 
@@ -48,7 +49,7 @@ def is_zombie_or_gone(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return True
-    return stat[stat.rindex(b")") + 2:].split()[0] in (b"Z", b"X")
+    return stat[stat.rindex(b")") + 2 :].split()[0] in (b"Z", b"X")
 
 
 def log(message: str) -> None:
@@ -102,13 +103,15 @@ def main(argv: Optional[list] = None) -> int:
     if said.rstrip().endswith(GOODBYE):
         return 0
     if FATAL in said:
-        reason = said[said.rindex(FATAL) + len(FATAL):].decode(errors="replace").strip()
+        reason = said[said.rindex(FATAL) + len(FATAL) :].decode(errors="replace").strip()
         log(f"the slipstream engine cannot be recovered ({reason})")
     else:
         log(f"the Python backend stub (pid {args.stub_pid}) died")
     if process_start_time(args.server_pid) == args.server_start:
-        log(f"Triton cannot restart a decoupled model's stub: stopping tritonserver (pid "
-            f"{args.server_pid}) so that its supervisor starts a fresh one")
+        log(
+            f"Triton cannot restart a decoupled model's stub: stopping tritonserver (pid "
+            f"{args.server_pid}) so that its supervisor starts a fresh one"
+        )
         stop_server(args.server_pid, args.server_start)
     remove_shm(args.shm)
     return 0

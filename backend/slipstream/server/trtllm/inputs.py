@@ -10,6 +10,7 @@ and refuses, naming the input, what a text model served here cannot honour (beam
 logits outputs, LoRA by task id). Guided decoding's inputs pass on to ``parse_request``
 (``guided_decoding.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,24 @@ import numpy as np
 from slipstream.server.stub.request_parser import BadRequestError, _scalar
 
 # Inputs read here and never passed on to parse_request.
-TRTLLM_INPUTS = ("bad_words", "pad_id", "length_penalty", "min_length", "random_seed",
-                 "return_log_probs", "return_context_logits", "return_generation_logits",
-                 "return_perf_metrics", "beam_width", "num_return_sequences",
-                 "embedding_bias_words", "embedding_bias_weights", "decoder_text_input",
-                 "lora_task_id", "stop")
+TRTLLM_INPUTS = (
+    "bad_words",
+    "pad_id",
+    "length_penalty",
+    "min_length",
+    "random_seed",
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "return_perf_metrics",
+    "beam_width",
+    "num_return_sequences",
+    "embedding_bias_words",
+    "embedding_bias_weights",
+    "decoder_text_input",
+    "lora_task_id",
+    "stop",
+)
 # Inputs whose any non-empty value is refused: input name -> why.
 REFUSED = {
     "decoder_text_input": "encoder-decoder models are not supported",
@@ -34,11 +48,15 @@ REFUSED = {
 # Inputs refused whenever a request carries them (checked before anything else: a token-id
 # request has no text_input): input name -> why.
 _NO_PTUNING = "prompt tuning (p-tuning embedding tables) is not supported"
-_NO_LORA_WEIGHTS = ("LoRA weights sent with the request are not supported; serve adapters "
-                    "with enable_lora and pick one by lora_name")
-_NO_TOKEN_IDS = ("this model takes text (text_input) and answers text (text_output); the "
-                 "TRT-LLM core model's token-id interface (input_ids, input_lengths, "
-                 "request_output_len, output_ids) is not served")
+_NO_LORA_WEIGHTS = (
+    "LoRA weights sent with the request are not supported; serve adapters "
+    "with enable_lora and pick one by lora_name"
+)
+_NO_TOKEN_IDS = (
+    "this model takes text (text_input) and answers text (text_output); the "
+    "TRT-LLM core model's token-id interface (input_ids, input_lengths, "
+    "request_output_len, output_ids) is not served"
+)
 REFUSED_ALWAYS = {
     "prompt_embedding_table": _NO_PTUNING,
     "prompt_table_extra_id": _NO_PTUNING,
@@ -51,8 +69,10 @@ REFUSED_ALWAYS = {
 }
 REFUSED_OUTPUTS = {"output_ids": _NO_TOKEN_IDS}
 # In-band stop (a second request with stop=true ending the first): refused when true.
-STOP_IN_BAND = ("in-band stop requests are not supported: cancel the request instead (close "
-                "the gRPC stream or the HTTP connection)")
+STOP_IN_BAND = (
+    "in-band stop requests are not supported: cancel the request instead (close "
+    "the gRPC stream or the HTTP connection)"
+)
 # Flags that may be sent as false only.
 REFUSED_FLAGS = {
     "return_context_logits": "this backend does not return logits",
@@ -61,14 +81,16 @@ REFUSED_FLAGS = {
 # TRT-LLM's texts: its executor's when the waiting queue is full (prefixed with Triton's own
 # queue-policy text, which TRT-LLM's max_queue_size test matches), and its backend's when a
 # non-decoupled model is asked to stream.
-QUEUE_FULL = ("Exceeds maximum queue size: Maximum queue size of {limit} has been reached, "
-              "please try again later")
-STREAMING_NOT_DECOUPLED = ("Streaming is only supported if model is deployed using decoupled "
-                           "mode.")
+QUEUE_FULL = (
+    "Exceeds maximum queue size: Maximum queue size of {limit} has been reached, "
+    "please try again later"
+)
+STREAMING_NOT_DECOUPLED = "Streaming is only supported if model is deployed using decoupled mode."
 # Each of num_return_sequences > 1 is answered on its own (with its sequence_index): one
 # response per request (a model not decoupled) cannot carry them.
-PER_SEQUENCE_NEEDS_DECOUPLED = ("input 'num_return_sequences' > 1 needs a decoupled model: "
-                                "each sequence is answered on its own")
+PER_SEQUENCE_NEEDS_DECOUPLED = (
+    "input 'num_return_sequences' > 1 needs a decoupled model: each sequence is answered on its own"
+)
 
 
 def trtllm_queue_full(limit: int) -> str:
@@ -106,15 +128,18 @@ def split_rows(inputs: Mapping[str, np.ndarray], batched: bool) -> List[Dict[str
     for name, value in inputs.items():
         arr = np.asarray(value)
         if arr.ndim == 0 or arr.shape[0] != size:
-            raise BadRequestError(f"input '{name}' has batch size "
-                                  f"{arr.shape[0] if arr.ndim else 0}, 'text_input' {size}")
+            raise BadRequestError(
+                f"input '{name}' has batch size "
+                f"{arr.shape[0] if arr.ndim else 0}, 'text_input' {size}"
+            )
         for i in range(size):
             rows[i][name] = arr[i]
     return rows
 
 
-def check_unsupported(inputs: Mapping[str, np.ndarray], requested_outputs=(),
-                      declared_outputs=()) -> None:
+def check_unsupported(
+    inputs: Mapping[str, np.ndarray], requested_outputs=(), declared_outputs=()
+) -> None:
     """Refuse, naming it, what a TRT-LLM client may send that is never served here. Triton
     lists every declared output as requested when the client names none: only outputs
     named among fewer than all are refused."""
@@ -134,15 +159,17 @@ def check_unsupported(inputs: Mapping[str, np.ndarray], requested_outputs=(),
 
 def _int(name: str, arr: np.ndarray) -> int:
     if np.asarray(arr).dtype.kind not in "iu":
-        raise BadRequestError(f"input '{name}' must be an integer tensor, got numpy dtype "
-                              f"{np.asarray(arr).dtype}")
+        raise BadRequestError(
+            f"input '{name}' must be an integer tensor, got numpy dtype {np.asarray(arr).dtype}"
+        )
     return int(_scalar(name, arr))
 
 
 def _flag(name: str, arr: np.ndarray) -> bool:
     if np.asarray(arr).dtype.kind != "b":
-        raise BadRequestError(f"input '{name}' must be BOOL, got numpy dtype "
-                              f"{np.asarray(arr).dtype}")
+        raise BadRequestError(
+            f"input '{name}' must be BOOL, got numpy dtype {np.asarray(arr).dtype}"
+        )
     return bool(_scalar(name, arr))
 
 
@@ -162,9 +189,14 @@ def _words(name: str, arr: np.ndarray) -> List[str]:
     return out
 
 
-def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], List[int]]] = None,
-              *, batch_index: int = 0, with_indices: bool = False,
-              trtllm_defaults: bool = False) -> TranslatedRow:
+def translate(
+    row: Mapping[str, np.ndarray],
+    encode: Optional[Callable[[str], List[int]]] = None,
+    *,
+    batch_index: int = 0,
+    with_indices: bool = False,
+    trtllm_defaults: bool = False,
+) -> TranslatedRow:
     """Map one row's TRT-LLM inputs; ``encode`` tokenizes embedding-bias words (no special
     tokens). ``trtllm_defaults``: TRT-LLM's semantics where they differ from vLLM's: greedy
     unless ``top_k`` or ``top_p`` is above 0, and a streamed request never repeats the prompt
@@ -193,8 +225,11 @@ def translate(row: Mapping[str, np.ndarray], encode: Optional[Callable[[str], Li
 
 def _refuse(present: Mapping[str, np.ndarray]) -> None:
     for name, why in REFUSED.items():
-        if name in present and np.asarray(present[name]).size and \
-                any(x not in (b"", "", 0) for x in np.asarray(present[name]).reshape(-1)):
+        if (
+            name in present
+            and np.asarray(present[name]).size
+            and any(x not in (b"", "", 0) for x in np.asarray(present[name]).reshape(-1))
+        ):
             raise BadRequestError(f"input '{name}' is not supported: {why}")
     for name, why in REFUSED_FLAGS.items():
         if name in present and _flag(name, present[name]):
@@ -208,8 +243,9 @@ def _beam_width(present: Mapping[str, np.ndarray]) -> int:
     return beam_width
 
 
-def _length_penalty(present: Mapping[str, np.ndarray], beam_width: int,
-                    params: Dict[str, Any]) -> None:
+def _length_penalty(
+    present: Mapping[str, np.ndarray], beam_width: int, params: Dict[str, Any]
+) -> None:
     if "length_penalty" not in present:
         return
     # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
@@ -228,8 +264,9 @@ def _older_names(present: Mapping[str, np.ndarray], inputs: Dict[str, np.ndarray
         inputs["seed"] = np.asarray(present["random_seed"])
 
 
-def _sequences(present: Mapping[str, np.ndarray], beam_width: int, params: Dict[str, Any],
-               opts: TrtllmOptions) -> None:
+def _sequences(
+    present: Mapping[str, np.ndarray], beam_width: int, params: Dict[str, Any], opts: TrtllmOptions
+) -> None:
     """How many sequences come back, and with which log-probabilities."""
     if "num_return_sequences" in present:
         params["n"] = _int("num_return_sequences", present["num_return_sequences"])
@@ -244,9 +281,12 @@ def _sequences(present: Mapping[str, np.ndarray], beam_width: int, params: Dict[
         params["logprobs"] = 0  # the sampled tokens' own log-probabilities
 
 
-def _words_and_bias(present: Mapping[str, np.ndarray], inputs: Dict[str, np.ndarray],
-                    params: Dict[str, Any],
-                    encode: Optional[Callable[[str], List[int]]]) -> None:
+def _words_and_bias(
+    present: Mapping[str, np.ndarray],
+    inputs: Dict[str, np.ndarray],
+    params: Dict[str, Any],
+    encode: Optional[Callable[[str], List[int]]],
+) -> None:
     if "bad_words" in present:
         words = _words("bad_words", present["bad_words"])
         if words:
@@ -266,8 +306,11 @@ def _words_and_bias(present: Mapping[str, np.ndarray], inputs: Dict[str, np.ndar
 def _trtllm_semantics(inputs: Dict[str, np.ndarray]) -> None:
     if "sampling_parameters" not in inputs:
         _greedy_unless_sampling(inputs)
-    if "stream" in inputs and np.asarray(inputs["stream"]).dtype.kind == "b" and \
-            _flag("stream", inputs["stream"]):
+    if (
+        "stream" in inputs
+        and np.asarray(inputs["stream"]).dtype.kind == "b"
+        and _flag("stream", inputs["stream"])
+    ):
         inputs.pop("exclude_input_in_output", None)
 
 
@@ -283,8 +326,9 @@ def _greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:
         inputs.pop("top_p", None)
 
 
-def _embedding_bias(present: Mapping[str, np.ndarray],
-                    encode: Optional[Callable[[str], List[int]]]) -> Dict[int, float]:
+def _embedding_bias(
+    present: Mapping[str, np.ndarray], encode: Optional[Callable[[str], List[int]]]
+) -> Dict[int, float]:
     """TRT-LLM's preprocessing: each word's tokens get the word's weight added to their logit."""
     words = _words("embedding_bias_words", present.get("embedding_bias_words", np.array([])))
     raw = np.asarray(present.get("embedding_bias_weights", np.array([], np.float32)))
@@ -292,9 +336,11 @@ def _embedding_bias(present: Mapping[str, np.ndarray],
         raise BadRequestError("input 'embedding_bias_weights' must be FP32")
     weights = [float(w) for w in raw.reshape(-1)]
     if len(words) != len(weights):
-        raise BadRequestError(f"inputs 'embedding_bias_words' ({len(words)}) and "
-                              f"'embedding_bias_weights' ({len(weights)}) must have the same "
-                              "length")
+        raise BadRequestError(
+            f"inputs 'embedding_bias_words' ({len(words)}) and "
+            f"'embedding_bias_weights' ({len(weights)}) must have the same "
+            "length"
+        )
     if words and encode is None:
         raise BadRequestError("input 'embedding_bias_words' needs the model's tokenizer")
     bias: Dict[int, float] = {}

@@ -11,6 +11,7 @@ A model config selects it with the parameter ``interface: "llmapi"``
 the prompt prepended unless ``sampling_param_exclude_input_from_output``, and a streamed
 response carries the whole text so far (its ``CompletionOutput.text``), not a delta.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, _greed
 from slipstream.server.trtllm.outputs import _ns
 
 
-def _llmapi(name: str, data_type: TritonType, description: str,
-            dims: tuple[int, ...] = (1,)) -> RequestInput:
+def _llmapi(
+    name: str, data_type: TritonType, description: str, dims: tuple[int, ...] = (1,)
+) -> RequestInput:
     return RequestInput(name, data_type, dims, Reading.TRTLLM, description)
 
 
@@ -43,23 +45,34 @@ SAMPLING_INPUTS: dict[str, tuple[TritonType, str]] = {
 # The LLM-API model's own inputs, added to input_table.INPUTS by its auto-complete.
 INPUTS: tuple[RequestInput, ...] = (
     _llmapi("streaming", TritonType.BOOL, "stream the answer"),
-    *[_llmapi(f"sampling_param_{name}", data_type, f"becomes `{target}`")
-      for name, (data_type, target) in SAMPLING_INPUTS.items()],
+    *[
+        _llmapi(f"sampling_param_{name}", data_type, f"becomes `{target}`")
+        for name, (data_type, target) in SAMPLING_INPUTS.items()
+    ],
     _llmapi("sampling_param_best_of", TritonType.INT32, "sequences generated"),
-    _llmapi("sampling_param_return_perf_metrics", TritonType.BOOL,
-            "add the per-request metrics"),
+    _llmapi("sampling_param_return_perf_metrics", TritonType.BOOL, "add the per-request metrics"),
     _llmapi("sampling_param_stop", TritonType.STRING, "stop strings", dims=(-1,)),
     _llmapi("return_stop_reason", TritonType.BOOL, "add `stop_reason`"),
 )
 INPUT_NAMES: tuple[str, ...] = tuple(row.name for row in INPUTS)
-PERF_METRICS = ("acceptance_rate", "arrival_time_ns", "first_scheduled_time_ns",
-                "first_token_time_ns", "kv_cache_alloc_new_blocks",
-                "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "kv_cache_missed_block",
-                "kv_cache_reused_block", "last_token_time_ns", "total_accepted_draft_tokens",
-                "total_draft_tokens")
-OUTPUTS = [{"name": n, "data_type": "TYPE_STRING", "dims": [-1]}
-           for n in ("text_output", "finish_reason", "stop_reason", "cumulative_logprob",
-                     *PERF_METRICS)]
+PERF_METRICS = (
+    "acceptance_rate",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_alloc_total_blocks",
+    "kv_cache_hit_rate",
+    "kv_cache_missed_block",
+    "kv_cache_reused_block",
+    "last_token_time_ns",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
+OUTPUTS = [
+    {"name": n, "data_type": "TYPE_STRING", "dims": [-1]}
+    for n in ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", *PERF_METRICS)
+]
 
 
 @dataclass
@@ -109,8 +122,10 @@ def _renamed_inputs(present: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
 
 
 def _read_stop(arr: np.ndarray, inputs: Dict[str, np.ndarray], opts: LlmapiOptions) -> None:
-    words = [w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
-             for w in np.asarray(arr).reshape(-1)]
+    words = [
+        w.decode() if isinstance(w, (bytes, np.bytes_)) else str(w)
+        for w in np.asarray(arr).reshape(-1)
+    ]
     opts.stop_words = tuple(w for w in words if w)
     if opts.stop_words:
         inputs["stop_words"] = np.array([w.encode() for w in opts.stop_words], np.object_)
@@ -121,13 +136,15 @@ def _read_flags(present: Mapping[str, np.ndarray], opts: LlmapiOptions) -> None:
         if name in present:
             setattr(opts, name, _flag(name, present[name]))
     opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
-        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"])
+        "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"]
+    )
 
 
 def _flag(name: str, arr: np.ndarray) -> bool:
     if np.asarray(arr).dtype.kind != "b":
-        raise BadRequestError(f"input '{name}' must be BOOL, got numpy dtype "
-                              f"{np.asarray(arr).dtype}")
+        raise BadRequestError(
+            f"input '{name}' must be BOOL, got numpy dtype {np.asarray(arr).dtype}"
+        )
     return bool(_scalar(name, arr))
 
 
@@ -179,8 +196,12 @@ class LlmapiResponses:
     def _stop_reason(self, out) -> str:
         """The token id that ended the request (EOS or a stop token), as the LLM API reports
         it; "None" otherwise (a stop string's text is not reported)."""
-        if not out.finished or str(out.finish_reason) != "stop" or self.options.stop_words \
-                or not out.token_ids:
+        if (
+            not out.finished
+            or str(out.finish_reason) != "stop"
+            or self.options.stop_words
+            or not out.token_ids
+        ):
             return "None"
         return str(out.token_ids[-1])
 

@@ -7,6 +7,7 @@ Only the label values the engine can fill truthfully are exported: no ``request_
 (the engine does not count requests by phase), no runtime-memory or disaggregated-serving
 families. ``kv_cache_block_type=reused`` is the prefix cache's hit tokens in whole blocks.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,34 +17,49 @@ from slipstream.core.stats import StatsSnapshot
 
 TOKEN_LEN_BUCKETS = [10.0, 50.0, 100.0, 500.0, 1000.0]  # TRT-LLM's token-length buckets
 
+
 # family -> (description, label key, {label value: how to read it from a StatsSnapshot})
 def gauge_families(max_num_seqs: int, block_size: int) -> Dict[str, Tuple[str, str, dict]]:
     return {
-        "nv_trt_llm_request_metrics": ("TRT LLM request metrics", "request_type", {
-            "active": lambda s: s.num_running + s.num_waiting,
-            "max": lambda s: max_num_seqs,
-            "scheduled": lambda s: s.num_running,
-            "waiting": lambda s: s.num_waiting,
-        }),
-        "nv_trt_llm_kv_cache_block_metrics": ("TRT LLM KV cache block metrics",
-                                              "kv_cache_block_type", {
-            "max": lambda s: s.kv_blocks_total,
-            "free": lambda s: s.kv_blocks_total - s.kv_blocks_used,
-            "used": lambda s: s.kv_blocks_used,
-            "tokens_per": lambda s: block_size,
-            "reused": lambda s: s.prefix_cache_hits // max(block_size, 1),
-            "fraction": lambda s: s.kv_cache_usage,
-        }),
-        "nv_trt_llm_inflight_batcher_metrics": ("TRT LLM inflight_batcher-specific metrics",
-                                                "inflight_batcher_specific_metric", {
-            "total_context_tokens": lambda s: s.prompt_tokens_total,
-            "generation_requests": lambda s: s.num_running,
-            "micro_batch_id": lambda s: 0,  # no pipeline parallelism: one micro-batch
-        }),
-        "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type", {
-            "iteration_counter": lambda s: s.steps,
-            "timestamp": lambda s: int(time.time() * 1e6),  # microseconds, as TRT-LLM's
-        }),
+        "nv_trt_llm_request_metrics": (
+            "TRT LLM request metrics",
+            "request_type",
+            {
+                "active": lambda s: s.num_running + s.num_waiting,
+                "max": lambda s: max_num_seqs,
+                "scheduled": lambda s: s.num_running,
+                "waiting": lambda s: s.num_waiting,
+            },
+        ),
+        "nv_trt_llm_kv_cache_block_metrics": (
+            "TRT LLM KV cache block metrics",
+            "kv_cache_block_type",
+            {
+                "max": lambda s: s.kv_blocks_total,
+                "free": lambda s: s.kv_blocks_total - s.kv_blocks_used,
+                "used": lambda s: s.kv_blocks_used,
+                "tokens_per": lambda s: block_size,
+                "reused": lambda s: s.prefix_cache_hits // max(block_size, 1),
+                "fraction": lambda s: s.kv_cache_usage,
+            },
+        ),
+        "nv_trt_llm_inflight_batcher_metrics": (
+            "TRT LLM inflight_batcher-specific metrics",
+            "inflight_batcher_specific_metric",
+            {
+                "total_context_tokens": lambda s: s.prompt_tokens_total,
+                "generation_requests": lambda s: s.num_running,
+                "micro_batch_id": lambda s: 0,  # no pipeline parallelism: one micro-batch
+            },
+        ),
+        "nv_trt_llm_general_metrics": (
+            "General TRT LLM metrics",
+            "general_type",
+            {
+                "iteration_counter": lambda s: s.steps,
+                "timestamp": lambda s: int(time.time() * 1e6),  # microseconds, as TRT-LLM's
+            },
+        ),
     }
 
 
@@ -53,14 +69,23 @@ class TrtllmFamilies:
         self._gauges = []  # (metric, reader)
         for family, (desc, key, readers) in gauge_families(max_num_seqs, block_size).items():
             for value, read in readers.items():
-                self._gauges.append((factory.metric(family, desc, "GAUGE", labels={key: value}),
-                                     read))
+                self._gauges.append(
+                    (factory.metric(family, desc, "GAUGE", labels={key: value}), read)
+                )
         self._input_len = factory.metric(
-            "nv_llm_input_token_len", "TRT LLM response metrics", "HISTOGRAM",
-            TOKEN_LEN_BUCKETS, labels={"response_metric_type": "total_input_tokens"})
+            "nv_llm_input_token_len",
+            "TRT LLM response metrics",
+            "HISTOGRAM",
+            TOKEN_LEN_BUCKETS,
+            labels={"response_metric_type": "total_input_tokens"},
+        )
         self._output_len = factory.metric(
-            "nv_llm_output_token_len", "TRT LLM response metrics", "HISTOGRAM",
-            TOKEN_LEN_BUCKETS, labels={"response_metric_type": "total_output_tokens"})
+            "nv_llm_output_token_len",
+            "TRT LLM response metrics",
+            "HISTOGRAM",
+            TOKEN_LEN_BUCKETS,
+            labels={"response_metric_type": "total_output_tokens"},
+        )
         self._values: dict = {}
 
     def update(self, stats: StatsSnapshot) -> None:
@@ -73,6 +98,5 @@ class TrtllmFamilies:
     def on_finish(self, track, out, now: float) -> None:
         if out.finish_reason not in ("stop", "length"):
             return
-        self._post(self._input_len.observe, float(out.num_prompt_tokens or
-                                                  track.num_prompt_tokens))
+        self._post(self._input_len.observe, float(out.num_prompt_tokens or track.num_prompt_tokens))
         self._post(self._output_len.observe, float(track.num_output_tokens))

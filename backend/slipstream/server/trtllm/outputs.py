@@ -18,6 +18,7 @@ builds. Pure Python (no Triton).
 ``merge_rows`` stacks the final outputs of a batched request's rows into one response, for
 non-decoupled models (one response per request).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,27 +84,32 @@ class TrtllmResponses:
         return responses
 
     def _snapshot(self, out) -> Dict[str, np.ndarray]:
-        texts = [self.tokenizer.decode(b.token_ids, skip_special_tokens=True)
-                 for b in out.beams]
+        texts = [self.tokenizer.decode(b.token_ids, skip_special_tokens=True) for b in out.beams]
         outputs = {"text_output": np.array([t.encode("utf-8") for t in texts], np.object_)}
         if self.options.return_log_probs:
-            outputs.update(_log_prob_table([b.logprobs for b in out.beams],
-                                           [b.cumulative_logprob for b in out.beams]))
+            outputs.update(
+                _log_prob_table(
+                    [b.logprobs for b in out.beams], [b.cumulative_logprob for b in out.beams]
+                )
+            )
         return self._indices(outputs, out)
 
     def _beams(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
         beams = self.inner.sequences
         if self.options.return_log_probs:
-            outputs.update(_log_prob_table([b.logprobs for b in beams],
-                                           [b.cumulative_logprob for b in beams]))
+            outputs.update(
+                _log_prob_table([b.logprobs for b in beams], [b.cumulative_logprob for b in beams])
+            )
         return self._indices(self._perf(outputs, out), out)
 
-    def _extend(self, outputs: Dict[str, np.ndarray], out,
-                logprobs: Sequence[float]) -> Dict[str, np.ndarray]:
+    def _extend(
+        self, outputs: Dict[str, np.ndarray], out, logprobs: Sequence[float]
+    ) -> Dict[str, np.ndarray]:
         if self.options.return_log_probs:
             outputs["cum_log_probs"] = np.array([[out.cumulative_logprob]], dtype=np.float32)
-            outputs["output_log_probs"] = np.array([[[float(x) for x in logprobs]]],
-                                                   dtype=np.float32).reshape(1, 1, -1)
+            outputs["output_log_probs"] = np.array(
+                [[[float(x) for x in logprobs]]], dtype=np.float32
+            ).reshape(1, 1, -1)
         return self._indices(self._perf(outputs, out), out)
 
     def _indices(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
@@ -121,25 +127,33 @@ class TrtllmResponses:
 
     def _strip_end_id(self, out):
         """The finished output without the text of the ``end_id`` token that stopped it."""
-        if not (self.options.end_ids and out.finished and out.token_ids
-                and out.finish_reason is FinishReason.STOP
-                and out.token_ids[-1] in self.options.end_ids and self.tokenizer is not None):
+        if not (
+            self.options.end_ids
+            and out.finished
+            and out.token_ids
+            and out.finish_reason is FinishReason.STOP
+            and out.token_ids[-1] in self.options.end_ids
+            and self.tokenizer is not None
+        ):
             return out
         piece = self.tokenizer.decode([out.token_ids[-1]])
         if piece and out.text.endswith(piece):
-            return dataclasses.replace(out, text=out.text[:-len(piece)])
+            return dataclasses.replace(out, text=out.text[: -len(piece)])
         return out
 
 
-def _log_prob_table(logprobs: Sequence[Sequence[float]],
-                    cumulative: Sequence[float]) -> Dict[str, np.ndarray]:
+def _log_prob_table(
+    logprobs: Sequence[Sequence[float]], cumulative: Sequence[float]
+) -> Dict[str, np.ndarray]:
     """``cum_log_probs`` [1, beams] and ``output_log_probs`` [1, beams, T] (zero-padded)."""
     longest = max(len(lps) for lps in logprobs)
     table = np.zeros((1, len(logprobs), longest), dtype=np.float32)
     for i, lps in enumerate(logprobs):
-        table[0, i, :len(lps)] = [float(x) for x in lps]
-    return {"cum_log_probs": np.array([list(cumulative)], dtype=np.float32),
-            "output_log_probs": table}
+        table[0, i, : len(lps)] = [float(x) for x in lps]
+    return {
+        "cum_log_probs": np.array([list(cumulative)], dtype=np.float32),
+        "output_log_probs": table,
+    }
 
 
 def _ns(seconds) -> int:
@@ -148,6 +162,7 @@ def _ns(seconds) -> int:
 
 def perf_metrics_outputs(m) -> Dict[str, np.ndarray]:
     """TensorRT-LLM's per-request perf metrics outputs (``RequestMetrics``), each [1, 1]."""
+
     def one(value, dtype) -> np.ndarray:
         return np.array([[value]], dtype=dtype)
 
@@ -165,12 +180,13 @@ def perf_metrics_outputs(m) -> Dict[str, np.ndarray]:
     }
 
 
-def _one_sequence(outputs: Dict[str, np.ndarray], index: int,
-                  n: int) -> Dict[str, np.ndarray]:
+def _one_sequence(outputs: Dict[str, np.ndarray], index: int, n: int) -> Dict[str, np.ndarray]:
     """TRT-LLM answers each of ``num_return_sequences`` on its own (``sequence_index`` says
     which): keep that sequence's element of every per-sequence output."""
-    return {name: (value[index:index + 1] if np.ndim(value) and len(value) == n else value)
-            for name, value in outputs.items()}
+    return {
+        name: (value[index : index + 1] if np.ndim(value) and len(value) == n else value)
+        for name, value in outputs.items()
+    }
 
 
 def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
@@ -184,7 +200,8 @@ def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
             continue
         longest = max(p.shape[-1] for p in parts)
         if any(p.shape[-1] != longest for p in parts):
-            parts = [np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, longest - p.shape[-1])])
-                     for p in parts]
+            parts = [
+                np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, longest - p.shape[-1])]) for p in parts
+            ]
         merged[name] = np.concatenate(parts, axis=0)
     return merged

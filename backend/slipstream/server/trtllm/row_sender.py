@@ -8,6 +8,7 @@ response; non-decoupled (one response per request), the rows' final outputs are 
 one response, or the first row's error is the answer. ``pb_utils`` is passed in: no Triton
 import here.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,11 +65,15 @@ class RowGroup:
         if len(self.finals) == 1:
             self.sender.send(self.finals[0], flags=self.final_flag)
             return
-        merged = merge_rows([{t.name(): t.as_numpy() for t in r.output_tensors()}
-                             for r in self.finals])
-        self.sender.send(self.pb.InferenceResponse(
-            output_tensors=[self.pb.Tensor(k, v) for k, v in merged.items()]),
-            flags=self.final_flag)
+        merged = merge_rows(
+            [{t.name(): t.as_numpy() for t in r.output_tensors()} for r in self.finals]
+        )
+        self.sender.send(
+            self.pb.InferenceResponse(
+                output_tensors=[self.pb.Tensor(k, v) for k, v in merged.items()]
+            ),
+            flags=self.final_flag,
+        )
 
 
 class RowSender:

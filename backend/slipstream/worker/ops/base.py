@@ -7,6 +7,7 @@ cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and 
 step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it; slot -1 marks rows
 (padding) whose K/V is not stored.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
@@ -18,18 +19,31 @@ from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 
 @runtime_checkable
 class AttentionOps(Protocol):
-    def plan(self, meta: AttentionMetadata, key_cache: torch.Tensor,
-             num_query_heads: int) -> AttentionPlan:
+    def plan(
+        self, meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int
+    ) -> AttentionPlan:
         """What every layer of the step reuses, worked out once (the model runner calls it
         before the forward and keeps it in ``meta.plan``)."""
 
-    def store_step_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def store_step_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         """Write the step's new K/V rows (``[T, Hkv, D]``) at ``meta.slot_mapping``."""
 
-    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
-                        value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        sliding_window: Optional[int] = None,
-                        softcap: Optional[float] = None) -> torch.Tensor:
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
         """Causal attention of the step's queries (``[T, H, D]``, sequences packed by
         ``meta.cu_seqlens_q``) over each sequence's cached K/V; returns ``[T, H, D]``."""

@@ -18,6 +18,7 @@ covers the sources, torch, the compiler flags and the CPU's flags. ``load()`` re
 with the reason logged once, where that fails (no compiler, no headers): the engine then
 uses the torch path. ``SLIPSTREAM_CPU_KERNELS=0`` turns the kernels off.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,16 +40,33 @@ from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 log = logging.getLogger("slipstream")
 
 ENV_VAR = "SLIPSTREAM_CPU_KERNELS"
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_paged_attention.cpp", "cpu_prefill_attention.cpp",
-                             "cpu_small_gemm.cpp", "cpu_weight_gemm.cpp", "cpu_rms_norm.cpp",
-                             "cpu_rotary.cpp", "cpu_sampling.cpp"))
-HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_parallel.h", "cpu_attention_checks.h"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in (
+        "cpu_paged_attention.cpp",
+        "cpu_prefill_attention.cpp",
+        "cpu_small_gemm.cpp",
+        "cpu_weight_gemm.cpp",
+        "cpu_rms_norm.cpp",
+        "cpu_rotary.cpp",
+        "cpu_sampling.cpp",
+    )
+)
+HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_attention_checks.h")
+)
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
-                 "-DNDEBUG", "-w")
+COMPILE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
+    "-std=c++17",
+    "-DNDEBUG",
+    "-w",
+)
 # Kernels that must round exactly as torch's separate operators do: no reassociation and no
 # fused multiply-add (a product and a sum each round once, as torch's mul and add do).
 EXACT_FLAGS = ("-fno-fast-math", "-ffp-contract=off")
@@ -83,11 +101,14 @@ def _abi_flag() -> str:
 
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
-                 torch.__version__.encode(),
-                 compiler.encode(),
-                 repr((COMPILE_FLAGS, sorted(SOURCE_FLAGS.items()))).encode(),
-                 _abi_flag().encode(), _cpu_flags().encode()):
+    for part in (
+        *(source.read_bytes() for source in SOURCES + HEADERS),
+        torch.__version__.encode(),
+        compiler.encode(),
+        repr((COMPILE_FLAGS, sorted(SOURCE_FLAGS.items()))).encode(),
+        _abi_flag().encode(),
+        _cpu_flags().encode(),
+    ):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -105,18 +126,27 @@ def _build(target: Path, compiler: str) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         lib = Path(tmp) / target.name
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
-        compiles = [subprocess.Popen([compiler, *_flags(source), _abi_flag(), *includes, "-c",
-                                      str(source), "-o", obj], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-                    for source, obj in zip(SOURCES, objects)]
+        compiles = [
+            subprocess.Popen(
+                [compiler, *_flags(source), _abi_flag(), *includes, "-c", str(source), "-o", obj],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects)
+        ]
         errors = [proc.communicate()[1] for proc in compiles]  # side by side: ~10 s each
         for proc, err in zip(compiles, errors):  # all finished before the folder goes
             if proc.returncode:
                 raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
         # No -fopenmp here: the OpenMP calls resolve to the runtime torch already loaded
         # (a second runtime would bring a second thread pool).
-        subprocess.run([compiler, "-shared", *objects, "-o", str(lib), *libs, "-ltorch_cpu",
-                        "-lc10"], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [compiler, "-shared", *objects, "-o", str(lib), *libs, "-ltorch_cpu", "-lc10"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         os.replace(lib, target)
 
 
@@ -175,6 +205,7 @@ def supports(dtype: torch.dtype) -> bool:
 class _DecodeRows:
     """The step's kernel rows (same in every layer): decode rows and every token of a
     verification chunk, each attending to its sequence's context up to and including itself."""
+
     rows: torch.Tensor  # [n] int64: their rows in the step's query
     tables: torch.Tensor  # [n, max_blocks] int32
     seq_lens: torch.Tensor  # [n] int32: the context each row sees
@@ -183,6 +214,7 @@ class _DecodeRows:
 @dataclass
 class _PromptChunks:
     """The step's prompt chunks for the prefill kernel (same in every layer)."""
+
     chunks: torch.Tensor  # [C, 3] int64: first row, rows, context length after the chunk
     tables: torch.Tensor  # [C, max_blocks] int32
 
@@ -206,9 +238,11 @@ PREFILL_HEAD_DIMS = (16, 32, 64, 128)
 def _kernel_rows(meta: AttentionMetadata, starts: list[int]) -> Optional[_DecodeRows]:
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     if meta.decode_only and not any(meta.prompt_host):
-        return _DecodeRows(torch.tensor(starts[:-1], dtype=torch.long),
-                           meta.block_tables.to(torch.int32).contiguous(),
-                           meta.seq_lens.to(torch.int32).contiguous())
+        return _DecodeRows(
+            torch.tensor(starts[:-1], dtype=torch.long),
+            meta.block_tables.to(torch.int32).contiguous(),
+            meta.seq_lens.to(torch.int32).contiguous(),
+        )
     rows, seqs, lens = [], [], []
     for i, n in enumerate(q_lens):
         if not _on_kernel(meta, i):
@@ -219,9 +253,11 @@ def _kernel_rows(meta: AttentionMetadata, starts: list[int]) -> Optional[_Decode
             lens.append(seq_lens[i] - n + j + 1)
     if not rows:
         return None
-    return _DecodeRows(torch.tensor(rows, dtype=torch.long),
-                       meta.block_tables[torch.tensor(seqs)].to(torch.int32).contiguous(),
-                       torch.tensor(lens, dtype=torch.int32))
+    return _DecodeRows(
+        torch.tensor(rows, dtype=torch.long),
+        meta.block_tables[torch.tensor(seqs)].to(torch.int32).contiguous(),
+        torch.tensor(lens, dtype=torch.int32),
+    )
 
 
 def _on_kernel(meta: AttentionMetadata, i: int) -> bool:
@@ -231,12 +267,15 @@ def _on_kernel(meta: AttentionMetadata, i: int) -> bool:
     return meta.query_lens_host[i] == 1 or (i < len(meta.verify_host) and meta.verify_host[i])
 
 
-def _prompt_chunks(meta: AttentionMetadata, starts: list[int],
-                   indices: list[int]) -> Optional[_PromptChunks]:
+def _prompt_chunks(
+    meta: AttentionMetadata, starts: list[int], indices: list[int]
+) -> Optional[_PromptChunks]:
     if not indices:
         return None
-    chunks = torch.tensor([[starts[i], meta.query_lens_host[i], meta.seq_lens_host[i]]
-                           for i in indices], dtype=torch.long)
+    chunks = torch.tensor(
+        [[starts[i], meta.query_lens_host[i], meta.seq_lens_host[i]] for i in indices],
+        dtype=torch.long,
+    )
     tables = meta.block_tables[torch.tensor(indices)].to(torch.int32).contiguous()
     return _PromptChunks(chunks, tables)
 
@@ -247,8 +286,14 @@ def _build_plan(meta: AttentionMetadata) -> _Plan:
         starts.append(starts[-1] + n)
     indices = [i for i in range(len(meta.query_lens_host)) if not _on_kernel(meta, i)]
     store_rows, store_slots = torch_ops.stored_rows(meta)
-    return _Plan(store_rows, store_slots, _kernel_rows(meta, starts),
-                 _prompt_chunks(meta, starts, indices), indices, starts)
+    return _Plan(
+        store_rows,
+        store_slots,
+        _kernel_rows(meta, starts),
+        _prompt_chunks(meta, starts, indices),
+        indices,
+        starts,
+    )
 
 
 def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int) -> _Plan:
@@ -263,8 +308,9 @@ def _plan_for(meta: AttentionMetadata) -> _Plan:
     return meta.plan if isinstance(meta.plan, _Plan) else _build_plan(meta)
 
 
-def _torch_plan(plan: _Plan, meta: AttentionMetadata, key_cache: torch.Tensor,
-                group: int) -> torch_ops.StepPlan:
+def _torch_plan(
+    plan: _Plan, meta: AttentionMetadata, key_cache: torch.Tensor, group: int
+) -> torch_ops.StepPlan:
     if plan.torch_plan is None:
         plan.torch_plan = torch_ops.build_plan(meta, key_cache, group)
     return plan.torch_plan
@@ -273,59 +319,110 @@ def _torch_plan(plan: _Plan, meta: AttentionMetadata, key_cache: torch.Tensor,
 def _torch_chunks(plan: _Plan, meta: AttentionMetadata, group: int, block_size: int) -> list:
     if plan.torch_chunks is None:
         plan.torch_chunks = [
-            torch_ops._prefill_chunk(plan.starts[i], meta.query_lens_host[i],
-                                     meta.seq_lens_host[i], meta.block_tables[i:i + 1], group,
-                                     block_size)
-            for i in plan.prompt_indices]
+            torch_ops._prefill_chunk(
+                plan.starts[i],
+                meta.query_lens_host[i],
+                meta.seq_lens_host[i],
+                meta.block_tables[i : i + 1],
+                group,
+                block_size,
+            )
+            for i in plan.prompt_indices
+        ]
     return plan.torch_chunks
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """``AttentionOps.paged_attention``: decode rows and verification chunks by the decode
     kernel, prompt chunks by the prefill kernel (by torch with a softcap or an odd head size)."""
     if not supports(query.dtype) or key_cache.dtype != torch.float32:
         if not isinstance(meta.plan, _Plan):
-            return torch_ops.paged_attention(query, key_cache, value_cache, meta, scale,
-                                             sliding_window, softcap)
+            return torch_ops.paged_attention(
+                query, key_cache, value_cache, meta, scale, sliding_window, softcap
+            )
         group = query.shape[1] // key_cache.shape[2]  # the runner planned for the kernel
-        return torch_ops.run_plan(query, key_cache, value_cache,
-                                  _torch_plan(meta.plan, meta, key_cache, group), scale,
-                                  sliding_window, softcap)
+        return torch_ops.run_plan(
+            query,
+            key_cache,
+            value_cache,
+            _torch_plan(meta.plan, meta, key_cache, group),
+            scale,
+            sliding_window,
+            softcap,
+        )
     plan = _plan_for(meta)
     out = torch.empty_like(query)
     if plan.decode is not None:
         d = plan.decode
         torch.ops.slipstream_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, d.tables, d.seq_lens, d.rows, float(scale),
-            int(sliding_window or 0), float(softcap or 0.0))
+            out,
+            query,
+            key_cache,
+            value_cache,
+            d.tables,
+            d.seq_lens,
+            d.rows,
+            float(scale),
+            int(sliding_window or 0),
+            float(softcap or 0.0),
+        )
     if plan.prompts is None:
         return out
     if not softcap and query.shape[-1] in PREFILL_HEAD_DIMS:
         torch.ops.slipstream_cpu.paged_prefill_attention(
-            out, query, key_cache, value_cache, plan.prompts.tables, plan.prompts.chunks,
-            float(scale), int(sliding_window or 0))
+            out,
+            query,
+            key_cache,
+            value_cache,
+            plan.prompts.tables,
+            plan.prompts.chunks,
+            float(scale),
+            int(sliding_window or 0),
+        )
         return out
-    for chunk in _torch_chunks(plan, meta, query.shape[1] // key_cache.shape[2],
-                               key_cache.shape[1]):
-        torch_ops._run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window,
-                               softcap, out)
+    for chunk in _torch_chunks(
+        plan, meta, query.shape[1] // key_cache.shape[2], key_cache.shape[1]
+    ):
+        torch_ops._run_prefill(
+            query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out
+        )
     return out
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float,
-                           sliding_window: Optional[int] = None,
-                           softcap: Optional[float] = None, **_) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **_,
+) -> torch.Tensor:
     """One query token per sequence, ``[B, H, D]`` (the kernel alone; tests and tools)."""
     out = torch.empty_like(query)
     rows = torch.arange(query.shape[0], dtype=torch.long)
     torch.ops.slipstream_cpu.paged_decode_attention(
-        out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
-        seq_lens.to(torch.int32).contiguous(), rows, float(scale), int(sliding_window or 0),
-        float(softcap or 0.0))
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        rows,
+        float(scale),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+    )
     return out
 
 

@@ -13,6 +13,7 @@ forces the kernels (on CPU they only run under ``TRITON_INTERPRET=1``, set befor
 import) and raises if triton cannot be imported. Triton is imported lazily, only here, so the
 package works without it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,6 +39,7 @@ def _load_triton_ops() -> Optional[ModuleType]:
     if _triton_ops is None and _triton_error is None:
         try:
             from slipstream.worker.ops import triton_kernels
+
             _triton_ops = triton_kernels
         except Exception as exc:  # ImportError, or a triton build that fails to initialise
             _triton_error = exc
@@ -61,8 +63,10 @@ def get_ops(device: Union[torch.device, str, None] = None, choice: str = "auto")
         return torch_ops
     if choice == "cpu":
         if not cpu_kernels.load():
-            raise RuntimeError(f"{ENV_VAR}=cpu but the CPU kernel is unavailable: "
-                               f"{cpu_kernels.unavailable_reason()}")
+            raise RuntimeError(
+                f"{ENV_VAR}=cpu but the CPU kernel is unavailable: "
+                f"{cpu_kernels.unavailable_reason()}"
+            )
         return cpu_kernels
     if choice == "triton":
         ops = _load_triton_ops()

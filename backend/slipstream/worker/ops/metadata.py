@@ -1,4 +1,5 @@
 """What one ragged forward step tells the attention operators."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

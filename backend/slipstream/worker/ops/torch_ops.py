@@ -8,6 +8,7 @@ chunk's causal mask) is the same in every layer, so it is worked out once per st
 ``StepPlan`` (``plan``, which the model runner calls) kept on the step's metadata; each
 layer then only gathers its K/V and runs the fused attention.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -79,8 +80,9 @@ class StepPlan(AttentionPlan):
     prefill: list[_PrefillChunk]
 
 
-def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
-             sliding_window: Optional[int]) -> torch.Tensor:
+def _allowed(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, sliding_window: Optional[int]
+) -> torch.Tensor:
     ok = (k_pos <= q_pos) & (k_pos < seq_len)
     if sliding_window:
         ok &= k_pos > q_pos - sliding_window
@@ -94,8 +96,12 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
 MAX_GATHER_BYTES = 8 << 20
 
 
-def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25,
-                  max_group_blocks: Optional[int] = None) -> list[list[int]]:
+def length_groups(
+    seq_lens: list[int],
+    block_size: int,
+    slack: float = 1.25,
+    max_group_blocks: Optional[int] = None,
+) -> list[list[int]]:
     """Split decode sequences into groups of similar length (indices sorted by length), so
     that padding every sequence of a group to its longest wastes at most ``slack``, and a
     group's padded size stays within ``max_group_blocks`` blocks where one is given."""
@@ -119,15 +125,22 @@ def length_groups(seq_lens: list[int], block_size: int, slack: float = 1.25,
     return groups
 
 
-def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list,
-                   block_size: int, block_bytes: int, rows: Optional[list] = None) -> list:
+def _decode_groups(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_host: list,
+    block_size: int,
+    block_bytes: int,
+    rows: Optional[list] = None,
+) -> list:
     """Groups of the decode sequences ``0..len(seq_lens_host)-1`` of ``block_tables``;
     ``rows[i]`` is sequence i's query row (default: row i); ``block_bytes``: one cache block's
     size in one of K or V."""
     device = block_tables.device
     cap = max(1, MAX_GATHER_BYTES // block_bytes)
-    groups = length_groups(seq_lens_host, block_size, max_group_blocks=cap) if seq_lens_host \
-        else [None]
+    groups = (
+        length_groups(seq_lens_host, block_size, max_group_blocks=cap) if seq_lens_host else [None]
+    )
     out = []
     for group in groups:
         if group is None or (len(groups) == 1 and rows is None):
@@ -145,15 +158,21 @@ def _decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_
     return out
 
 
-def _prefill_chunk(start: int, q_len: int, seq_len: int, table: torch.Tensor, group: int,
-                   block_size: int) -> _PrefillChunk:
+def _prefill_chunk(
+    start: int, q_len: int, seq_len: int, table: torch.Tensor, group: int, block_size: int
+) -> _PrefillChunk:
     device = table.device
     # query rows are ordered (query head of the KV head, token): positions repeat per head
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device).repeat(group).view(1, 1, -1, 1)
     k_pos = torch.arange(seq_len, device=device).view(1, 1, 1, -1)
     nb = -(-seq_len // block_size)
-    return _PrefillChunk(start, q_len, seq_len, table[:, :nb],
-                         _Masks(q_pos, k_pos, torch.tensor(seq_len, device=device)))
+    return _PrefillChunk(
+        start,
+        q_len,
+        seq_len,
+        table[:, :nb],
+        _Masks(q_pos, k_pos, torch.tensor(seq_len, device=device)),
+    )
 
 
 def _block_bytes(cache: torch.Tensor) -> int:
@@ -166,9 +185,12 @@ def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> 
     block_size, block_bytes = key_cache.shape[1], _block_bytes(key_cache)
     store_rows, store_slots = _valid_rows(meta.slot_mapping)
     if meta.decode_only:
-        return StepPlan(store_rows, store_slots,
-                        _decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size,
-                                       block_bytes), [])
+        return StepPlan(
+            store_rows,
+            store_slots,
+            _decode_groups(meta.block_tables, meta.seq_lens, seq_lens, block_size, block_bytes),
+            [],
+        )
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -176,12 +198,19 @@ def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> 
     decode = []
     if dec:
         seqs = torch.tensor(dec, device=meta.block_tables.device)
-        decode = _decode_groups(meta.block_tables[seqs], meta.seq_lens[seqs],
-                                [seq_lens[i] for i in dec], block_size, block_bytes,
-                                rows=[starts[i] for i in dec])
-    prefill = [_prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i:i + 1], group,
-                              block_size)
-               for i, n in enumerate(q_lens) if n > 1]
+        decode = _decode_groups(
+            meta.block_tables[seqs],
+            meta.seq_lens[seqs],
+            [seq_lens[i] for i in dec],
+            block_size,
+            block_bytes,
+            rows=[starts[i] for i in dec],
+        )
+    prefill = [
+        _prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i : i + 1], group, block_size)
+        for i, n in enumerate(q_lens)
+        if n > 1
+    ]
     return StepPlan(store_rows, store_slots, decode, prefill)
 
 
@@ -217,9 +246,14 @@ def _valid_rows(slot_mapping: torch.Tensor) -> tuple:
     return rows, slot_mapping[rows]
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             rows: Optional[torch.Tensor] = None) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped
     (``rows``, when given: the rows to store, with ``slot_mapping`` already theirs)."""
     num_blocks, block_size = key_cache.shape[:2]
@@ -233,8 +267,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: _Masks,
-            sliding_window: Optional[int], scale: float, softcap: Optional[float]) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: _Masks,
+    sliding_window: Optional[int],
+    scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
     """q [B, Hkv, R, D] (R rows: the query heads of a KV head, times the tokens) against
     k/v [B, Hkv, L, D] of any strides; ``masks`` broadcast to the [B, Hkv, R, L] scores."""
     if not softcap:
@@ -242,7 +283,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: _Masks,
         # scores: ~3x faster than matmul + softmax here. It has no softcap, hence the fallback.
         k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masks.additive(sliding_window, q.dtype), scale=scale)
+            q, k, v, attn_mask=masks.additive(sliding_window, q.dtype), scale=scale
+        )
     allowed = masks.get(sliding_window)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
@@ -259,9 +301,15 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return picked.view(b, nb * cache.shape[1], *cache.shape[2:])
 
 
-def _run_decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      grp: _DecodeGroup, scale: float, sliding_window: Optional[int],
-                      softcap: Optional[float]) -> torch.Tensor:
+def _run_decode_group(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    grp: _DecodeGroup,
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+) -> torch.Tensor:
     """``query`` [g, H, D], the group's rows -> [g, H, D]."""
     b, h, d = query.shape
     hkv = key_cache.shape[2]
@@ -273,53 +321,83 @@ def _run_decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return out.reshape(b, h, d).to(query.dtype)
 
 
-def _run_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                groups: list, scale: float, sliding_window: Optional[int],
-                softcap: Optional[float], out: torch.Tensor) -> None:
+def _run_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    groups: list,
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+    out: torch.Tensor,
+) -> None:
     """Decode rows of ``query`` ([T, H, D]) into the same rows of ``out``."""
     for grp in groups:
         if grp.rows is None:
-            out[:] = _run_decode_group(query, key_cache, value_cache, grp, scale,
-                                       sliding_window, softcap)
+            out[:] = _run_decode_group(
+                query, key_cache, value_cache, grp, scale, sliding_window, softcap
+            )
         else:
-            out[grp.rows] = _run_decode_group(query[grp.rows], key_cache, value_cache, grp,
-                                              scale, sliding_window, softcap)
+            out[grp.rows] = _run_decode_group(
+                query[grp.rows], key_cache, value_cache, grp, scale, sliding_window, softcap
+            )
 
 
-def _run_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 chunk: _PrefillChunk, scale: float, sliding_window: Optional[int],
-                 softcap: Optional[float], out: torch.Tensor) -> None:
+def _run_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunk: _PrefillChunk,
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+    out: torch.Tensor,
+) -> None:
     h, d = query.shape[1:]
     hkv = key_cache.shape[2]
     s, n, seq_len = chunk.start, chunk.q_len, chunk.seq_len
     k = _gather(key_cache, chunk.table)[:, :seq_len].transpose(1, 2)
     v = _gather(value_cache, chunk.table)[:, :seq_len].transpose(1, 2)
-    q = query[s:s + n].view(n, hkv, h // hkv, d).permute(1, 2, 0, 3)
+    q = query[s : s + n].view(n, hkv, h // hkv, d).permute(1, 2, 0, 3)
     q = q.reshape(1, hkv, -1, d)  # rows ordered (group, token)
     o = _attend(q, k, v, chunk.masks, sliding_window, scale, softcap)  # [1, Hkv, G*n, D]
-    out[s:s + n] = o.view(hkv, h // hkv, n, d).permute(2, 0, 1, 3).reshape(n, h, d).to(out.dtype)
+    out[s : s + n] = o.view(hkv, h // hkv, n, d).permute(2, 0, 1, 3).reshape(n, h, d).to(out.dtype)
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: Optional[int] = None,
-                           softcap: Optional[float] = None,
-                           seq_lens_host: Optional[list] = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    seq_lens_host: Optional[list] = None,
+) -> torch.Tensor:
     """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``. With host lengths,
     sequences of very different lengths run in groups instead of all padded to the longest."""
-    groups = _decode_groups(block_tables, seq_lens, seq_lens_host or [], key_cache.shape[1],
-                            _block_bytes(key_cache))
+    groups = _decode_groups(
+        block_tables, seq_lens, seq_lens_host or [], key_cache.shape[1], _block_bytes(key_cache)
+    )
     out = torch.empty_like(query)
     _run_decode(query, key_cache, value_cache, groups, scale, sliding_window, softcap, out)
     return out
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float,
-                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                            query_lens_host: Optional[list] = None,
-                            seq_lens_host: Optional[list] = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    query_lens_host: Optional[list] = None,
+    seq_lens_host: Optional[list] = None,
+) -> torch.Tensor:
     """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
     context (prefix-cache hits and earlier chunks) and to its own new tokens, causally."""
     h = query.shape[1]
@@ -331,36 +409,55 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
-        chunk = _prefill_chunk(start, q_len, seq_len, block_tables[i:i + 1], group,
-                               key_cache.shape[1])
+        chunk = _prefill_chunk(
+            start, q_len, seq_len, block_tables[i : i + 1], group, key_cache.shape[1]
+        )
         _run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
         start += q_len
     return out
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """A ragged step: the single-token (decode) sequences run batched, in length groups;
     each multi-token (prefill) chunk runs on its own."""
     step_plan = plan_for(meta, key_cache, query.shape[1] // key_cache.shape[2])
     return run_plan(query, key_cache, value_cache, step_plan, scale, sliding_window, softcap)
 
 
-def run_plan(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             step_plan: StepPlan, scale: float, sliding_window: Optional[int] = None,
-             softcap: Optional[float] = None) -> torch.Tensor:
+def run_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    step_plan: StepPlan,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """``paged_attention`` with the step's plan in hand."""
     out = torch.empty_like(query)
-    _run_decode(query, key_cache, value_cache, step_plan.decode, scale, sliding_window,
-                softcap, out)
+    _run_decode(
+        query, key_cache, value_cache, step_plan.decode, scale, sliding_window, softcap, out
+    )
     for chunk in step_plan.prefill:
         _run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
     return out
 
 
-def store_step_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+def store_step_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
     """``store_kv`` with the step's valid rows (slot != -1) worked out once for all layers."""
     rows, slots = stored_rows(meta)
     store_kv(key, value, key_cache, value_cache, slots, rows)

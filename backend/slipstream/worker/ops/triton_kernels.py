@@ -1,6 +1,7 @@
 """Paged attention as OpenAI Triton kernels: the CUDA path.
 
-Same signatures and semantics as :mod:`slipstream.worker.ops.torch_ops` (the reference the kernels are
+Same signatures and semantics as :mod:`slipstream.worker.ops.torch_ops` (the reference the
+kernels are
 tested against). Cache layout, per layer: ``key_cache`` / ``value_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block * block_size + offset.
 
@@ -28,6 +29,7 @@ Masked keys (outside the context, before the sliding window, after the query pos
 page whose id is -1) get probability 0 and are loaded as 0, and a row with no key left (the
 padding rows of a CUDA-graph batch: seq_len 1, block table of -1) yields 0, never NaN.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,7 +43,9 @@ import triton.language as tl
 from slipstream.worker.ops.metadata import AttentionMetadata, AttentionPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
-_NEG_INIT = tl.constexpr(-1.0e30)  # finite running-max start: all-masked rows give exp2(0)*0, not NaN
+_NEG_INIT = tl.constexpr(
+    -1.0e30
+)  # finite running-max start: all-masked rows give exp2(0)*0, not NaN
 
 
 def _interpreting() -> bool:
@@ -78,12 +82,26 @@ def _tanh(x):
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KC, VC, Slots,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kco, stride_kch,
-    stride_vcb, stride_vco, stride_vch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K,
+    V,
+    KC,
+    VC,
+    Slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
@@ -105,12 +123,23 @@ def _store_kv_kernel(
 
 def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
     """Constexprs and launch options of ``_store_kv_kernel`` (shared with the compile test)."""
-    return dict(NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=_next_pow2(hkv), D_PAD=_next_pow2(d),
-                BLOCK_SIZE=block_size, num_warps=1 if hkv * d <= 512 else 4)
+    return dict(
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        H_PAD=_next_pow2(hkv),
+        D_PAD=_next_pow2(d),
+        BLOCK_SIZE=block_size,
+        num_warps=1 if hkv * d <= 512 else 4,
+    )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
     t, hkv, d = key.shape
     if t == 0:
@@ -119,10 +148,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     slot_mapping = slot_mapping.contiguous()
     _store_kv_kernel[(t,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         **store_kv_config(hkv, d, key_cache.shape[1]),
     )
 
@@ -134,18 +174,43 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
 
 @triton.jit
 def _decode_kernel(
-    Q, KC, VC, BT, SeqLens, Out, MidO, MidLse,
-    scale, softcap, window,
-    stride_qb, stride_qh,
-    stride_kcb, stride_kco, stride_kch,
-    stride_vcb, stride_vco, stride_vch,
+    Q,
+    KC,
+    VC,
+    BT,
+    SeqLens,
+    Out,
+    MidO,
+    MidLse,
+    scale,
+    softcap,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     stride_btb,
-    stride_ob, stride_oh,
-    stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_MATH: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP32_MATH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -160,8 +225,11 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     b64 = b.to(tl.int64)
 
-    q = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if FP32_MATH:
         q = q.to(tl.float32)
     else:
@@ -190,10 +258,24 @@ def _decode_kernel(
         blk = tl.maximum(blk, 0).to(tl.int64)
         off = tok % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(KC + blk[:, None] * stride_kcb + off[:, None] * stride_kco
-                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(VC + blk[:, None] * stride_vcb + off[:, None] * stride_vco
-                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            KC
+            + blk[:, None] * stride_kcb
+            + off[:, None] * stride_kco
+            + kvh * stride_kch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            VC
+            + blk[:, None] * stride_vcb
+            + off[:, None] * stride_vco
+            + kvh * stride_vch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if FP32_MATH:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -217,23 +299,41 @@ def _decode_kernel(
     out = acc / l_safe[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(
+            Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=o_mask,
+        )
     else:
-        tl.store(MidO + b64 * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-                 + offs_d[None, :], out, mask=o_mask)
+        tl.store(
+            MidO
+            + b64 * stride_mob
+            + heads[:, None] * stride_moh
+            + split * stride_mos
+            + offs_d[None, :],
+            out,
+            mask=o_mask,
+        )
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(MidLse + b64 * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    MidO, MidLse, Out,
-    stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    MidO,
+    MidLse,
+    Out,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -241,36 +341,64 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask,
-                  other=float("-inf"))
+    lse = tl.load(
+        MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf")
+    )
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse - mx)  # empty splits (lse -inf) weigh 0
-    o = tl.load(MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos
-                + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=d_mask)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
+    )
 
 
-def decode_config(h: int, hkv: int, d: int, block_size: int, num_splits: int, window: int,
-                  softcap: float, fp32_math: bool, block_n: Optional[int] = None) -> dict:
+def decode_config(
+    h: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    num_splits: int,
+    window: int,
+    softcap: float,
+    fp32_math: bool,
+    block_n: Optional[int] = None,
+) -> dict:
     """Constexprs and launch options of ``_decode_kernel`` (shared with the compile test)."""
     d_pad = _next_pow2(max(d, 16))
     if block_n is None:
         block_n = 64 if d_pad <= 128 else 32
-    return dict(G=h // hkv, HEAD_DIM=d, D_PAD=d_pad,
-                BLOCK_G=max(16, _next_pow2(h // hkv)),  # tl.dot needs M >= 16 on the GPU
-                BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0, FP32_MATH=fp32_math,
-                num_warps=4, num_stages=2)
+    return dict(
+        G=h // hkv,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_G=max(16, _next_pow2(h // hkv)),  # tl.dot needs M >= 16 on the GPU
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        FP32_MATH=fp32_math,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 def decode_reduce_config(d: int, num_splits: int) -> dict:
     d_pad = _next_pow2(max(d, 16))
-    return dict(HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=_next_pow2(num_splits),
-                num_warps=1 if d_pad <= 64 else 2)
+    return dict(
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        S_PAD=_next_pow2(num_splits),
+        num_warps=1 if d_pad <= 64 else 2,
+    )
 
 
 def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
@@ -288,12 +416,19 @@ def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.de
     return max(1, splits)
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: Optional[int] = None,
-                           softcap: Optional[float] = None, *,
-                           num_splits: Optional[int] = None,
-                           block_n: Optional[int] = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
     """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``.
 
     ``num_splits`` / ``block_n`` override the heuristics (tests). No host synchronisation.
@@ -322,23 +457,47 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         mid_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
         mid_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     _decode_kernel[(b, hkv, splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        float(scale), cap, window,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        float(scale),
+        cap,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
         **cfg,
     )
     if splits > 1:
         _decode_reduce_kernel[(b, h)](
-            mid_o, mid_lse, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1),
+            mid_o,
+            mid_lse,
+            out,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
             **decode_reduce_config(d, splits),
         )
     return out
@@ -351,16 +510,36 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 @triton.jit
 def _prefill_kernel(
-    Q, KC, VC, BT, CuQ, SeqLens, Out,
-    scale, softcap, window,
-    stride_qt, stride_qh,
-    stride_kcb, stride_kco, stride_kch,
-    stride_vcb, stride_vco, stride_vch,
+    Q,
+    KC,
+    VC,
+    BT,
+    CuQ,
+    SeqLens,
+    Out,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     stride_btb,
-    stride_ot, stride_oh,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_MATH: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP32_MATH: tl.constexpr,
 ):
     mt = tl.program_id(0)
     b = tl.program_id(1)
@@ -384,8 +563,11 @@ def _prefill_kernel(
     q_rows = (q_begin + tok_i).to(tl.int64)
     qo_mask = row_ok[:, None] & d_mask[None, :]
 
-    q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=qo_mask, other=0.0)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
     if FP32_MATH:
         q = q.to(tl.float32)
     else:
@@ -412,10 +594,24 @@ def _prefill_kernel(
         blk = tl.maximum(blk, 0).to(tl.int64)
         off = tok % BLOCK_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(KC + blk[:, None] * stride_kcb + off[:, None] * stride_kco
-                    + kvh * stride_kch + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(VC + blk[:, None] * stride_vcb + off[:, None] * stride_vco
-                    + kvh * stride_vch + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            KC
+            + blk[:, None] * stride_kcb
+            + off[:, None] * stride_kco
+            + kvh * stride_kch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            VC
+            + blk[:, None] * stride_vcb
+            + off[:, None] * stride_vco
+            + kvh * stride_vch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if FP32_MATH:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -439,31 +635,59 @@ def _prefill_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=qo_mask)
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=qo_mask,
+    )
 
 
-def prefill_config(h: int, hkv: int, d: int, block_size: int, window: int, softcap: float,
-                   fp32_math: bool, block_m: Optional[int] = None,
-                   block_n: Optional[int] = None) -> dict:
+def prefill_config(
+    h: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    window: int,
+    softcap: float,
+    fp32_math: bool,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> dict:
     """Constexprs and launch options of ``_prefill_kernel`` (shared with the compile test)."""
     d_pad = _next_pow2(max(d, 16))
     block_m = block_m or 64
     block_n = block_n or (64 if d_pad <= 64 else 32)
-    return dict(G=h // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_SIZE=block_size, USE_SOFTCAP=softcap > 0, USE_WINDOW=window > 0,
-                FP32_MATH=fp32_math, num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
-                num_stages=2)
+    return dict(
+        G=h // hkv,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        FP32_MATH=fp32_math,
+        num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+        num_stages=2,
+    )
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float,
-                            sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                            query_lens_host: Optional[list] = None,
-                            seq_lens_host: Optional[list] = None, *,
-                            block_m: Optional[int] = None,
-                            block_n: Optional[int] = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    query_lens_host: Optional[list] = None,
+    seq_lens_host: Optional[list] = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
     """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
     context and to its own new tokens, causally. Only ``max(query_lens_host)`` is read on the
     host (to size the grid); without it, it is computed from ``cu_seqlens_q`` (one sync)."""
@@ -487,42 +711,85 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     seq_lens = seq_lens.contiguous()
     window = int(sliding_window) if sliding_window else 0
     cap = float(softcap) if softcap else 0.0
-    cfg = prefill_config(h, hkv, d, block_size, window, cap, _fp32_math(key_cache),
-                         block_m, block_n)
+    cfg = prefill_config(
+        h, hkv, d, block_size, window, cap, _fp32_math(key_cache), block_m, block_n
+    )
     grid = (triton.cdiv(max_q * cfg["G"], cfg["BLOCK_M"]), num_seqs, hkv)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        float(scale), cap, window,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        float(scale),
+        cap,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         **cfg,
     )
     return out
 
 
-def plan(meta: AttentionMetadata, key_cache: torch.Tensor,
-         num_query_heads: int) -> AttentionPlan:
+def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int) -> AttentionPlan:
     """``AttentionOps.plan``: nothing to work out; the kernels skip slot -1 themselves."""
     return AttentionPlan(None, meta.slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: Optional[int] = None,
-                    softcap: Optional[float] = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """Dispatch a ragged step: decode-only batches take the decode kernel (CUDA-graph safe),
     anything else (prefill, chunked prefill, mixed batches) the prefill kernel."""
     if meta.decode_only:
-        return paged_decode_attention(query, key_cache, value_cache, meta.block_tables,
-                                      meta.seq_lens, scale, sliding_window, softcap)
-    return paged_prefill_attention(query, key_cache, value_cache, meta.block_tables,
-                                   meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window,
-                                   softcap, meta.query_lens_host, meta.seq_lens_host)
+        return paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )
+    return paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.cu_seqlens_q,
+        meta.seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        meta.query_lens_host,
+        meta.seq_lens_host,
+    )
 
 
-def store_step_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+def store_step_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
     """The kernel skips slot -1 itself: nothing to work out per step."""
     store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
