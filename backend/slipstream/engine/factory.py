@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -20,6 +21,19 @@ from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner
 
 log = logging.getLogger("slipstream")
+
+
+def resolved_max_model_len(config: EngineConfig) -> int:
+    """``max_model_len`` of a config fitted to its model (``ModelFactory.load_target``),
+    where it is always set."""
+    assert config.max_model_len is not None, "the config is not fitted to its model"
+    return config.max_model_len
+
+
+def input_vocab_size(model: torch.nn.Module) -> int:
+    """How many token ids the model embeds (its input embeddings' rows)."""
+    hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
+    return int(hf.get_input_embeddings().num_embeddings)
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class TargetModel:
     """The served model as loaded, with the config fitted to it (``max_model_len``)."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer (or a test's stand-in), used by duck typing
     config: EngineConfig
     lora: Optional[LoraLayers]
 
@@ -72,8 +86,9 @@ class ModelFactory:
         """The served model (``model`` / ``tokenizer`` given: used as they are), its CPU
         layers packed and its LoRA adapters loaded."""
         s = self.settings
-        path = None if model is not None else model_loader.resolve_model_path(self.config.model)
+        path: Optional[Path] = None
         if model is None:
+            path = model_loader.resolve_model_path(self.config.model)
             model = model_loader.load_model(path, s.dtype, s.device)
         if tokenizer is None:
             tokenizer = model_loader.load_tokenizer(path, self.config.tokenizer)
@@ -140,6 +155,8 @@ class ModelFactory:
         c, s = self.config, self.settings
         model = target
         if c.speculative_model != c.model or target is None:
+            # the draft method requires speculative_model (EngineConfig's validation)
+            assert c.speculative_model is not None
             path = model_loader.resolve_model_path(c.speculative_model)
             model = model_loader.load_model(path, s.dtype, s.device)
             if s.device.type == "cpu":
@@ -149,6 +166,6 @@ class ModelFactory:
         per_seq = -(-(c.num_speculative_tokens + 1) // c.block_size) + 1
         num_blocks = target_num_blocks + c.max_num_seqs * per_seq
         kv = KVCache(geometry, num_blocks, s.device)
-        runner = self.build_runner(model, kv, c.max_model_len + c.num_speculative_tokens)
+        runner = self.build_runner(model, kv, resolved_max_model_len(c) + c.num_speculative_tokens)
         log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, kv.nbytes / 2**20)
         return ModelStack(model, kv, runner)

@@ -13,7 +13,7 @@ import functools
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, TypeGuard, Union
 
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.request import Request
@@ -47,15 +47,18 @@ class PromptOptions:
     add_special_tokens: bool = True  # False: the caller's rendered template holds them
 
 
-def is_token_ids(prompt: object) -> bool:
-    return (
-        isinstance(prompt, (list, tuple))
-        and bool(prompt)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+def is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
+    return bool(prompt) and _all_token_ids(prompt)
+
+
+def _all_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
+    """A list or tuple of ints (bools excluded), maybe empty."""
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
     )
 
 
-def is_chat(prompt: object) -> bool:
+def is_chat(prompt: object) -> TypeGuard[Sequence[ChatMessage]]:
     return (
         isinstance(prompt, (list, tuple))
         and bool(prompt)
@@ -198,9 +201,7 @@ class InputProcessor:
             return self.tokenizer(prompt, add_special_tokens=options.add_special_tokens)[
                 "input_ids"
             ]
-        if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if _all_token_ids(prompt):
             return list(prompt)
         raise ValueError("prompt must be a string, a list of chat messages or a list of token ids")
 

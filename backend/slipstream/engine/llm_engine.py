@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -34,7 +34,12 @@ from slipstream.core.sequence_group import SequenceGroup
 from slipstream.core.stats import EngineStats, StatsSnapshot
 from slipstream.core.swap_space import SwapSpace
 from slipstream.engine.admission import OVERLOADED, RETRY_AFTER_S, OverloadedError, QueueLimit
-from slipstream.engine.factory import DeviceSettings, ModelFactory
+from slipstream.engine.factory import (
+    DeviceSettings,
+    ModelFactory,
+    input_vocab_size,
+    resolved_max_model_len,
+)
 from slipstream.engine.input_processor import InputLimits, InputProcessor, Prompt, PromptOptions
 from slipstream.engine.model_executor import ModelExecutor
 from slipstream.engine.output_processor import OutputProcessor
@@ -99,13 +104,13 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self._warn_short_capacity()
         self.runner = factory.build_runner(
-            self.model, self.kv_cache, config.max_model_len, self.lora
+            self.model, self.kv_cache, resolved_max_model_len(config), self.lora
         )
         self.executor = ModelExecutor(self.runner, Sampler(config.seed))
         self.proposer: Optional[Proposer] = make_proposer(
             config,
             lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
-            self.model.get_input_embeddings().num_embeddings,
+            input_vocab_size(self.model),
             len(self.tokenizer),
         )
         self.stats = EngineStats()
@@ -136,12 +141,13 @@ class LLMEngine:
         return eos[0] if isinstance(eos, (list, tuple)) else eos
 
     def _warn_short_capacity(self) -> None:
-        if self.scheduler.max_seq_len < self.config.max_model_len:
+        max_model_len = resolved_max_model_len(self.config)
+        if self.scheduler.max_seq_len < max_model_len:
             log.warning(
                 "the KV cache holds %d tokens, less than max_model_len %d: sequences "
                 "end at %d tokens",
                 self.scheduler.max_seq_len,
-                self.config.max_model_len,
+                max_model_len,
                 self.scheduler.max_seq_len,
             )
 
@@ -160,11 +166,11 @@ class LLMEngine:
     def _input_limits(self) -> InputLimits:
         c = self.config
         return InputLimits(
-            max_model_len=c.max_model_len,
+            max_model_len=resolved_max_model_len(c),
             block_size=c.block_size,
             num_usable_blocks=self.block_manager.num_usable_blocks,
             logits_vocab_size=self.logits_vocab_size,
-            input_vocab_size=self.model.get_input_embeddings().num_embeddings,
+            input_vocab_size=input_vocab_size(self.model),
             max_num_seqs=c.max_num_seqs,
             continuous_batching=c.batching == "continuous",
             lora_names=None if self.lora is None else tuple(self.lora.names),
@@ -173,9 +179,10 @@ class LLMEngine:
     @functools.cached_property
     def logits_vocab_size(self) -> int:
         """How many token ids the model scores (what stop and blocked ids index)."""
-        head = self.model.get_output_embeddings()
+        hf: Any = self.model  # a transformers model: torch types its methods as Tensor | Module
+        head = hf.get_output_embeddings()
         size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
-        return int(size or self.model.config.get_text_config().vocab_size)
+        return int(size or hf.config.get_text_config().vocab_size)
 
     @property
     def sampler(self) -> Sampler:
@@ -325,6 +332,7 @@ class LLMEngine:
         return StepResult(outputs, ran=True)
 
     def _propose(self, reqs: list[Request]) -> None:
+        assert self.proposer is not None  # step() proposes only with a proposer
         self.proposer.draft_for_step(reqs, len(self.scheduler.running))
 
     def _flush_kv_events(self) -> None:

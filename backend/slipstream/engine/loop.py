@@ -239,6 +239,12 @@ class EngineLoop:
             self._die(f"engine loop crashed: {type(exc).__name__}: {exc}")
 
     @property
+    def _built_engine(self) -> EngineSurface:
+        """The engine, which ``start()`` built before anything uses it."""
+        assert self.engine is not None, "the engine loop has not started"
+        return self.engine
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -302,7 +308,7 @@ class EngineLoop:
         if self._thread is None or self._stop.is_set():
             raise RuntimeError("the engine loop is not running")
         self._refuse_if_dead()
-        inputs = self.engine.input_processor
+        inputs = self._built_engine.input_processor
         params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         options = PromptOptions(apply_chat_template, add_special_tokens)
@@ -328,7 +334,7 @@ class EngineLoop:
             self._refuse_if_dead()  # again, under the lock a dying loop sweeps streams with
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.engine.check_queue_room(self._num_waiting + self._pending)
+            self._built_engine.check_queue_room(self._num_waiting + self._pending)
             stream = OutputStream(request_id)
             self._streams[request_id] = stream
             self._pending += 1
@@ -374,7 +380,7 @@ class EngineLoop:
                 self._reject(job.stream, None)
                 continue
             try:
-                req = self.engine.input_processor.process(
+                req = self._built_engine.input_processor.process(
                     job.prompt, job.params, job.stream.request_id, job.priority, job.options
                 )
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
@@ -403,7 +409,7 @@ class EngineLoop:
 
     # -- the loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._built_engine
         while not self._stop.is_set():
             self._drain_commands(block=not engine.has_unfinished())
             if self._stop.is_set():
@@ -488,7 +494,7 @@ class EngineLoop:
 
     def _idle_wait(self) -> None:
         # Dynamic batching holds requests for its delay window: sleep until then or a command.
-        deadline = self.engine.next_wakeup()
+        deadline = self._built_engine.next_wakeup()
         delay = 0.001 if deadline is None else max(min(deadline - time.monotonic(), 0.05), 0.0005)
         try:
             self._handle(self._commands.get(timeout=delay))
@@ -512,7 +518,7 @@ class EngineLoop:
         if kind == "add":
             self._add(command[1])
         elif kind == "abort":
-            out = self.engine.abort(command[1])
+            out = self._built_engine.abort(command[1])
             if out is not None:
                 self._deliver([out])
 
@@ -524,17 +530,17 @@ class EngineLoop:
         else:
             out = None
             try:
-                self.engine.add(req, check_queue=False)  # submit admitted it already
+                self._built_engine.add(req, check_queue=False)  # submit admitted it already
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
                 out = _error_output(req.request_id, str(exc))
         with self._lock:
             self._pending -= 1
-            self._num_waiting = self.engine.num_waiting()
+            self._num_waiting = self._built_engine.num_waiting()
         if out is not None:
             self._deliver([out])
 
     def _refresh_stats(self) -> None:
-        self._stats = self.engine.get_stats()
+        self._stats = self._built_engine.get_stats()
         with self._lock:
             self._num_waiting = self._stats.num_waiting
 
@@ -551,7 +557,7 @@ class EngineLoop:
             self._on_output()
 
     def _abort_all(self) -> None:
-        for out in self.engine.abort_all():
+        for out in self._built_engine.abort_all():
             self._deliver([out])
         while True:  # requests submitted but never added
             try:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from slipstream.core.beam_search import BeamSearch
 from slipstream.core.request import Request
 from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from slipstream.worker.model_runner import ModelRunner
@@ -87,6 +88,8 @@ class ModelExecutor:
         for item, prompt_rows in zip(sched.scheduled, prompt_logits):
             if prompt_rows is not None:
                 req = item.request
+                # the runner keeps prompt rows only for requests that ask for prompt_logprobs
+                assert req.params.prompt_logprobs is not None
                 out.prompt_logprobs[req.request_id] = score_prompt(
                     prompt_rows,
                     req.prompt_token_ids,
@@ -101,8 +104,13 @@ def _split(result: Optional[SampleResult], per_request: list[list[int]]) -> Mode
     out = ModelRunnerOutput.empty(0)
     cursor = 0
     for rows in per_request:
-        out.token_ids.append(result.token_ids[cursor : cursor + len(rows)] if rows else [])
-        out.logprobs.append(result.logprobs[cursor : cursor + len(rows)] if rows else [])
+        if rows:
+            assert result is not None  # there were rows to sample
+            out.token_ids.append(result.token_ids[cursor : cursor + len(rows)])
+            out.logprobs.append(result.logprobs[cursor : cursor + len(rows)])
+        else:
+            out.token_ids.append([])
+            out.logprobs.append([])
         cursor += len(rows)
     return out
 
@@ -143,15 +151,18 @@ def _offer_beams(rows: _Rows) -> _Rows:
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     for row, i in enumerate(picks):
         req = owners[i]
-        if req.num_output_tokens < req.params.min_tokens and req.group.beam.stop_ids:
-            logprobs[row, sorted(req.group.beam.stop_ids)] = float("-inf")
-    width = max(owners[i].group.beam.num_candidates for i in picks)
-    values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+        beam = _beam(req)
+        if req.num_output_tokens < req.params.min_tokens and beam.stop_ids:
+            logprobs[row, sorted(beam.stop_ids)] = float("-inf")
+    width = max(_beam(owners[i]).num_candidates for i in picks)
+    top_values, top_ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+    values: list[list[float]] = top_values.tolist()
+    ids: list[list[int]] = top_ids.tolist()
     for row, i in enumerate(picks):
         req = owners[i]
-        k = req.group.beam.num_candidates
-        req.group.beam.offer(req.index, values[row][:k], ids[row][:k])
+        beam = _beam(req)
+        k = beam.num_candidates
+        beam.offer(req.index, values[row][:k], ids[row][:k])
     if not rest:
         return _Rows(logits[:0], rows.per_request, [])
     keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
@@ -160,6 +171,12 @@ def _offer_beams(rows: _Rows) -> _Rows:
 
 def _in_beam_search(req: Request) -> bool:
     return req.group is not None and req.group.beam is not None
+
+
+def _beam(req: Request) -> BeamSearch:
+    """The beam search of a request in one (``_in_beam_search``)."""
+    assert req.group is not None and req.group.beam is not None
+    return req.group.beam
 
 
 def _failed_alone(sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:

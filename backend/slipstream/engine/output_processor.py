@@ -73,6 +73,7 @@ class OutputProcessor:
         if req.group is not None:
             return self._end_group(req.group, status, error)
         if status is RequestStatus.FINISHED_ERROR:
+            assert error is not None  # a failure always carries its message (LLMEngine.fail)
             self._scheduler.fail(req, error)
         else:
             self._scheduler.finish(req, status)
@@ -178,11 +179,13 @@ class OutputProcessor:
         """Beam search answers once, when the search ends: the ``n`` best finished beams,
         best first (index = rank). Until then beams change their past, so nothing is final."""
         req, group = update.request, parent.group
+        beam = group.beam
+        assert beam is not None  # only beam-search groups report here
         if req.status is RequestStatus.FINISHED_ERROR:
             final = self._end_group(group, RequestStatus.FINISHED_ERROR, req.error)
             return [final] if final is not None else []
         self._count_tokens(update)
-        if not group.beam.finished:
+        if not beam.finished:
             # one snapshot per round: every slot moved in it, slot 0's update is one of them
             return [_beam_snapshot(group)] if req.index == 0 and update.new_token_ids else []
         first = group.parent
@@ -200,7 +203,7 @@ class OutputProcessor:
         self._drop_if_closed(parent)
         outputs = [
             self._hypothesis_output(group, rank, h)
-            for rank, h in enumerate(group.beam.hypotheses[: group.n])
+            for rank, h in enumerate(beam.hypotheses[: group.n])
         ]
         if not outputs:  # no beam could finish (a vocabulary of stop tokens only)
             return [parent.close(FinishReason.LENGTH, None)]
@@ -262,6 +265,7 @@ class OutputProcessor:
 
 def _beam_snapshot(group: SequenceGroup) -> RequestOutput:
     beam = group.beam
+    assert beam is not None
     order = sorted(range(beam.width), key=lambda s: -beam.scores[s])
     return RequestOutput(
         request_id=group.request_id,

@@ -45,7 +45,7 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from slipstream.engine.factory import ModelStack
+from slipstream.engine.factory import ModelStack, input_vocab_size, resolved_max_model_len
 
 log = logging.getLogger("slipstream")
 
@@ -57,7 +57,7 @@ def max_drafts(req: Request, config: EngineConfig, cap: Optional[int] = None) ->
     k = min(
         config.num_speculative_tokens,
         req.params.max_tokens - req.num_output_tokens - 1,
-        config.max_model_len - req.num_tokens - 1,
+        resolved_max_model_len(config) - req.num_tokens - 1,
     )
     return max(k if cap is None else min(k, cap), 0)
 
@@ -189,7 +189,7 @@ class DraftModelProposer(Proposer):
     ) -> None:
         super().__init__(config)
         self.model = stack.model
-        self.draft_vocab = self.model.get_input_embeddings().num_embeddings
+        self.draft_vocab = input_vocab_size(self.model)
         if self.draft_vocab < tokenizer_size:
             raise ValueError(
                 f"the draft model's vocabulary ({self.draft_vocab}) is smaller than the target "
@@ -243,7 +243,7 @@ class DraftModelProposer(Proposer):
     # -- proposing ------------------------------------------------------------------------
     def propose_batch(self, reqs: list[Request], cap: Optional[int] = None) -> list[list[int]]:
         self._collect_garbage()
-        out = [[] for _ in reqs]
+        out: list[list[int]] = [[] for _ in reqs]
         active: list = []
         for i, req in enumerate(reqs):
             k = max_drafts(req, self.config, cap)

@@ -99,11 +99,17 @@ class EngineSupervisor:
     def loop(self) -> Optional[EngineLoop]:
         return self._loop
 
+    def _serving_loop(self) -> EngineLoop:
+        """The loop, which exists while no override health is set (a start or restart)."""
+        loop = self._loop
+        assert loop is not None, "no engine loop (not started, or restarting)"
+        return loop
+
     def health(self) -> Health:
         override = self._override
         if override is not None:
             return override
-        return self._loop.health()
+        return self._serving_loop().health()
 
     def submit(self, *args, **kwargs) -> OutputStream:
         health = self._override
@@ -111,10 +117,10 @@ class EngineSupervisor:
             raise EngineDeadError(
                 f"the engine is not serving ({health.state.value}): {health.error}"
             )
-        return self._loop.submit(*args, **kwargs)
+        return self._serving_loop().submit(*args, **kwargs)
 
     def abort(self, request_id: str) -> None:
-        self._loop.abort(request_id)
+        self._serving_loop().abort(request_id)
 
     @property
     def tokenizer(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import torch
 
@@ -62,7 +62,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``([1, T, H, D], None)``."""
     ctx = get_context()
-    layer = module.layer_idx
+    # transformers' attention layers carry an int layer_idx; torch types module attributes
+    # as Tensor | Module
+    layer = cast(int, module.layer_idx)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)

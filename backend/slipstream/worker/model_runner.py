@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ class StepBatch:
     sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
     lora: LoraMapping = field(default_factory=LoraMapping)  # rows per LoRA adapter
     # per scheduled request: the rows whose logits score its next prompt token (prompt_logprobs)
-    prompt_rows: list[list[int]] = None
+    prompt_rows: Optional[list[list[int]]] = None
 
 
 def check_backend_compatible(model: torch.nn.Module) -> None:
@@ -66,8 +66,9 @@ class ModelRunner:
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.ops = get_ops(device, attention_ops)
-        self.num_query_heads = model.config.get_text_config().num_attention_heads
-        model.set_attn_implementation(attention.register())
+        hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
+        self.num_query_heads = hf.config.get_text_config().num_attention_heads
+        hf.set_attn_implementation(attention.register())
         self.fast = (
             FastForward.for_model(model, fuse=lora is None)
             if fast_forward and device.type == "cpu"
@@ -162,8 +163,9 @@ class ModelRunner:
         indices = list(range(len(sched.scheduled)))
         if self.lora is None:
             return indices
-        slot = [self.lora.slot_of(item.request.params.lora_name) for item in sched.scheduled]
-        return sorted(indices, key=lambda i: -1 if slot[i] is None else slot[i])
+        slots = [self.lora.slot_of(item.request.params.lora_name) for item in sched.scheduled]
+        order = [-1 if s is None else s for s in slots]  # no adapter first
+        return sorted(indices, key=order.__getitem__)
 
     def _add_padding(self, sched, ids, pos, slots, q_lens, seq_lens, tables) -> None:
         """Static batching's wasted work, made real: padded prompt tokens and finished rows
@@ -271,6 +273,7 @@ class ModelRunner:
         logits = self.run(batch)
         num_sampled = sum(len(r) for r in batch.sample_rows)
         prompt_logits, cursor = [], num_sampled
+        assert batch.prompt_rows is not None  # prepare() sets them
         for rows in batch.prompt_rows:
             prompt_logits.append(logits[cursor : cursor + len(rows)] if rows else None)
             cursor += len(rows)

@@ -71,11 +71,15 @@ class _RawLogprobs:
     def of(self, tokens: torch.Tensor, reqs: list) -> list:
         picked = self.logits.gather(1, tokens[:, None])[:, 0]
         if self.changed:
+            assert self.changed_rows is not None  # captured with ``changed``
             picked[self.changed] = self.changed_rows.gather(1, tokens[self.changed][:, None])[:, 0]
         values = (picked - self.lse).tolist()
-        for n, i in enumerate(self.ranked):
-            row = self.ranked_rows[n]
-            values[i] = _ranked(row, float(row[tokens[i]]), reqs[i].params.logprobs)
+        if self.ranked:
+            ranked_rows = self.ranked_rows
+            assert ranked_rows is not None  # captured with ``ranked``
+            for n, i in enumerate(self.ranked):
+                row = ranked_rows[n]
+                values[i] = _ranked(row, float(row[tokens[i]]), reqs[i].params.logprobs)
         return values
 
 
@@ -308,7 +312,7 @@ def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogp
     """The sampled logprob with its vocabulary rank (1 = most likely; ties share the worse
     rank, as vLLM counts) and the top-N alternatives."""
     rank = int((row_logprobs >= sampled).sum())
-    top = ()
+    top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
         values, ids = torch.topk(row_logprobs, min(top_n, row_logprobs.numel()))
         top = tuple(zip(ids.tolist(), values.tolist()))
@@ -324,7 +328,7 @@ def prompt_logprobs(
     targets = torch.tensor(prompt_token_ids[first : first + logprobs.shape[0]], dtype=torch.long)
     values = logprobs.gather(1, targets[:, None])
     ranks = (logprobs >= values).sum(dim=1).tolist()
-    tops = [()] * len(ranks)
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(ranks)
     if top_n > 0:
         top_values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]

@@ -52,7 +52,7 @@ def sample_rows(
         )
     scaled = (logits / temps[:, None]).clamp_(max=_FINITE)
     probs = torch.softmax(scaled, dim=-1)
-    groups = {"whole": [], "nucleus": [], "top_k": []}
+    groups: dict[str, list[int]] = {"whole": [], "nucleus": [], "top_k": []}
     for i, p in enumerate(params):
         kind = "top_k" if 0 < p.top_k < vocab else "nucleus" if p.top_p < 1.0 else "whole"
         groups[kind].append(i)
