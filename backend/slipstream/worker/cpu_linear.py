@@ -117,7 +117,7 @@ def _pack(module: torch.nn.Linear, mode: CpuLinear) -> None:
     bias = None if module.bias is None else module.bias.detach().contiguous()
     # An instance attribute shadows Linear.forward; the stock weight stays (tied embeddings
     # and any code that reads .weight keep working).
-    module.forward = _gemm(weight, bias, mode)
+    setattr(module, "forward", _gemm(weight, bias, mode))
 
 
 def _stacked(modules: Sequence[torch.nn.Linear]) -> tuple:

@@ -30,7 +30,7 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,11 +107,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _wide_product(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     """Many rows (a prompt chunk): oneDNN's GEMM on the plain weight, in bf16 where the CPU
     runs bf16 products natively, else in fp32 on a widened copy made for the call."""
+    plain = plan.plain
+    assert plain is not None  # a plan not packed (packing is the only thing that drops it)
     if plan.bf16_gemm:
-        weight = plan.plain if plan.plain.dtype == torch.bfloat16 else plan.plain.bfloat16()
+        weight = plain if plain.dtype == torch.bfloat16 else plain.bfloat16()
         y = F.linear(x.to(torch.bfloat16), weight).float()
     else:
-        y = F.linear(x, plan.plain.float())
+        y = F.linear(x, plain.float())
     if plan.scales is not None:
         y.mul_(plan.scales)
     if plan.bias is not None:
@@ -212,8 +214,8 @@ def _prepare_one(
         _prepare_embedding(tied_embedding, weight, scales)
     module.weight = _meta_like(weight)
     if module.bias is not None:
-        module.bias = None  # the plan holds it as fp32
-    module.forward = functools.partial(_reduced_forward, plan)
+        module.register_parameter("bias", None)  # the plan holds it as fp32
+    setattr(module, "forward", functools.partial(_reduced_forward, plan))
 
 
 def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
@@ -243,7 +245,8 @@ def _own_storage(model: torch.nn.Module) -> None:
 
 def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     head = getattr(model, "lm_head", None)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
+    embedding = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     if head is None or embedding is None or embedding.weight is not head.weight:
         return None
     return embedding
@@ -273,8 +276,9 @@ def fused_reduced(modules: Sequence[torch.nn.Module]) -> Optional[Callable]:
     """One product over reduced layers that share an input (q, k, v or gate, up): their
     weights stacked into one plan; each layer's own copy goes (its forward becomes a slice of
     the fused product, which the lean forward does not call). None where they cannot fuse."""
-    plans = [applied_plan(m) for m in modules]
-    if any(p is None or p.plain is None for p in plans) or len({p.pack for p in plans}) != 1:
+    found = [applied_plan(m) for m in modules]
+    plans = [p for p in found if p is not None and p.plain is not None]
+    if len(plans) != len(found) or len({p.pack for p in plans}) != 1:
         return None
     fused = _stack_plans(plans)
     gemm = functools.partial(_reduced_forward, fused)
@@ -296,15 +300,22 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> WeightPlan:
         bias = torch.cat(
             [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in plans]
         )
-    stacked = torch.cat([p.plain for p in plans]).contiguous()
+    stacked = torch.cat(_all_set([p.plain for p in plans])).contiguous()  # not packed yet
     scales = None
-    if plans[0].scales is not None:
-        scales = torch.cat([p.scales for p in plans]).contiguous()
+    if plans[0].scales is not None:  # int8: every plan has its scales
+        scales = torch.cat(_all_set([p.scales for p in plans])).contiguous()
     for p in plans:
         p.plain = None
     return WeightPlan(
         n, stacked, scales, bias, plans[0].kernel_rows, plans[0].bf16_gemm, plans[0].pack
     )
+
+
+def _all_set(tensors: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """``tensors``, which the caller knows are all set."""
+    present = [t for t in tensors if t is not None]
+    assert len(present) == len(tensors)
+    return present
 
 
 def release_freed_memory() -> None:

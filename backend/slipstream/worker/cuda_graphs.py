@@ -74,12 +74,11 @@ class StaticDecodeInputs:
     ):
         n, w = max_batch_size, max_blocks_per_seq
         self.max_batch_size, self.max_blocks_per_seq = n, w
-        kw = dict(device=device)
-        self.input_ids = torch.full((n,), PAD_TOKEN, dtype=torch.long, **kw)
-        self.positions = torch.full((n,), PAD_POSITION, dtype=torch.long, **kw)
-        self.slot_mapping = torch.full((n,), PAD_SLOT, dtype=torch.long, **kw)
-        self.block_tables = torch.full((n, w), PAD_BLOCK, dtype=torch.int32, **kw)
-        self.seq_lens = torch.full((n,), PAD_SEQ_LEN, dtype=torch.int32, **kw)
+        self.input_ids = torch.full((n,), PAD_TOKEN, dtype=torch.long, device=device)
+        self.positions = torch.full((n,), PAD_POSITION, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), PAD_SLOT, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, w), PAD_BLOCK, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((n,), PAD_SEQ_LEN, dtype=torch.int32, device=device)
 
     def view(self, size: int) -> tuple:
         """The first ``size`` rows of every buffer (views: same addresses on every call)."""
@@ -168,6 +167,7 @@ class DecodeGraphRunner:
         if not self.enabled or self.graphs:
             return
         inputs = self.inputs
+        assert inputs is not None  # built when enabled
         inputs.pad(0, inputs.max_batch_size)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=self.device)
@@ -193,7 +193,8 @@ class DecodeGraphRunner:
 
     def bucket(self, n: int, width: int) -> Optional[int]:
         """The graph that would run a batch of ``n`` rows x ``width`` blocks, or None."""
-        if not self.enabled or not self.graphs or not self.inputs.fits(n, width):
+        inputs = self.inputs  # None only when never enabled
+        if not self.enabled or not self.graphs or inputs is None or not inputs.fits(n, width):
             return None
         size = bucket_for(n, self.sizes)
         return size if size in self.graphs else None
@@ -210,6 +211,7 @@ class DecodeGraphRunner:
         size = self.bucket(n, block_tables.shape[1])
         if size is None:
             return self.forward(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        assert self.inputs is not None  # a bucket implies the inputs
         self.inputs.load(size, input_ids, positions, slot_mapping, block_tables, seq_lens)
         self.graphs[size].replay()
         return self.outputs[size][:n]

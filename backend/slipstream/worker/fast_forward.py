@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +84,8 @@ def _kernel_rotary(
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     """The activations' dtype: the final norm's (the linears' weights may be bf16 or int8,
     cpu_reduced_linear, with fp32 activations)."""
-    return model.model.norm.weight.dtype
+    hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
+    return hf.model.norm.weight.dtype
 
 
 def _rotary_for(model: torch.nn.Module) -> Callable:
@@ -95,7 +96,8 @@ def _rotary_for(model: torch.nn.Module) -> Callable:
 
 def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``F.rms_norm`` when it reproduces ``module`` bit for bit, else the module itself."""
-    weight, eps = module.weight, module.variance_epsilon
+    norm: Any = module  # an RMS norm (LLAMA_STYLE_NORMS): its weight and variance_epsilon
+    weight, eps = norm.weight, norm.variance_epsilon
     shape = (weight.shape[0],)
 
     def fused(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +133,9 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
     modes = {applied_mode(m) for m in modules}
     if len(modes) != 1 or None in modes or any(not isinstance(m, torch.nn.Linear) for m in modules):
         return separate
-    gemm, sizes = fused_linear(modules, modes.pop()), [m.out_features for m in modules]
+    mode = modes.pop()
+    assert mode is not None  # excluded above
+    gemm, sizes = fused_linear(modules, mode), [m.out_features for m in modules]
 
     def fused(x: torch.Tensor) -> Sequence[torch.Tensor]:
         return gemm(x).split(sizes, dim=-1)
@@ -154,13 +158,14 @@ class FastForward:
     the step's attention context already set (``attention.set_context``)."""
 
     def __init__(self, model: torch.nn.Module, layers: list, select_early: bool = True) -> None:
-        self.model = model
+        hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
+        self.model = hf
         # The last layer's o-projection and MLP for the logits' rows only (else all rows).
         self.select_early = select_early
-        self.base = model.model
+        self.base = self.model.model
         self.layers = layers
-        self.num_heads = model.config.num_attention_heads
-        self.num_kv_heads = model.config.num_key_value_heads
+        self.num_heads = self.model.config.num_attention_heads
+        self.num_kv_heads = self.model.config.num_key_value_heads
         self.head_dim = layers[0].o.in_features // self.num_heads
         self.final_norm = _fused_norm(self.base.norm)
         self.rotary = _rotary_for(model)
@@ -235,7 +240,8 @@ class FastForward:
 
 def _is_plain_llama(model: torch.nn.Module, config) -> bool:
     """The modules and settings the lean forward reproduces, and nothing else."""
-    base = model.model
+    hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
+    base = hf.model
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return False
     if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):

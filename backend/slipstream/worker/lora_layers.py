@@ -66,7 +66,9 @@ class _LoraLinear:
         ys = y.view(-1, y.shape[-1])[step.rows]
         if step.mask is not None:
             ys.addmm_((xs @ self.a_all).mul_(step.mask), self.b_all)
-        elif self.pairs[step.slot] is not None:
+            return y
+        assert step.slot is not None  # rows without a mask all use one slot
+        if self.pairs[step.slot] is not None:
             a_t, b_t = self.pairs[step.slot]
             ys.addmm_(xs @ a_t, b_t)
         return y

@@ -154,18 +154,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device):
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
 
 def position_limit(hf_config) -> Optional[int]:
     """The longest sequence the model's position embeddings cover, or None if unstated."""
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    limits = [getattr(cfg, name, None) for name in POSITION_LIMIT_FIELDS]
-    limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    stated = [getattr(cfg, name, None) for name in POSITION_LIMIT_FIELDS]
+    limits = [v for v in stated if isinstance(v, int) and not isinstance(v, bool) and v > 0]
     if not limits:
         return None
     limit = min(limits)
@@ -173,7 +173,7 @@ def position_limit(hf_config) -> Optional[int]:
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     factor = rope.get("factor") if isinstance(rope, dict) else None
     if kind in STRETCHING_ROPE_TYPES and isinstance(factor, (int, float)) and factor > 1:
-        limit = int(rope.get("original_max_position_embeddings") or limit) * factor
+        return int(int(rope.get("original_max_position_embeddings") or limit) * factor)
     return int(limit)
 
 
@@ -193,7 +193,7 @@ def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
     return config
 
 
-def load_tokenizer(path: Path, tokenizer: Optional[str] = None):
+def load_tokenizer(path: Optional[Path], tokenizer: Optional[str] = None):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer or str(path))
