@@ -116,12 +116,12 @@ class EngineConfig:
     ngram_prompt_lookup_min: int = 1
 
     enable_cuda_graphs: bool = True
-    cuda_graph_batch_sizes: tuple = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     cpu_linear: str = "auto"  # CPU: oneDNN + the small-GEMM kernel; "onednn", "transposed", "stock"
     attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
     fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
     enable_lora: bool = False  # serve PEFT adapters per request (lora_name)
-    lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT directory
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT directory
     max_loras: int = 1  # distinct adapters in one step (vLLM's default)
     max_lora_rank: int = 16  # adapters of a higher rank are refused at load (vLLM's default)
     trace_steps: bool = False  # keep a per-step scheduler trace (engine.tracer)

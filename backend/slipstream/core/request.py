@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 from time import time as wall_clock  # its own name: tests fake the module's monotonic()
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol
 
 from slipstream.core.sampling_params import SamplingParams
 
@@ -57,10 +57,32 @@ class TokenLogprob(float):
     when the request asked for logprobs, its 1-based rank in the vocabulary and the top-N
     ``(token id, logprob)`` alternatives. A float, so the engine sums and stores it unchanged."""
 
-    def __new__(cls, value: float, rank: Optional[int] = None, top: tuple = ()) -> "TokenLogprob":
+    rank: Optional[int]
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(
+        cls, value: float, rank: Optional[int] = None, top: Iterable[tuple[int, float]] = ()
+    ) -> "TokenLogprob":
         obj = super().__new__(cls, value)
         obj.rank, obj.top = rank, tuple(top)
         return obj
+
+
+# One prompt position of vLLM's prompt_logprobs: token id -> TokenLogprob (the prompt token,
+# then its top-N alternatives); None for the first prompt token, which has no logprob.
+PromptPosition = Optional[dict[int, TokenLogprob]]
+
+
+class GrammarMatcher(Protocol):
+    """A structured-output request's grammar state (worker.structured_output.GrammarState)."""
+
+    def copy(self) -> GrammarMatcher:
+        """An independent state at the same point (for a forked sequence)."""
+        ...
+
+    def sync(self, req: Request) -> None:
+        """Accept the request's output tokens the state has not seen yet."""
+        ...
 
 
 @dataclass
@@ -137,13 +159,13 @@ class Request:
         self.error: Optional[str] = None
         # Structured outputs: the grammar matcher (worker.structured_output.GrammarState),
         # set by the engine when the request asks for one; None = free generation.
-        self.grammar = None
+        self.grammar: Optional[GrammarMatcher] = None
         # Parallel sampling (n / best_of): which sequence of its group this is (0 = the one that
         # prefills the prompt) and the group, None for a plain request.
         self.index = 0
         self.group: Optional["SequenceGroup"] = None
         # prompt_logprobs: entry i is prompt token i + 1's TokenLogprob (token 0 has none).
-        self.prompt_logprobs: list = []
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -176,7 +198,7 @@ class Request:
     def metrics(self, block_size: int) -> RequestMetrics:
         mono, wall = time.monotonic(), wall_clock()
         return RequestMetrics(
-            arrival_time=_wall(self.arrival_time, mono, wall),
+            arrival_time=wall - (mono - self.arrival_time),
             first_scheduled_time=_wall(self.first_scheduled_time, mono, wall),
             first_token_time=_wall(self.first_token_time, mono, wall),
             last_token_time=_wall(self.last_token_time, mono, wall),
@@ -223,9 +245,9 @@ class RequestOutput:
     error: Optional[str] = None
     timing: Optional[RequestTiming] = None  # on the finished output only
     index: int = 0  # which of the request's n sequences
-    # prompt_logprobs as vLLM returns them: None for the first prompt token, then a
-    # TokenLogprob per token (rank and top-N attached); on the request's first output only.
-    prompt_logprobs: Optional[list] = None
+    # prompt_logprobs as vLLM returns them: None for the first prompt token, then per token a
+    # dict token id -> TokenLogprob (with its rank); on the request's first output only.
+    prompt_logprobs: Optional[list[PromptPosition]] = None
     metrics: Optional[RequestMetrics] = None  # on the request's finished output only
     # Beam search, after each round but the last: every live beam, best first (no text; the
     # finished beams come as ordinary outputs, one per returned beam, at the end).

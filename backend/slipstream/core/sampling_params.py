@@ -80,15 +80,19 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None
-    stop: list = field(default_factory=list)
-    stop_token_ids: list = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None = off; N = the sampled token's logprob (+ top-N ids)
     use_speculation: bool = True  # opt out of speculative decoding for this request
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
-    logit_bias: Optional[dict] = None  # token id -> bias added to its logit, in [-100, 100]
-    allowed_token_ids: Optional[list] = None  # only these may be sampled
-    bad_words: list = field(default_factory=list)  # words whose last token is banned after the rest
+    logit_bias: Optional[dict[int, float]] = (
+        None  # token id -> bias added to its logit, in [-100, 100]
+    )
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
+    bad_words: list[str] = field(
+        default_factory=list
+    )  # words whose last token is banned after the rest
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -128,7 +132,7 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
         # Filled from bad_words by worker.sampler.prepare (needs the tokenizer).
-        self.bad_words_token_ids: list = []
+        self.bad_words_token_ids: list[list[int]] = []
         self.validate()
 
     @property

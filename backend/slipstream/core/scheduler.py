@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Callable, Optional
 
+from slipstream.core.beam_search import BeamSearch
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.lora_limit import admissible
@@ -31,6 +32,7 @@ from slipstream.core.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from slipstream.core.sequence_group import SequenceGroup
 from slipstream.core.step_budget import StepBudget
 from slipstream.core.swap_space import SwapSpace
 
@@ -56,8 +58,14 @@ class SchedulerBase(ABC):
         # A sequence longer than the whole KV cache could only preempt itself over and
         # over; like max_model_len, the cache's size ends it with finish reason "length".
         capacity = block_manager.num_usable_blocks * block_manager.block_size
-        self.max_seq_len = min(capacity, config.max_model_len)
+        self.max_seq_len = min(capacity, self._max_model_len)
         self.max_loras = config.max_loras if config.enable_lora else None
+
+    @property
+    def _max_model_len(self) -> int:
+        n = self.config.max_model_len
+        assert n is not None, "the engine resolves max_model_len before it makes a scheduler"
+        return n
 
     # -- queue management ------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -82,7 +90,7 @@ class SchedulerBase(ABC):
             self.swap.discard(req)
         self.bm.free_request(req)
 
-    def fail(self, req: Request, message: str) -> None:
+    def fail(self, req: Request, message: Optional[str]) -> None:
         req.error = message
         self.finish(req, RequestStatus.FINISHED_ERROR)
 
@@ -138,16 +146,19 @@ class SchedulerBase(ABC):
                 continue
             seen.add(id(group))
             if group.beam.ready and not any(s.is_finished for s in group.sequences):
-                updates += self._beam_round(sched, group)
+                updates += self._beam_round(sched, group, group.beam)
         return updates
 
-    def _beam_round(self, sched: SchedulerOutput, group) -> list[RequestUpdate]:
+    def _beam_round(
+        self, sched: SchedulerOutput, group: SequenceGroup, beam: BeamSearch
+    ) -> list[RequestUpdate]:
+        """``beam`` is ``group.beam``."""
         slots = group.sequences
         first = slots[0]
         limit = min(first.params.max_tokens, self.max_seq_len - first.num_prompt_tokens)
-        moves = group.beam.step([s.output_token_ids for s in slots], limit)
-        if group.beam.finished:
-            best = group.beam.hypotheses[0].finish_reason if group.beam.hypotheses else None
+        moves = beam.step([s.output_token_ids for s in slots], limit)
+        if beam.finished:
+            best = beam.hypotheses[0].finish_reason if beam.hypotheses else None
             status = (
                 RequestStatus.FINISHED_STOPPED
                 if best is FinishReason.STOP
@@ -163,7 +174,7 @@ class SchedulerBase(ABC):
         for m in moves:
             req = slots[m.slot]
             req.append_token(m.token_id)
-            req.cumulative_logprob = group.beam.scores[m.slot]
+            req.cumulative_logprob = beam.scores[m.slot]
             self.bm.register_full_blocks(req)
             updates.append(RequestUpdate(req, [m.token_id], [m.logprob]))
         return updates
@@ -250,9 +261,11 @@ class SchedulerBase(ABC):
         for the parent) and runs from now on. A failed row fails the whole group: it is one
         client request."""
         parent = item.request
-        parent.group.forked = True
+        group = parent.group
+        assert group is not None, "only a sequence group's parent forks"
+        group.forked = True
         failed = next(
-            (errors[s.request_id] for s in parent.group.sequences if s.request_id in errors), None
+            (errors[s.request_id] for s in group.sequences if s.request_id in errors), None
         )
         if failed is not None:
             errors.setdefault(parent.request_id, failed)
@@ -303,7 +316,7 @@ class SchedulerBase(ABC):
 
     def _tokens_wanted(self, req: Request) -> int:
         wanted = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
-        return min(wanted, self.config.max_model_len - req.num_computed_tokens)
+        return min(wanted, self._max_model_len - req.num_computed_tokens)
 
 
 class Scheduler(SchedulerBase):
@@ -445,7 +458,7 @@ class Scheduler(SchedulerBase):
 
     def _tokens_wanted_from(self, req: Request, num_computed: int) -> int:
         wanted = req.num_tokens - num_computed
-        return min(wanted, self.config.max_model_len - num_computed)
+        return min(wanted, self._max_model_len - num_computed)
 
     def _admit(
         self,
@@ -516,6 +529,7 @@ class Scheduler(SchedulerBase):
         out.preempted.append(req)
 
     def _swap_in(self, req: Request, out: SchedulerOutput) -> bool:
+        assert self.swap is not None, "only a scheduler with a swap space swaps requests out"
         if not self.swap.can_swap_in(req):
             return False
         out.swaps.append(self.swap.swap_in(req))

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from slipstream.core.request import Request
+from slipstream.core.request import Request, TokenLogprob
 
 
 @dataclass
@@ -126,7 +126,7 @@ class ModelRunnerOutput:
     logprobs: list[list[float]]
     errors: dict[str, str] = field(default_factory=dict)  # request id -> message
     # request id -> TokenLogprobs of the prompt tokens this step scored (prompt_logprobs)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> "ModelRunnerOutput":

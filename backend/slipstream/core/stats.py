@@ -28,8 +28,8 @@ class StatsSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     max_loras: int = 0  # 0: LoRA off
-    running_lora_adapters: tuple = ()  # adapter names in use by running requests
-    waiting_lora_adapters: tuple = ()
+    running_lora_adapters: tuple[str, ...] = ()  # adapter names in use by running requests
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

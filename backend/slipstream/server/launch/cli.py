@@ -454,6 +454,11 @@ def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int
     return _serve_until_stopped(server, args.max_restarts)
 
 
+def _echo(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _answer_prompt(args: argparse.Namespace, server: TritonServer, model: str) -> None:
     print(f"\n>>> {args.prompt}", flush=True)
     result = stream_prompt(
@@ -462,7 +467,7 @@ def _answer_prompt(args: argparse.Namespace, server: TritonServer, model: str) -
         model=model,
         max_tokens=args.max_tokens,
         chat=not args.raw_prompt,
-        on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
+        on_text=_echo,
     )
     rate = result["num_output_tokens"] / result["seconds"] if result["seconds"] else 0.0
     ttft = result["ttft_s"] or 0.0

@@ -87,7 +87,7 @@ class StopReport:
     unload: str = ""  # "unloaded", "stuck" (will never finalize), "timeout" or "not tried"
     exit_code: Optional[int] = None
     killed: bool = False  # it did not exit by itself after the unload (or never unloaded)
-    shm_regions_removed: list = field(default_factory=list)
+    shm_regions_removed: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -654,8 +654,10 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 pass
         code = self.kill()
-        self.last_stop.models_unloaded = outcome == "unloaded"
-        self.last_stop.unload = outcome
+        report = self.last_stop
+        assert report is not None, "kill() records how a running server ended"
+        report.models_unloaded = outcome == "unloaded"
+        report.unload = outcome
         return code
 
     def _post(self, path: str, timeout: float = 10.0) -> tuple:
@@ -755,7 +757,7 @@ class TritonServer:
         )
         return proc.returncode
 
-    def remove_shm_regions(self) -> list:
+    def remove_shm_regions(self) -> list[str]:
         """Remove this server's Python-backend shared-memory regions (a stub or Triton that
         died without unloading leaves them in /dev/shm)."""
         removed = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import (
@@ -22,13 +22,16 @@ from openai.types.completion_choice import Logprobs
 
 from slipstream.server.openai.triton_client import SequenceDelta, TokenLogprob
 
-FINISH_REASONS = ("stop", "length")
+# The finish reasons OpenAI's completion and chat choices share; the engine's others
+# ("abort", "error") are reported as "stop".
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length")
 
 
-def finish_reason(reason: Optional[str]) -> Optional[str]:
+def finish_reason(reason: Optional[str]) -> Optional[FinishReason]:
     if reason is None:
         return None
-    return reason if reason in FINISH_REASONS else "stop"
+    return "length" if reason == "length" else "stop"
 
 
 def new_id(prefix: str) -> str:
@@ -45,7 +48,7 @@ class Choice:
     """One choice accumulated for a non-streaming answer."""
 
     text: str = ""
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
@@ -186,7 +189,7 @@ def chat_chunk(
     model: str,
     index: int,
     *,
-    role: Optional[str] = None,
+    role: Optional[Literal["assistant"]] = None,
     content: Optional[str] = None,
     reason: Optional[str] = None,
     logprobs: Optional[list[TokenLogprob]] = None,

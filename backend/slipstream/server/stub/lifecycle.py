@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from slipstream.core.boolean_text import SETTING, parse_bool
 from slipstream.server.stub import watchdog
@@ -98,8 +98,14 @@ def stub_shm_region() -> Optional[str]:
 class Watchdog:
     """The watchdog process of this stub: started here, told goodbye on a clean unload."""
 
-    def __init__(self, process: subprocess.Popen) -> None:
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
+
+    @property
+    def _stdin(self) -> IO[bytes]:
+        stdin = self.process.stdin
+        assert stdin is not None, "the watchdog is started with stdin=PIPE"
+        return stdin
 
     @classmethod
     def start(cls) -> Optional["Watchdog"]:
@@ -137,8 +143,8 @@ class Watchdog:
 
     def _say(self, message: bytes) -> None:
         try:
-            self.process.stdin.write(message + b"\n")
-            self.process.stdin.flush()
+            self._stdin.write(message + b"\n")
+            self._stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
             pass
 
@@ -153,7 +159,7 @@ class Watchdog:
 
     def _close(self, timeout: float) -> None:
         try:
-            self.process.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         deadline = time.monotonic() + timeout

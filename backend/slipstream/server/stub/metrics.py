@@ -142,9 +142,10 @@ VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
-def one_two_five_buckets(limit: int) -> list:
+def one_two_five_buckets(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50 ... up to ``limit`` (vLLM's token-count buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -499,6 +500,7 @@ class VllmFamilies:
             since = track.first_token
         else:
             since = track.last_token
+        assert since is not None, "on_outputs sets first_token, then last_token, before this"
         # vLLM's inter-token latency: one observation per output read (between consecutive
         # streamed outputs); time per output token: the outputs read together share the time
         # since the last one, token by token.

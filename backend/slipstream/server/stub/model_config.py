@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol, TypeVar
 
 from slipstream.core.boolean_text import EXACT, JSON_FLAG, parse_bool
 from slipstream.core.sampling_params import MAX_LOGPROBS
@@ -38,7 +38,7 @@ PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
 
 # The model's inputs are input_table.INPUTS (what the parser reads, auto-completed here).
 INPUT_NAMES = input_table.INPUT_NAMES
-OUTPUTS = [
+OUTPUTS: list[Mapping[str, object]] = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
@@ -49,7 +49,7 @@ OUTPUTS = [
 ]
 # TensorRT-LLM ensemble outputs (trtllm/outputs.py); the logits are never produced. Not
 # declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
-TRTLLM_OUTPUTS = [
+TRTLLM_OUTPUTS: list[Mapping[str, object]] = [
     {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "output_log_probs", "data_type": "TYPE_FP32", "dims": [-1, -1]},
     {"name": "context_logits", "data_type": "TYPE_FP32", "dims": [-1, -1]},
@@ -139,7 +139,24 @@ class ModelSettings:
     kv_events: Optional[KVEventsConfig] = None  # set when KV events are published
 
 
-def auto_complete(config):
+class AutoCompleteConfig(Protocol):
+    """What ``auto_complete`` uses of Triton's ``pb_utils.ModelConfig``."""
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+    def add_input(self, input: dict[str, object]) -> None: ...
+
+    def add_output(self, output: Mapping[str, object]) -> None: ...
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, bool]) -> None: ...
+
+    def set_max_batch_size(self, max_batch_size: int) -> None: ...
+
+
+_Config = TypeVar("_Config", bound=AutoCompleteConfig)
+
+
+def auto_complete(config: _Config) -> _Config:
     """Triton's ``auto_complete_config`` hook: add what the config leaves out."""
     declared = config.as_dict()
     have_inputs = {i["name"] for i in declared.get("input", [])}

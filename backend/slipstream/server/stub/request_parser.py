@@ -254,7 +254,7 @@ def _read_tensor(name: str, arr: np.ndarray, values: dict[str, Any]) -> None:
     if row is not None and row.reading in _READ_APART:
         return
     reader = _TENSOR_READERS.get(row.reading) if row is not None else None
-    if reader is None:  # TensorRT-LLM's inputs are translated away before parsing
+    if row is None or reader is None:  # TensorRT-LLM's inputs are translated away before parsing
         raise BadRequestError(f"unknown input '{name}'")
     reader(row, arr, values)
 

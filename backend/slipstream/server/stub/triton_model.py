@@ -101,7 +101,7 @@ class _Pending:
 def _submit_options(options: RequestOptions) -> dict[str, object]:
     """``EngineLoop.submit``'s keyword arguments for a request's options (only what differs
     from its defaults)."""
-    kwargs = {"priority": options.priority}
+    kwargs: dict[str, object] = {"priority": options.priority}
     if options.apply_chat_template:
         kwargs["apply_chat_template"] = True
     if not options.add_special_tokens:

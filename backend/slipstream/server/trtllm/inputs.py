@@ -341,7 +341,9 @@ def _embedding_bias(
             f"'embedding_bias_weights' ({len(weights)}) must have the same "
             "length"
         )
-    if words and encode is None:
+    if not words:
+        return {}
+    if encode is None:
         raise BadRequestError("input 'embedding_bias_words' needs the model's tokenizer")
     bias: Dict[int, float] = {}
     for word, weight in zip(words, weights):

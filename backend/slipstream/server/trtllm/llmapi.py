@@ -69,7 +69,7 @@ PERF_METRICS = (
     "total_accepted_draft_tokens",
     "total_draft_tokens",
 )
-OUTPUTS = [
+OUTPUTS: list[Mapping[str, object]] = [
     {"name": n, "data_type": "TYPE_STRING", "dims": [-1]}
     for n in ("text_output", "finish_reason", "stop_reason", "cumulative_logprob", *PERF_METRICS)
 ]
