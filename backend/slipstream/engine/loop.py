@@ -579,7 +579,6 @@ class EngineLoop:
         self._refresh_stats()
 
 
-
 def _freeze_heap() -> None:
     """Move everything alive after start-up (the model, the tokenizer, the libraries: ~380k
     objects for the default model) out of the cyclic collector's reach, as vLLM does after
