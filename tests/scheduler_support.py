@@ -20,7 +20,7 @@ from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
-from slipstream.core.scheduler_output import SampledTokens, SchedulerOutput
+from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from slipstream.core.swap_space import SwapSpace
 
 EOS = 2
@@ -59,10 +59,10 @@ def make_request(
     )
 
 
-def sample(sched: SchedulerOutput, token: int = 7, agree_with_drafts: int = 0) -> SampledTokens:
+def sample(sched: SchedulerOutput, token: int = 7, agree_with_drafts: int = 0) -> ModelRunnerOutput:
     """What the worker returns: a request samples once its step reaches the end of its
     tokens; with drafts, the first ``agree_with_drafts`` draft rows agree with the target."""
-    out = SampledTokens.empty(0)
+    out = ModelRunnerOutput.empty(0)
     for item in sched.scheduled:
         reaches_end = item.num_computed_before + item.num_new_tokens == (
             item.num_tokens_before + len(item.spec_token_ids)

@@ -8,7 +8,7 @@ import random
 
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.sampling_params import SamplingParams
-from slipstream.core.scheduler_output import SampledTokens, SchedulerOutput
+from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from slipstream.core.sequence_group import SequenceGroup, child_params
 from scheduler_support import EOS, make_scheduler
 
@@ -24,8 +24,8 @@ def make_group(rid: str, prompt_len: int, max_tokens: int, n: int, **params) -> 
     return req
 
 
-def sample(sched: SchedulerOutput, rng: random.Random) -> SampledTokens:
-    out = SampledTokens.empty(0)
+def sample(sched: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
+    out = ModelRunnerOutput.empty(0)
     for item in sched.scheduled:
         reaches_end = item.num_computed_before + item.num_new_tokens == item.num_tokens_before
         rows = 1 + len(item.forks) if reaches_end else 0

@@ -140,7 +140,6 @@ class ModelRunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
 
 
-SampledTokens = ModelRunnerOutput  # its earlier name, which the scheduler's tests use
 
 
 @dataclass

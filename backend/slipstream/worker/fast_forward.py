@@ -155,7 +155,7 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
 
 class FastForward:
     """``__call__(input_ids [T], positions [T], keep) -> logits [len(keep), vocab]`` with
-    the step's attention context already set (``attention.set_context``)."""
+    the step's attention context already set (``attention.step_context``)."""
 
     def __init__(self, model: torch.nn.Module, layers: list, select_early: bool = True) -> None:
         hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
