@@ -140,8 +140,6 @@ class ModelRunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
 
 
-
-
 @dataclass
 class RequestUpdate:
     """What one step did to one request, for the engine to report."""
