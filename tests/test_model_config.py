@@ -265,3 +265,36 @@ def test_install_backend_writes_the_backend_under_each_name(tmp_path, capsys):
     for name in ("slipstream", "vllm"):
         assert (tmp_path / name / "model.py").read_text() == source.read_text()
     assert "installed" in capsys.readouterr().out
+
+
+def test_a_model_py_written_before_the_server_rooms_is_still_found_and_loads_the_adapter(
+    tmp_path, monkeypatch
+):
+    """Repositories rendered before the move import ``slipstream.server.triton_model``."""
+    import importlib
+    import shutil
+    import sys
+    from pathlib import Path
+    from unittest import mock
+
+    from slipstream.server.launch.repository import find_models
+
+    shipped = Path(__file__).resolve().parents[1] / "model_repository" / "slipstream"
+    model = tmp_path / "old" / "slipstream"
+    shutil.copytree(shipped, model)
+    old = model / "1" / "model.py"
+    old.write_text(
+        old.read_text().replace(
+            "slipstream.server.stub.triton_model", "slipstream.server.triton_model"
+        )
+    )
+    assert [m.name for m in find_models(tmp_path / "old")] == ["slipstream"]
+    # Outside a stub: a stand-in for the module only Triton's Python backend provides.
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mock.MagicMock())
+    adapters = ("slipstream.server.triton_model", "slipstream.server.stub.triton_model")
+    try:
+        old_path, current = (importlib.import_module(name) for name in adapters)
+        assert old_path.TritonPythonModel is current.TritonPythonModel
+    finally:  # bound to the stand-in: no later test may find them imported
+        for name in adapters:
+            sys.modules.pop(name, None)

@@ -18,7 +18,8 @@ from slipstream.server.launch.launcher import BACKEND_NAME, read_parameters
 from slipstream.server.stub.model_config import ModelSettings, load_settings
 
 _BACKEND_RE = re.compile(r'^\s*backend\s*:\s*"([^"]+)"', re.M)
-_ADAPTER = "slipstream.server.stub.triton_model"
+# The adapter's module, and where it lived before the server's rooms (older model.py files).
+_ADAPTERS = ("slipstream.server.stub.triton_model", "slipstream.server.triton_model")
 
 
 @dataclass
@@ -42,7 +43,11 @@ def find_models(repo: Path, aliases: Sequence[str] = ()) -> list:
         directory = config.parent
         ours = backend in names or (
             backend == "python"
-            and any(_ADAPTER in p.read_text() for p in directory.glob("*/model.py"))
+            and any(
+                adapter in p.read_text()
+                for p in directory.glob("*/model.py")
+                for adapter in _ADAPTERS
+            )
         )
         if ours:
             found.append(RepositoryModel(directory.name, backend, directory))
