@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import pytest
 
@@ -203,3 +204,14 @@ def test_start_freezes_the_loaded_heap_out_of_the_cyclic_collector():
         # the model's modules and tensors are among the frozen objects
         assert frozen > 1000
         assert running.generate("after the freeze", SamplingParams(max_tokens=4, **GREEDY))
+
+
+def test_a_replaced_loops_engine_is_collected_when_the_next_loop_freezes_its_heap():
+    """The engine lives in reference cycles: freezing the heap again at the next start
+    (as after a supervisor restart) must not make the dead one permanent."""
+    first = EngineLoop(config()).start()
+    dead = weakref.ref(first.engine)
+    first.shutdown()
+    del first
+    with EngineLoop(config()):
+        assert dead() is None

@@ -584,6 +584,9 @@ def _freeze_heap() -> None:
     objects for the default model) out of the cyclic collector's reach, as vLLM does after
     loading: a full collection then scans only what serving allocates. Measured here, a full
     collection took ~200 ms with them and under 1 ms after ``gc.freeze()``: one such pause
-    lands in a step and on every running request's inter-token latency."""
+    lands in a step and on every running request's inter-token latency. What an earlier
+    start froze is thawed first: a loop the supervisor replaced lives in reference cycles, and
+    frozen it could never be collected (the whole dead engine, model included, would stay)."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
