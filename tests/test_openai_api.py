@@ -495,6 +495,12 @@ def test_client_disconnect_cancels_the_request_in_the_engine(frontend, server):
     while metric(server, "vllm:num_requests_running", QUEUED) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server, "vllm:num_requests_running", QUEUED) == 0
+    # The stub counts the finish before it logs the cancel: poll the log, not just the gauge.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not re.search(
+        r"slipstream: request \S+ cancelled", server.log_tail(10**6)
+    ):
+        time.sleep(0.2)
     assert re.search(r"slipstream: request \S+ cancelled", server.log_tail(10**6))
     generated = metric(server, "vllm:generation_tokens_total", QUEUED) - before
     assert generated < 900  # it stopped long before max_tokens
