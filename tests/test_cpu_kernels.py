@@ -27,6 +27,42 @@ def test_decode_kernel_equals_the_torch_path(lens, kw):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128, 24])  # 24: no 16-wide path, the generic one
+@pytest.mark.parametrize("bs", [16, 5])  # 5: tiles of 16 tokens cross blocks
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 21}, {"softcap": 5.0}])
+def test_decode_kernel_tiles_equal_the_torch_path_at_every_head_size(d, bs, kw):
+    """Lengths around the kernel's 16-token tiles (a partial tile, exactly one, one more),
+    more sequences than threads (whole rows) and fewer (one KV head an item)."""
+    torch.manual_seed(3)
+    hkv, h = 3, 9
+    for lens in ([1, 15, 16, 17, 40, 300, 33, 2], [70]):
+        tables, kc, vc = paged_cache(lens, bs, hkv, d)
+        q = torch.randn(len(lens), h, d)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        want = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, **kw)
+        got = cpu_kernels.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, **kw)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_caches_give_what_the_same_values_in_fp32_give():
+    """The kernels widen bf16 exactly and sum in fp32: a bf16 cache's result is the fp32
+    kernel's on the same values, bit for bit, for decode rows and prompt chunks alike."""
+    torch.manual_seed(4)
+    hkv, h, d, bs = 3, 9, 64, 16
+    q_lens = [1, 1, 40, 1, 7]
+    seq_lens = [33, 300, 40, 17, 90]
+    tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
+    kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), h, d)
+    got = cpu_kernels.paged_attention(q, kb, vb, meta, 0.125)
+    assert meta.plan.torch_plan is None  # the kernels ran, not the torch path
+    meta.plan = None
+    want = cpu_kernels.paged_attention(q, kb.float(), vb.float(), meta, 0.125)
+    assert torch.equal(got, want)
+    reference = _reference(q, kb.float(), vb.float(), tables, q_lens, seq_lens, 0.125)
+    torch.testing.assert_close(got, reference, rtol=2e-5, atol=2e-5)
+
+
 def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefill_kernel():
     torch.manual_seed(1)
     bs, hkv, h, d = 4, 3, 9, 16

@@ -130,9 +130,11 @@ def test_fused_layers_compute_each_layers_product():
 @pytest.mark.parametrize(
     "settings, weights, kv",
     [
-        (dict(dtype="bfloat16"), "bfloat16", torch.float32),
-        (dict(dtype="float16"), "bfloat16", torch.float32),  # held as bf16 on CPU
-        (dict(quantization="int8", kv_cache_dtype="bfloat16"), "int8", torch.bfloat16),
+        # the KV cache follows the model's dtype (vLLM's auto): bf16 with reduced weights
+        (dict(dtype="bfloat16"), "bfloat16", torch.bfloat16),
+        (dict(dtype="float16"), "bfloat16", torch.bfloat16),  # held as bf16 on CPU
+        (dict(quantization="int8"), "int8", torch.bfloat16),
+        (dict(dtype="bfloat16", kv_cache_dtype="float32"), "bfloat16", torch.float32),
     ],
 )
 def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weights, kv, caplog):

@@ -102,9 +102,9 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
         (sched, "schedule", "schedule"),
         (runner, "prepare", "prepare"),
         (runner, "run", "forward"),
-        (engine, "_execute_batch", "execute"),
+        (engine.executor, "_execute_batch", "execute"),
         (sched, "update_from_output", "update"),
-        (engine, "_report", "report"),
+        (engine.output_processor, "process", "report"),
     ]
     saved_ops = runner.ops
     saved = [(obj, attr, vars(obj).get(attr, _MISSING)) for obj, attr, _ in patches]
@@ -112,10 +112,15 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
         setattr(obj, attr, clock.wrap(label, getattr(obj, attr)))
 
     class _TimedOps:
+        """The runner's operators, the two attention ones timed (the rest as they are)."""
+
         store_step_kv = staticmethod(clock.wrap("attention_store", saved_ops.store_step_kv))
         paged_attention = staticmethod(clock.wrap("attention", saved_ops.paged_attention))
 
-    runner.ops = _TimedOps
+        def __getattr__(self, name: str):
+            return getattr(saved_ops, name)
+
+    runner.ops = _TimedOps()
     try:
         yield
     finally:

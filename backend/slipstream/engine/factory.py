@@ -49,11 +49,12 @@ class DeviceSettings:
     def resolve(cls, config: EngineConfig) -> "DeviceSettings":
         device = model_loader.resolve_device(config.device)
         dtype = model_loader.resolve_compute_dtype(config, device)
+        weight_format = model_loader.resolve_weight_format(config, device)
         return cls(
             device,
             dtype,
-            model_loader.resolve_weight_format(config, device),
-            model_loader.resolve_kv_cache_dtype(config, dtype),
+            weight_format,
+            model_loader.resolve_kv_cache_dtype(config, dtype, weight_format),
         )
 
 

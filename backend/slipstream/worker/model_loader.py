@@ -142,9 +142,14 @@ def resolve_compute_dtype(config: EngineConfig, device: torch.device) -> torch.d
     return resolve_dtype(config.dtype, device)
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, compute: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    config: EngineConfig, compute: torch.dtype, weight_format: str = "float32"
+) -> torch.dtype:
+    """``auto`` follows the model's ``dtype``, as vLLM's does: bf16 for a CPU model with bf16
+    or int8 weights (the attention kernels widen it as they read it; a decode step's cache
+    reads halve), else the activations' dtype."""
     if config.kv_cache_dtype == "auto":
-        return compute
+        return torch.bfloat16 if weight_format in ("bfloat16", "int8") else compute
     return getattr(torch, config.kv_cache_dtype)
 
 

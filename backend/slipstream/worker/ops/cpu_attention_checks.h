@@ -1,6 +1,6 @@
 // The tensors every compiled CPU attention kernel takes, checked alike: fp32 query and output
-// [T, H, D] with contiguous heads, paged caches [num_blocks, block_size, Hkv, D], int32 block
-// tables with contiguous rows.
+// [T, H, D] with contiguous heads, paged fp32 or bf16 caches [num_blocks, block_size, Hkv, D],
+// int32 block tables with contiguous rows.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,9 +10,11 @@ namespace slipstream_cpu {
 inline void check_attention_io(const char* kernel, const at::Tensor& out,
                                const at::Tensor& query, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_tables) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
-              kernel, ": float32 only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, kernel,
+              ": float32 query and output only");
+  TORCH_CHECK((key_cache.scalar_type() == at::kFloat || key_cache.scalar_type() == at::kBFloat16) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              kernel, ": float32 or bfloat16 caches, both alike");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");

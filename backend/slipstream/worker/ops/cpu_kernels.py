@@ -53,7 +53,8 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_parallel.h", "cpu_attention_checks.h")
+    Path(__file__).with_name(name)
+    for name in ("cpu_parallel.h", "cpu_attention_checks.h", "cpu_vector.h")
 )
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.
@@ -186,6 +187,10 @@ def _unavailable(reason: str) -> bool:
 
 def unavailable_reason() -> Optional[str]:
     return _state.get("error")
+
+
+# The caches the kernels read (bf16 widened exactly as it is read; every sum in fp32).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -343,7 +348,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """``AttentionOps.paged_attention``: decode rows and verification chunks by the decode
     kernel, prompt chunks by the prefill kernel (by torch with a softcap or an odd head size)."""
-    if not supports(query.dtype) or key_cache.dtype != torch.float32:
+    if not supports(query.dtype) or key_cache.dtype not in CACHE_DTYPES:
         if not isinstance(meta.plan, _Plan):
             return torch_ops.paged_attention(
                 query, key_cache, value_cache, meta, scale, sliding_window, softcap

@@ -25,16 +25,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_attention_checks.h"
 #include "cpu_parallel.h"
+#include "cpu_vector.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned loads/stores
+using slipstream_cpu::exp_nonpositive;
+using slipstream_cpu::i16;
+using slipstream_cpu::splat;
+using slipstream_cpu::v16;
+using slipstream_cpu::v16u;
 
 constexpr int64_t KEYS = 16;       // keys per score vector
 constexpr int64_t ITEM_ROWS = 64;  // tokens per work item (its keys are transposed once)
@@ -42,31 +46,6 @@ constexpr int64_t TILE_ROWS = 8;   // tokens whose scores are computed together
 constexpr int64_t SCORE_GROUP = 8; // query vectors sharing one pass over a key group
 constexpr int64_t VALUE_GROUP = 4; // query vectors sharing one pass over the values
 static_assert(SCORE_GROUP % VALUE_GROUP == 0, "the score groups pad the rows for both");
-
-inline v16 splat(float x) { return v16{} + x; }
-
-// e^x for x <= 0: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6
-// polynomial for e^r (~1 ulp). Below -87.3 it returns e^-87.3 (still normal; nil beside the
-// row's maximum, e^0). A NaN stays NaN (through r), so the sampler sees a broken row.
-inline v16 exp_nonpositive(v16 x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  // n = the integer nearest x / ln2 (truncation of a negative number rounds it up)
-  const v16 n = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16), v16);
-  v16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 inline float hsum(v16 v) {
   float s = 0.f;
@@ -94,6 +73,7 @@ struct Scratch {
   std::vector<v16> kt;  // key groups transposed: kt[group * D + d][t] = k_(16 group + t)[d]
   std::vector<const float*> k, v;  // k[c], v[c]: the rows of the item's key kt_begin + c
   std::vector<float> q, s, sums;
+  std::vector<float> k_wide, v_wide;  // a bf16 cache's rows of the item, widened
 };
 
 // The rows of keys k_begin..last in one cache, for the item's KV head, found a block at a
@@ -105,6 +85,26 @@ void token_rows(const float* cache, const Item& it, const Geometry& g, int64_t k
     const float* block = cache + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
     for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key)
       rows[key - k_begin] = block + off * g.token_stride;
+  }
+}
+
+// The same rows of a bf16 cache, widened (exactly) into ``wide`` once per item: each row is
+// then read by every tile of the item.
+void token_rows(const uint16_t* cache, const Item& it, const Geometry& g, int64_t k_begin,
+                int64_t last, int64_t D, std::vector<float>& wide,
+                std::vector<const float*>& rows) {
+  const int64_t n = last + 1 - k_begin;
+  wide.resize(n * D);
+  rows.resize(n);
+  for (int64_t key = k_begin; key <= last;) {
+    const uint16_t* block =
+        cache + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
+    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key) {
+      const uint16_t* src = block + off * g.token_stride;
+      float* dst = wide.data() + (key - k_begin) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = slipstream_cpu::widen(src[d]);
+      rows[key - k_begin] = dst;
+    }
   }
 }
 
@@ -232,18 +232,41 @@ void run_tile(const Item& it, const Geometry& g, int64_t r0, int64_t r1, int64_t
   }
 }
 
-template <int ND>
-void run_item(const Item& it, const Geometry& g, const float* q_base, const float* k_base,
-              const float* v_base, float* o_base, Scratch& sc) {
+template <int ND, typename T>
+void run_item(const Item& it, const Geometry& g, const float* q_base, const T* k_base,
+              const T* v_base, float* o_base, Scratch& sc) {
   const int64_t pos0 = it.ctx_len - it.q_len;
   const int64_t last = pos0 + it.r1 - 1;
   TORCH_CHECK(last / g.block_size < g.max_blocks, "block table too short");
   const int64_t kt_begin = first_key(pos0 + it.r0, g.window) / KEYS * KEYS;
-  token_rows(k_base, it, g, kt_begin, last, ND * KEYS, sc.k);
-  token_rows(v_base, it, g, kt_begin, last, ND * KEYS, sc.v);
+  if constexpr (std::is_same_v<T, float>) {
+    token_rows(k_base, it, g, kt_begin, last, ND * KEYS, sc.k);
+    token_rows(v_base, it, g, kt_begin, last, ND * KEYS, sc.v);
+  } else {
+    token_rows(k_base, it, g, kt_begin, last, ND * KEYS, sc.k_wide, sc.k);
+    token_rows(v_base, it, g, kt_begin, last, ND * KEYS, sc.v_wide, sc.v);
+  }
   transpose_keys<ND * KEYS>(sc);
   for (int64_t r0 = it.r0; r0 < it.r1; r0 += TILE_ROWS)
     run_tile<ND>(it, g, r0, std::min(it.r1, r0 + TILE_ROWS), kt_begin, q_base, o_base, sc);
+}
+
+template <typename T>
+void run_items(const std::vector<Item>& items, const Geometry& g, int64_t D,
+               const at::Tensor& query, const T* k_base, const T* v_base, at::Tensor& out) {
+  const float* q_base = query.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  slipstream_cpu::dynamic_for(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+    thread_local Scratch sc;
+    for (int64_t i = b; i < e; ++i) {
+      switch (D / KEYS) {
+        case 1: run_item<1>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
+        case 2: run_item<2>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
+        case 4: run_item<4>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
+        default: run_item<8>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
+      }
+    }
+  });
 }
 
 void check(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -299,21 +322,13 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return a.ctx_len - a.q_len + a.r1 > b.ctx_len - b.q_len + b.r1;
   });
-  const float* q_base = query.data_ptr<float>();
-  const float* k_base = key_cache.data_ptr<float>();
-  const float* v_base = value_cache.data_ptr<float>();
-  float* o_base = out.data_ptr<float>();
-  slipstream_cpu::dynamic_for(static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    thread_local Scratch sc;
-    for (int64_t i = b; i < e; ++i) {
-      switch (D / KEYS) {
-        case 1: run_item<1>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
-        case 2: run_item<2>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
-        case 4: run_item<4>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
-        default: run_item<8>(items[i], g, q_base, k_base, v_base, o_base, sc); break;
-      }
-    }
-  });
+  if (key_cache.scalar_type() == at::kBFloat16) {
+    run_items(items, g, D, query, reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+              reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), out);
+  } else {
+    run_items(items, g, D, query, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+              out);
+  }
 }
 
 }  // namespace
