@@ -389,7 +389,9 @@ def test_sigterm_drains_the_in_flight_request_and_fails_readiness(pod, spec):
     readiness = spec["readinessProbe"]["exec"]["command"]
     ready_while_draining = []
     while pod.process.poll() is None and time.monotonic() - signalled < 30:
-        ready_while_draining.append(pod.run_probe_command(readiness) == 0)
+        ready_while_draining.append(
+            (time.monotonic() - signalled, pod.run_probe_command(readiness) == 0)
+        )
         time.sleep(0.2)
     grace = find(render(f"overlays/{OVERLAY}"), "Deployment")["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"
@@ -401,5 +403,10 @@ def test_sigterm_drains_the_in_flight_request_and_fails_readiness(pod, spec):
     assert result["end"] > signalled, "the request had finished before SIGTERM: nothing drained"
     assert sum(e["num_output_tokens"] for e in result["events"]) == STREAM_TOKENS
     assert result["events"][-1]["finish_reason"] == "length"
-    assert ready_while_draining and not any(ready_while_draining)
+    # The server turns not-ready as it handles the signal: a probe in the first moments may
+    # still pass; none after that, and none once one has failed.
+    assert ready_while_draining and not ready_while_draining[-1][1]
+    first_failed = next(i for i, (_, ready) in enumerate(ready_while_draining) if not ready)
+    assert all(at < 2.0 for at, _ in ready_while_draining[:first_failed]), ready_while_draining
+    assert not any(ready for _, ready in ready_while_draining[first_failed:])
     assert time.monotonic() - signalled < grace
