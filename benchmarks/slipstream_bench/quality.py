@@ -9,9 +9,12 @@ Three figures, each on fixed inputs shipped here:
   over every position of ``quality_text.txt`` (written for this project; public domain);
 * perplexity on that text, and its change against the reference's.
 
-Gate (``GATES``): perplexity within 0.5% (bf16) / 2% (int8) of fp32's. The candidate runs the
-Hugging Face forward on the engine's own prepared layers (the same weights and GEMM kernels the
-lean forward calls; attention is fp32 in both), so the figures are the weights' and products'.
+Gate (``GATES``): perplexity within 0.5% (bf16) / 2% (int8) of fp32's. The candidate is the
+engine itself (``LLMEngine`` with ``dtype`` / ``quantization`` set, everything else as shipped):
+its lean forward, prepared layers, compiled kernels and KV cache in the dtype it serves with
+(bf16 with reduced weights), so the figures are those of what a server with that setting
+answers. The text's log-probabilities are the full rows the engine computes for
+``prompt_logprobs``; the greedy tokens are ``LLMEngine.generate``'s.
 ``slipstream bench --scenario quality`` prints them; ``tests/test_quality_gate.py`` asserts them.
 """
 
@@ -133,6 +136,50 @@ def reference(
     return ref
 
 
+# The engine settings of each candidate (as `--set` names them).
+CANDIDATES = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+
+
+def candidate_engine(path: Path, weights: str, max_model_len: int):
+    from slipstream.core.config import EngineConfig
+    from slipstream.engine import LLMEngine
+
+    settings = {**CANDIDATES.get(weights, {}), "enable_prefix_caching": False}
+    return LLMEngine(
+        EngineConfig(model=str(path), device="cpu", max_model_len=max_model_len, **settings)
+    )
+
+
+@torch.no_grad()
+def engine_text_log_probs(engine, ids: torch.Tensor) -> torch.Tensor:
+    """What ``text_log_probs`` computes, through the engine: the full logit rows it scores
+    ``prompt_logprobs`` with (every chunk of the prompt, in order) -> [T-1, vocab]."""
+    from slipstream.core.sampling_params import SamplingParams
+
+    runner, rows = engine.runner, []
+    score = runner.execute_with_prompt_logits
+
+    def capture(sched):
+        logits, sample_rows, prompt_logits = score(sched)
+        rows.extend(p.clone() for p in prompt_logits if p is not None)
+        return logits, sample_rows, prompt_logits
+
+    runner.execute_with_prompt_logits = capture
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        engine.generate([ids.tolist()], params)
+    finally:
+        del runner.execute_with_prompt_logits
+    return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+
+
+def engine_greedy(engine, prompts: Sequence[str], new_tokens: int) -> list[list[int]]:
+    from slipstream.core.sampling_params import SamplingParams
+
+    outs = engine.generate(list(prompts), SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    return [list(o.token_ids) for o in outs]
+
+
 def evaluate(
     path: Path,
     tokenizer,
@@ -142,10 +189,11 @@ def evaluate(
     new_tokens: int = NEW_TOKENS,
 ) -> QualityReport:
     start = time.perf_counter()
-    model = prepared(path, weights)
-    log_probs = text_log_probs(model, ref.ids)
+    engine = candidate_engine(path, weights, max_model_len=len(ref.ids) + 64)
+    log_probs = engine_text_log_probs(engine, ref.ids)
+    assert log_probs.shape == ref.log_probs.shape, (log_probs.shape, ref.log_probs.shape)
     ppl = perplexity(log_probs, ref.ids)
-    agree, firsts = agreement(ref.greedy, greedy(model, tokenizer, prompts, new_tokens))
+    agree, firsts = agreement(ref.greedy, engine_greedy(engine, prompts, new_tokens))
     gate = GATES.get(weights)
     change = ppl / ref.perplexity - 1
     return QualityReport(

@@ -1,10 +1,17 @@
-"""Linear layers with bf16 or int8 weights on CPU; activations, norms and attention stay fp32.
+"""Linear layers with bf16 or int8 weights on CPU; the residual stream, norms and attention
+stay fp32.
 
-``dtype=bfloat16`` and ``quantization=int8`` change only how the linear layers' weights are
-held and multiplied. Every activation (the residual stream, norms, rotary, attention, the
-logits) stays float32: the inputs of a product are rounded to bf16 where the product runs in
-bf16, and every sum accumulates in float32. A decode step reads every weight once and is bound
-by that read, so its speed follows the weights' bytes (fp32 4, bf16 2, int8 1 per weight).
+``dtype=bfloat16`` and ``quantization=int8`` change how the linear layers' weights are held
+and multiplied. The residual stream, norms, rotary, attention and the logits stay float32:
+the inputs of a product are rounded to bf16 where the product runs in bf16, and every sum
+accumulates in float32. In the lean forward a packed (AMX) bf16 product hands its output on
+in bf16 where the consumer takes bf16 (the MLP's activation and down projection, the
+residual add, the KV cache), as vLLM's bf16 model does: widening every product's output to
+fp32 and rounding it again for the next product cost a 2,002-token prefill step (14 prompts)
+~14 of its ~570 ms. A
+decode step reads every weight once and is bound by that read, so its speed follows the
+weights' bytes (fp32 4, bf16 2, int8 1 per weight). The KV cache is bf16 with reduced
+weights unless ``kv_cache_dtype`` says otherwise.
 
 One copy of each weight is resident: the fp32 weight is dropped once converted, and the layout
 the products read is the only one kept (`WeightPlan`):
@@ -76,6 +83,9 @@ class WeightPlan:
     bf16_gemm: bool = True
     pack: bool = False  # bf16 on AMX: oneDNN's packing replaces the plain weight
     packed: Optional[torch.Tensor] = None  # oneDNN's packing of the bf16 weight
+    # The packed product's bf16 output as it is (the lean forward's inner layers, whose
+    # consumers take bf16: vLLM's bf16 MLP), else widened to fp32.
+    bf16_out: bool = False
 
 
 # Up to this many rows the compiled kernel streams a plain weight; above, oneDNN's bf16 GEMM.
@@ -133,7 +143,9 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
         y = padded_product(
             x2.to(torch.bfloat16),
             lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
-        ).float()
+        )
+        if not plan.bf16_out:
+            y = y.float()
         if plan.bias is not None:
             y.add_(plan.bias)
     elif 0 < rows <= plan.kernel_rows:
@@ -272,21 +284,30 @@ def applied_plan(module: torch.nn.Module) -> Optional[WeightPlan]:
     return None
 
 
-def fused_reduced(modules: Sequence[torch.nn.Module]) -> Optional[Callable]:
+def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) -> Optional[Callable]:
     """One product over reduced layers that share an input (q, k, v or gate, up): their
     weights stacked into one plan; each layer's own copy goes (its forward becomes a slice of
-    the fused product, which the lean forward does not call). None where they cannot fuse."""
+    the fused product, which the lean forward does not call). None where they cannot fuse.
+    ``bf16_out``: a packed (AMX) product returns bf16 (see ``WeightPlan.bf16_out``)."""
     found = [applied_plan(m) for m in modules]
     plans = [p for p in found if p is not None and p.plain is not None]
     if len(plans) != len(found) or len({p.pack for p in plans}) != 1:
         return None
     fused = _stack_plans(plans)
+    fused.bf16_out = bf16_out and fused.pack
     gemm = functools.partial(_reduced_forward, fused)
     sizes = [p.out_features for p in plans]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     for m, start, size in zip(modules, offsets, sizes):
         m.forward = functools.partial(_slice_of, gemm, start, size)
     return gemm
+
+
+def keep_bf16_output(module: torch.nn.Module) -> None:
+    """A packed (AMX) bf16 layer returns its product in bf16 (``WeightPlan.bf16_out``)."""
+    plan = applied_plan(module)
+    if plan is not None and plan.pack:
+        plan.bf16_out = True
 
 
 def _slice_of(gemm: Callable, start: int, size: int, x: torch.Tensor) -> torch.Tensor:

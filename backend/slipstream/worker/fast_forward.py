@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
-from slipstream.worker.cpu_reduced_linear import fused_reduced
+from slipstream.worker.cpu_reduced_linear import fused_reduced, keep_bf16_output
 from slipstream.worker.ops import cpu_kernels
 
 # model_type -> how a layer finds its sliding window (None: no window)
@@ -123,7 +123,7 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
     if modules[0] in _PROJECTIONS:
         return _PROJECTIONS[modules[0]]
 
-    reduced = fused_reduced(modules)
+    reduced = fused_reduced(modules, bf16_out=True)
     if reduced is not None:  # each output column is its own dot product: no check needed
         sizes = [m.out_features for m in modules]
         projection = lambda x: reduced(x).split(sizes, dim=-1)  # noqa: E731
@@ -197,6 +197,10 @@ class FastForward:
                     window_of(config, attn),
                 )
             )
+        if fuse:  # bf16 products feed bf16 consumers as they are (vLLM's bf16 MLP)
+            for layer in layers:
+                keep_bf16_output(layer.o)
+                keep_bf16_output(layer.down)
         return cls(model, layers, select_early=fuse)
 
     def __call__(
@@ -216,9 +220,9 @@ class FastForward:
         rows: Optional[torch.Tensor] = keep  # the rows still to select (None: selected)
         for layer in self.layers:
             x = layer.norm_in(hidden)
-            q, k, v = layer.qkv(x)
-            q = self.rotary(q[0], cos, sin, d)
-            k = self.rotary(k[0], cos, sin, d)
+            q, k, v = layer.qkv(x)  # bf16 from a packed bf16 product: rotary runs in fp32
+            q = self.rotary(q[0].float(), cos, sin, d)
+            k = self.rotary(k[0].float(), cos, sin, d)
             out = attention_step(
                 layer.index, q, k, v.reshape(t, hkv, d), layer.scaling, layer.sliding_window
             )
