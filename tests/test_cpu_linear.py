@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_linear import CpuLinear, bucketed_rows, onednn_available, prepare_linears
+from slipstream.worker.cpu_linear import (
+    CpuLinear,
+    bucketed_rows,
+    onednn_available,
+    padded_product,
+    prepare_linears,
+)
 
 
 def _model(bias: bool) -> torch.nn.Module:
@@ -84,3 +90,28 @@ def test_padded_rows_leave_the_real_rows_unchanged(rows):
         got = model(x)
     assert got.shape == (rows, 40)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_products_stage_into_one_reused_buffer_and_slice_the_padding_off():
+    """A padded input is converted and padded in one pass into a per-width buffer that is
+    reused (no fresh padded copy per product); the rows past the input are zeros."""
+    from slipstream.worker import cpu_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 24)
+    seen = []
+
+    def product(rows):
+        seen.append((rows.data_ptr(), rows.shape[0], rows[-1].abs().sum().item()))
+        return rows.float() @ w.t()
+
+    for rows in (130, 129, 200, 130):  # buckets 144, 144, 208, 144
+        x = torch.randn(rows, 24)
+        got = padded_product(x, product, torch.bfloat16)
+        assert got.shape == (rows, 40)
+        torch.testing.assert_close(got, x.bfloat16().float() @ w.t())
+    assert [s[1] for s in seen] == [144, 144, 208, 144]
+    assert all(s[2] == 0 for s in seen)  # padding rows are zeros
+    assert seen[0][0] == seen[1][0]  # the same buffer, not a fresh copy
+    assert seen[3][0] == seen[2][0]  # grown once to 208 rows, then reused
+    assert cpu_linear._staging.bufs[(24, torch.bfloat16)].shape == (208, 24)

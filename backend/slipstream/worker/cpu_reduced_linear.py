@@ -141,8 +141,9 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     if plan.packed is not None:
         packed = plan.packed
         y = padded_product(
-            x2.to(torch.bfloat16),
+            x2,
             lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
+            torch.bfloat16,
         )
         if not plan.bf16_out:
             y = y.float()
@@ -275,6 +276,13 @@ def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
         else "oneDNN fp32 on a widened copy (no AVX512-BF16: slower prompts)"
     )
     return f"{fmt.value} weights, fp32 activations; decode rows: {decode}; prompt rows: {prompt}"
+
+
+def applied_plan_of(product: Callable) -> Optional[WeightPlan]:
+    """The plan a reduced product (``fused_reduced``'s, or a layer's forward) runs."""
+    if isinstance(product, functools.partial) and product.func is _reduced_forward:
+        return product.args[0]
+    return None
 
 
 def applied_plan(module: torch.nn.Module) -> Optional[WeightPlan]:

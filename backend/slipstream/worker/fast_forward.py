@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
-from slipstream.worker.cpu_reduced_linear import fused_reduced, keep_bf16_output
+from slipstream.worker.cpu_reduced_linear import applied_plan_of, fused_reduced, keep_bf16_output
 from slipstream.worker.ops import cpu_kernels
 
 # model_type -> how a layer finds its sliding window (None: no window)
@@ -51,6 +51,8 @@ class _Layer:
     o: torch.nn.Module
     gate_up: Projection  # -> (gate, up)
     down: torch.nn.Module
+    # x -> silu(gate) * up in one pass, where the products are bf16 (else None)
+    activation: Optional[Callable[[torch.Tensor], torch.Tensor]]
     scaling: float
     sliding_window: Optional[int]
 
@@ -112,6 +114,29 @@ def _fused_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     return fused
 
 
+class _Split:
+    """A fused reduced product split back per layer; ``product`` gives it unsplit."""
+
+    def __init__(self, product: Callable[[torch.Tensor], torch.Tensor], sizes: list[int]):
+        self.product, self.sizes = product, sizes
+
+    def __call__(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        return self.product(x).split(self.sizes, dim=-1)
+
+
+def _gated_activation(gate_up: Projection) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """``silu(gate) * up`` in one compiled pass over the unsplit product, where that product
+    hands out bf16 (a packed bf16 product: its consumers take bf16); elsewhere None, and the
+    model's own operators run (fp32 stays bit for bit the Hugging Face forward's)."""
+    if not isinstance(gate_up, _Split) or not cpu_kernels.load():
+        return None
+    plan = applied_plan_of(gate_up.product)
+    if plan is None or not plan.bf16_out:
+        return None
+    product = gate_up.product
+    return lambda x: torch.ops.slipstream_cpu.silu_mul(product(x))
+
+
 def _separate_projection(modules: Sequence[torch.nn.Module]) -> Projection:
     return lambda x: tuple(m(x) for m in modules)
 
@@ -125,8 +150,7 @@ def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
 
     reduced = fused_reduced(modules, bf16_out=True)
     if reduced is not None:  # each output column is its own dot product: no check needed
-        sizes = [m.out_features for m in modules]
-        projection = lambda x: reduced(x).split(sizes, dim=-1)  # noqa: E731
+        projection = _Split(reduced, [m.out_features for m in modules])
         _PROJECTIONS[modules[0]] = projection
         return projection
     separate = _separate_projection(modules)
@@ -184,6 +208,7 @@ class FastForward:
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            gate_up = project((mlp.gate_proj, mlp.up_proj))
             layers.append(
                 _Layer(
                     i,
@@ -191,8 +216,9 @@ class FastForward:
                     _fused_norm(layer.post_attention_layernorm),
                     project((attn.q_proj, attn.k_proj, attn.v_proj)),
                     attn.o_proj,
-                    project((mlp.gate_proj, mlp.up_proj)),
+                    gate_up,
                     mlp.down_proj,
+                    _gated_activation(gate_up),
                     attn.scaling,
                     window_of(config, attn),
                 )
@@ -236,8 +262,11 @@ class FastForward:
             # prefill sizes).
             hidden.add_(layer.o(out.reshape(1, t, h * d)))
             x = layer.norm_post(hidden)
-            gate, up = layer.gate_up(x)
-            hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
+            if layer.activation is not None:
+                hidden.add_(layer.down(layer.activation(x)))
+            else:
+                gate, up = layer.gate_up(x)
+                hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
         hidden = self.final_norm(hidden if rows is None else hidden[:, rows, :])
         return self.model.lm_head(hidden)[0]
 

@@ -50,6 +50,8 @@ SOURCES = tuple(
         "cpu_rms_norm.cpp",
         "cpu_rotary.cpp",
         "cpu_sampling.cpp",
+        "cpu_silu_mul.cpp",
+        "cpu_logit_stats.cpp",
     )
 )
 HEADERS = tuple(
@@ -74,7 +76,14 @@ EXACT_FLAGS = ("-fno-fast-math", "-ffp-contract=off")
 # Kernels whose results must not depend on how the compiler regroups a sum (a prompt row's
 # attention must not depend on the tile around it): no reassociation, multiply-adds fused.
 ORDERED_FLAGS = ("-fno-fast-math", "-ffp-contract=fast")
-SOURCE_FLAGS = {"cpu_rotary.cpp": EXACT_FLAGS, "cpu_prefill_attention.cpp": ORDERED_FLAGS}
+# NaN checks must survive (fast-math would fold them away): the sampler's NaN guard reads
+# logit_stats' log-sum-exp, and silu_mul keeps a NaN a NaN when it rounds to bf16.
+SOURCE_FLAGS = {
+    "cpu_rotary.cpp": EXACT_FLAGS,
+    "cpu_prefill_attention.cpp": ORDERED_FLAGS,
+    "cpu_logit_stats.cpp": ORDERED_FLAGS,
+    "cpu_silu_mul.cpp": ORDERED_FLAGS,
+}
 
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": bool, "error": str
