@@ -1,5 +1,5 @@
-"""The quality gate of reduced-precision weights: a CPU model prepared as the engine prepares it
-(``dtype=bfloat16``, ``quantization=int8``) against the Hugging Face fp32 model.
+"""The quality gate of reduced-precision weights: the CPU engine serving with ``dtype=bfloat16``
+or ``quantization=int8`` against the Hugging Face fp32 model.
 
 Three figures, each on fixed inputs shipped here:
 
@@ -62,15 +62,6 @@ def load_fp32(path: Path):
     from slipstream.worker.model_loader import load_model
 
     return load_model(path, torch.float32, torch.device("cpu"))
-
-
-def prepared(path: Path, weights: str, cpu_linear: str = "auto"):
-    """A fresh fp32 load prepared exactly as the CPU engine prepares its model."""
-    from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
-
-    model = load_fp32(path)
-    prepare_cpu_model(model, weights, cpu_linear)
-    return model
 
 
 @torch.no_grad()

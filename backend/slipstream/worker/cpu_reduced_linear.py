@@ -278,7 +278,7 @@ def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
     return f"{fmt.value} weights, fp32 activations; decode rows: {decode}; prompt rows: {prompt}"
 
 
-def applied_plan_of(product: Callable) -> Optional[WeightPlan]:
+def applied_plan_of(product: Optional[Callable]) -> Optional[WeightPlan]:
     """The plan a reduced product (``fused_reduced``'s, or a layer's forward) runs."""
     if isinstance(product, functools.partial) and product.func is _reduced_forward:
         return product.args[0]
@@ -286,10 +286,7 @@ def applied_plan_of(product: Callable) -> Optional[WeightPlan]:
 
 
 def applied_plan(module: torch.nn.Module) -> Optional[WeightPlan]:
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, functools.partial) and forward.func is _reduced_forward:
-        return forward.args[0]
-    return None
+    return applied_plan_of(module.__dict__.get("forward"))
 
 
 def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) -> Optional[Callable]:

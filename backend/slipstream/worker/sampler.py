@@ -25,7 +25,7 @@ import torch
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.worker.structured_output import apply_grammar_masks
-from slipstream.worker.token_draw import sample_rows
+from slipstream.worker.token_draw import compiled, sample_rows
 
 _FINITE = torch.finfo(torch.float32).max
 PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
@@ -102,10 +102,8 @@ class PerRequestError(RuntimeError):
 
 def _logit_stats(logits: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(each row's argmax, its log-sum-exp) in one compiled pass over the rows, or
-    (None, None) where the CPU kernels are not loaded (the torch operators then)."""
-    from slipstream.worker.ops import cpu_kernels
-
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not cpu_kernels.load():
+    (None, None) where the compiled kernels do not take these logits (torch's operators then)."""
+    if not compiled(logits):
         return None, None
     top, lse = torch.ops.slipstream_cpu.logit_stats(logits)
     return top, lse

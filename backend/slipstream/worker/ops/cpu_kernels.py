@@ -56,7 +56,7 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_parallel.h", "cpu_attention_checks.h", "cpu_vector.h")
+    for name in ("cpu_parallel.h", "cpu_attention_checks.h", "cpu_vector.h", "cpu_paged_rows.h")
 )
 # -ffast-math only while compiling (reassociation lets the dot products and exp vectorize);
 # linking without it keeps crtfastmath (flush-to-zero for the whole process) out.

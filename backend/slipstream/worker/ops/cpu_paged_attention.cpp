@@ -30,6 +30,7 @@
 
 
 #include "cpu_attention_checks.h"
+#include "cpu_paged_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 
@@ -56,17 +57,6 @@ struct Scratch {
   std::vector<float> scores, acc, sums, tile;  // tile: a bf16 key tile widened
   std::vector<const void*> rows;  // the item's token rows (K then V), in order
 };
-
-// The cache rows of tokens first..len-1 of one sequence, a block at a time.
-template <typename T>
-void token_rows(const T* cache, const int32_t* table, const Geometry& g, int64_t first,
-                int64_t len, int64_t h0, const T** rows) {
-  for (int64_t t = first; t < len;) {
-    const T* block = cache + table[t / g.block_size] * g.block_stride + h0 * g.D;
-    for (int64_t off = t % g.block_size; off < g.block_size && t < len; ++off, ++t)
-      rows[t - first] = block + off * g.token_stride;
-  }
-}
 
 // Pulls a tile's rows (the item's heads of each token) towards the core while the tile
 // before it is computed: the cache is read from memory once a step, and the two threads'
@@ -285,8 +275,10 @@ void run(at::Tensor& out, const at::Tensor& query, const T* k_base, const T* v_b
       sc.rows.resize(2 * n);
       const T** k = reinterpret_cast<const T**>(sc.rows.data());
       const T** v = k + n;
-      token_rows(k_base, table, g, first, len, h0, k);
-      token_rows(v_base, table, g, first, len, h0, v);
+      slipstream_cpu::paged_rows(k_base, table, g.block_size, g.block_stride, g.token_stride,
+                                 h0 * g.D, first, len, k);
+      slipstream_cpu::paged_rows(v_base, table, g.block_size, g.block_stride, g.token_stride,
+                                 h0 * g.D, first, len, v);
       switch (g.D) {
         case 16: attend_item<1>(g, q, o, k, v, n, heads, sc); break;
         case 32: attend_item<2>(g, q, o, k, v, n, heads, sc); break;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_attention_checks.h"
+#include "cpu_paged_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
 
@@ -76,16 +77,12 @@ struct Scratch {
   std::vector<float> k_wide, v_wide;  // a bf16 cache's rows of the item, widened
 };
 
-// The rows of keys k_begin..last in one cache, for the item's KV head, found a block at a
-// time (a division per key and tile is as dear as the key's multiply-adds).
+// The rows of keys k_begin..last in one cache, for the item's KV head.
 void token_rows(const float* cache, const Item& it, const Geometry& g, int64_t k_begin,
                 int64_t last, int64_t D, std::vector<const float*>& rows) {
   rows.resize(last + 1 - k_begin);
-  for (int64_t key = k_begin; key <= last;) {
-    const float* block = cache + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
-    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key)
-      rows[key - k_begin] = block + off * g.token_stride;
-  }
+  slipstream_cpu::paged_rows(cache, it.table, g.block_size, g.block_stride, g.token_stride,
+                             it.kv_head * D, k_begin, last + 1, rows.data());
 }
 
 // The same rows of a bf16 cache, widened (exactly) into ``wide`` once per item: each row is
@@ -94,17 +91,16 @@ void token_rows(const uint16_t* cache, const Item& it, const Geometry& g, int64_
                 int64_t last, int64_t D, std::vector<float>& wide,
                 std::vector<const float*>& rows) {
   const int64_t n = last + 1 - k_begin;
+  thread_local std::vector<const uint16_t*> src;
+  src.resize(n);
+  slipstream_cpu::paged_rows(cache, it.table, g.block_size, g.block_stride, g.token_stride,
+                             it.kv_head * D, k_begin, last + 1, src.data());
   wide.resize(n * D);
   rows.resize(n);
-  for (int64_t key = k_begin; key <= last;) {
-    const uint16_t* block =
-        cache + it.table[key / g.block_size] * g.block_stride + it.kv_head * D;
-    for (int64_t off = key % g.block_size; off < g.block_size && key <= last; ++off, ++key) {
-      const uint16_t* src = block + off * g.token_stride;
-      float* dst = wide.data() + (key - k_begin) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = slipstream_cpu::widen(src[d]);
-      rows[key - k_begin] = dst;
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = wide.data() + i * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = slipstream_cpu::widen(src[i][d]);
+    rows[i] = dst;
   }
 }
 
