@@ -112,6 +112,27 @@ def test_prepared_layers_keep_one_copy_and_compute_near_fp32(fmt, tol, rows):
         assert (g - w).abs().max() <= tol * w.abs().max() + 1e-3
 
 
+def test_int8_keeps_the_lm_head_in_bf16_and_the_tied_embedding_in_int8():
+    """quantization=int8 leaves the head unquantized (bf16, as quantization schemes list it
+    under "ignore"); the embedding tied to it keeps an int8 table of its own."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    ids = torch.randint(0, 50, (5,))
+    with torch.no_grad():
+        h = model.embed(ids)
+        want = model.lm_head(h)
+        rl.prepare_reduced_linears(model, rl.WeightFormat.INT8)
+        head = rl.applied_plan(model.lm_head)
+        layer = rl.applied_plan(model.a)
+        got = model.lm_head(model.embed(ids))
+    assert head is not None and head.scales is None
+    held = head.plain if head.plain is not None else head.packed
+    assert held is not None and held.dtype == torch.bfloat16
+    assert layer is not None and layer.scales is not None  # the other layers stay int8
+    assert model.embed.weight.dtype == torch.int8  # the table the lookups read
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
 def test_fused_layers_compute_each_layers_product():
     torch.manual_seed(0)
     model = _Tiny()

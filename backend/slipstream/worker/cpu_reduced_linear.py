@@ -26,9 +26,11 @@ the products read is the only one kept (`WeightPlan`):
   on a CPU with neither AVX512-BF16 nor AMX oneDNN's fp32 GEMM on a widened copy.
 
 int8 is weight-only (like vLLM's W8A16 schemes): symmetric, one fp32 scale per output row
-(``scale = max|w| / 127``), activations not quantized. A tied input embedding reads the same
-table (its rows dequantized on lookup), so tying costs no second copy; with the AMX bf16
-layout the embedding keeps its own plain bf16 table (oneDNN's packing cannot be gathered).
+(``scale = max|w| / 127``), activations not quantized. The LM head is not quantized: it is
+held as bf16 (``HEAD_FORMAT``), and a tied input embedding keeps an int8 table of its own
+(rows dequantized on lookup). With bf16 weights a tied embedding reads the head's plain table,
+so tying costs no second copy, except with the AMX layout, where the embedding keeps its own
+plain bf16 table (oneDNN's packing cannot be gathered).
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ KERNEL_ROWS = {WeightFormat.BFLOAT16: 4, WeightFormat.INT8: 16}
 # kernel 13.6 / 22.0 / 41.5 ms at 16 / 32 / 64 rows against 42.8 / 42.4 / 51.7 widened.
 LARGE_WEIGHT = 1 << 23
 LARGE_KERNEL_ROWS = 64
+
+
+# The LM head is not quantized (held as bf16 under quantization=int8), as quantization
+# schemes commonly leave it: vLLM's compressed-tensors configs list it under "ignore", and
+# llama.cpp's Q4/Q5 mixes keep output.weight at 6 bits or more. A decode step's int8 head past
+# 16 rows was 22 ms of a 109 ms batch-64 step (the kernel) against 2 ms packed bf16 on AMX.
+HEAD_FORMAT = {WeightFormat.INT8: WeightFormat.BFLOAT16}
 
 
 def _bf16_gemm_ok(features: CpuFeatures) -> bool:
@@ -219,11 +228,19 @@ def _prepare_embedding(
 
 
 def _prepare_one(
-    module: torch.nn.Linear, ctx: _Context, tied_embedding: Optional[torch.nn.Module]
+    module: torch.nn.Linear,
+    ctx: _Context,
+    tied_embedding: Optional[torch.nn.Module],
+    fmt: Optional[WeightFormat] = None,
 ) -> None:
-    weight, scales = _convert(module.weight, ctx.fmt)
-    plan = _plan(weight, scales, module.bias, ctx.fmt, ctx.features, ctx.kernel)
-    if tied_embedding is not None:
+    """``module`` in ``fmt`` (default: the model's, ``ctx.fmt``)."""
+    fmt = fmt or ctx.fmt
+    weight, scales = _convert(module.weight, fmt)
+    plan = _plan(weight, scales, module.bias, fmt, ctx.features, ctx.kernel)
+    if tied_embedding is not None and fmt is not ctx.fmt:
+        # an unquantized head: the embedding keeps the model's format in a table of its own
+        _prepare_embedding(tied_embedding, *_convert(module.weight, ctx.fmt))
+    elif tied_embedding is not None:
         _prepare_embedding(tied_embedding, weight, scales)
     module.weight = _meta_like(weight)
     if module.bias is not None:
@@ -240,7 +257,10 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     embedding = _tied_embedding(model)
     head = getattr(model, "lm_head", None)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
-        _prepare_one(module, ctx, embedding if module is head else None)
+        if module is head:
+            _prepare_one(module, ctx, embedding, HEAD_FORMAT.get(fmt, fmt))
+        else:
+            _prepare_one(module, ctx, None)
     _own_storage(model)
     return describe(fmt, features, kernel)
 
