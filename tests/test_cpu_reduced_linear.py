@@ -1,10 +1,11 @@
-"""bf16 / int8 linear weights on CPU: the compiled weight-GEMM kernel (both of its paths), and
-``prepare_reduced_linears``: one resident copy of each weight, products close to fp32's."""
+"""bf16 / int8 linear weights on CPU: the compiled bf16 weight-GEMM kernel (both of its paths),
+and ``prepare_reduced_linears``: one resident copy of each weight, products close to fp32's.
+(The int8 product itself: test_cpu_q8_gemm.py.)"""
 
 import pytest
 import torch
 
-from slipstream.worker import cpu_reduced_linear as rl
+from slipstream.worker import cpu_reduced_linear as rl, q8_weight
 from slipstream.worker.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -33,27 +34,17 @@ def test_weight_gemm_computes_the_bf16_product(kernel_path, rows, n):
     gen = torch.Generator().manual_seed(rows * 100 + n)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(n, 96, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen)
-    got = op.weight_gemm(x, w, None, bias)
+    got = op.weight_gemm(x, w, bias)
     torch.testing.assert_close(
         got.double(), _reference(x, w, kernel_path) + bias.double(), rtol=1e-5, atol=1e-4
     )
-
-
-@pytest.mark.parametrize("rows", [1, 8, 33])
-def test_weight_gemm_applies_int8_row_scales(kernel_path, rows):
-    gen = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 64, generator=gen), torch.randn(40, 64, generator=gen)
-    q, scales = rl.quantize_int8(w)
-    got = op.weight_gemm(x, q, scales, None)
-    want = _reference(x, q.float(), kernel_path) * scales.double()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_weight_gemm_reads_rows_at_their_stride(kernel_path):
     wide, w = torch.randn(3, 128), torch.randn(8, 64).bfloat16()
     x = wide[:, :64]
     torch.testing.assert_close(
-        op.weight_gemm(x, w, None, None).double(),
+        op.weight_gemm(x, w, None).double(),
         _reference(x, w, kernel_path),
         rtol=1e-5,
         atol=1e-4,
@@ -62,18 +53,9 @@ def test_weight_gemm_reads_rows_at_their_stride(kernel_path):
 
 def test_weight_gemm_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        op.weight_gemm(torch.randn(1, 40), torch.randn(4, 40).bfloat16(), None, None)
-    with pytest.raises(RuntimeError, match="need float32 scales"):
-        op.weight_gemm(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.int8), None, None)
-    with pytest.raises(RuntimeError, match="bfloat16 or int8"):
-        op.weight_gemm(torch.randn(1, 32), torch.randn(4, 32).half(), None, None)
-
-
-def test_int8_quantization_is_symmetric_per_row():
-    w = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]])
-    q, scales = rl.quantize_int8(w)
-    assert q.dtype == torch.int8 and q.abs().amax(1).tolist() == [127, 127]
-    torch.testing.assert_close(q.float() * scales[:, None], w, atol=0.01, rtol=0)
+        op.weight_gemm(torch.randn(1, 40), torch.randn(4, 40).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        op.weight_gemm(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.int8), None)
 
 
 class _Tiny(torch.nn.Module):
@@ -112,9 +94,9 @@ def test_prepared_layers_keep_one_copy_and_compute_near_fp32(fmt, tol, rows):
         assert (g - w).abs().max() <= tol * w.abs().max() + 1e-3
 
 
-def test_int8_keeps_the_lm_head_in_bf16_and_the_tied_embedding_in_int8():
-    """quantization=int8 leaves the head unquantized (bf16, as quantization schemes list it
-    under "ignore"); the embedding tied to it keeps an int8 table of its own."""
+def test_int8_head_is_the_only_copy_and_the_tied_embedding_reads_it():
+    """quantization=int8 quantizes the head too; the embedding tied to it looks its rows up
+    in the head's packed blocks (no table of its own)."""
     torch.manual_seed(0)
     model = _Tiny()
     ids = torch.randint(0, 50, (5,))
@@ -123,14 +105,27 @@ def test_int8_keeps_the_lm_head_in_bf16_and_the_tied_embedding_in_int8():
         want = model.lm_head(h)
         rl.prepare_reduced_linears(model, rl.WeightFormat.INT8)
         head = rl.applied_plan(model.lm_head)
-        layer = rl.applied_plan(model.a)
-        got = model.lm_head(model.embed(ids))
-    assert head is not None and head.scales is None
-    held = head.plain if head.plain is not None else head.packed
-    assert held is not None and held.dtype == torch.bfloat16
-    assert layer is not None and layer.scales is not None  # the other layers stay int8
-    assert model.embed.weight.dtype == torch.int8  # the table the lookups read
+        got_h = model.embed(ids)
+        got = model.lm_head(got_h)
+    assert head is not None and head.q8 is not None and head.plain is None
+    assert model.embed.weight.device.type == "meta"  # no table of its own
+    torch.testing.assert_close(got_h, head.q8.rows(ids))
+    assert (got_h - h).abs().max() <= 0.01 * h.abs().max()
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_bf16_tied_embedding_reads_the_bf16_table():
+    """The embedding tied to a bf16 head returns the head's rows rounded to bf16, widened to
+    fp32 (a plain bf16 table: oneDNN's packing of the head cannot be gathered)."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    want = model.embed.weight.detach().bfloat16().float()
+    ids = torch.tensor([3, 7, 3])
+    with torch.no_grad():
+        rl.prepare_reduced_linears(model, rl.WeightFormat.BFLOAT16)
+        rows = model.embed(ids)
+    assert rl.applied_plan(model.lm_head).q8 is None
+    assert rows.dtype == torch.float32 and torch.equal(rows, want[ids])
 
 
 def test_fused_layers_compute_each_layers_product():
@@ -211,8 +206,7 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
         EngineConfig(quantization="int4")
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
-def test_a_cpu_without_bf16_or_amx_takes_the_portable_paths(monkeypatch, fmt):
+def test_a_cpu_without_bf16_or_amx_takes_the_portable_bf16_paths(monkeypatch):
     """As on an AVX2-only CPU: decode rows on the portable kernel, prompt rows in fp32 on a
     widened copy (oneDNN would only emulate bf16 there); the log line says so."""
     monkeypatch.setattr(rl.CpuFeatures, "detect", classmethod(lambda cls: cls(False, False, False)))
@@ -223,12 +217,32 @@ def test_a_cpu_without_bf16_or_amx_takes_the_portable_paths(monkeypatch, fmt):
         x_few, x_many = torch.randn(2, 64), torch.randn(40, 64)
         with torch.no_grad():
             want = [model.a(x_few), model.a(x_many)]
-            how = rl.prepare_reduced_linears(model, rl.WeightFormat(fmt))
+            how = rl.prepare_reduced_linears(model, rl.WeightFormat.BFLOAT16)
             plan = rl.applied_plan(model.a)
             got = [model.a(x_few), model.a(x_many)]
     finally:
         op.weight_gemm_force_portable(False)
-    assert "portable" in how and "no AVX512-BF16" in how
+    assert "portable" in how and "no AVX512-BF16 or AMX" in how
     assert plan.packed is None and not plan.pack and not plan.bf16_gemm
     for g, w in zip(got, want):
         assert (g - w).abs().max() <= 0.03 * w.abs().max()
+
+
+def test_a_cpu_without_vnni_runs_int8_on_the_portable_kernel():
+    """The same blocks and sums on the portable loop; the log line names the path."""
+    op.q8_gemm_force_portable(True)
+    try:
+        torch.manual_seed(0)
+        model = _Tiny()
+        x = torch.randn(7, 64)
+        with torch.no_grad():
+            want = model.a(x)
+            how = rl.prepare_reduced_linears(model, rl.WeightFormat.INT8)
+            got = model.a(x)
+    finally:
+        op.q8_gemm_force_portable(False)
+    assert "compiled kernel (portable)" in how
+    plan = rl.applied_plan(model.a)
+    assert plan is not None and plan.q8 is not None
+    torch.testing.assert_close(got, q8_weight.product(plan.q8, x, plan.bias, kernel=False))
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()

@@ -14,7 +14,7 @@ POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtype
-QUANTIZATIONS = (None, "int8")  # int8: weight-only, per-row scales (worker/cpu_reduced_linear)
+QUANTIZATIONS = (None, "int8")  # int8: weights and activations in blocks of 32 (worker/q8_weight)
 CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
 ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 

@@ -3,34 +3,29 @@ stay fp32.
 
 ``dtype=bfloat16`` and ``quantization=int8`` change how the linear layers' weights are held
 and multiplied. The residual stream, norms, rotary, attention and the logits stay float32:
-the inputs of a product are rounded to bf16 where the product runs in bf16, and every sum
-accumulates in float32. In the lean forward a packed (AMX) bf16 product hands its output on
-in bf16 where the consumer takes bf16 (the MLP's activation and down projection, the
-residual add, the KV cache), as vLLM's bf16 model does: widening every product's output to
-fp32 and rounding it again for the next product cost a 2,002-token prefill step (14 prompts)
-~14 of its ~570 ms. A
-decode step reads every weight once and is bound by that read, so its speed follows the
-weights' bytes (fp32 4, bf16 2, int8 1 per weight). The KV cache is bf16 with reduced
-weights unless ``kv_cache_dtype`` says otherwise.
+the inputs of a product are rounded to bf16 (bf16) or quantized per block (int8) where the
+product runs, and every sum accumulates exactly (int8) or in float32. In the lean forward a
+packed bf16 product hands its output on in bf16 where the consumer takes bf16 (the MLP's
+activation and down projection, the residual add, the KV cache), as vLLM's bf16 model does:
+widening every product's output to fp32 and rounding it again for the next product cost a
+2,002-token prefill step (14 prompts) ~14 of its ~570 ms. A decode step reads every weight
+once, so at a few rows its speed follows the weights' bytes (fp32 4, bf16 2, int8 ~1.1 per
+weight); at many rows it follows the arithmetic rate, which int8 doubles against bf16. The KV
+cache is bf16 with reduced weights unless ``kv_cache_dtype`` says otherwise.
 
 One copy of each weight is resident: the fp32 weight is dropped once converted, and the layout
-the products read is the only one kept (`WeightPlan`):
+the products read is the only one kept (``WeightPlan``):
 
-* bf16 where the CPU has AMX (Sapphire Rapids and later Xeons): oneDNN's own packing of the
-  bf16 weight, which it runs on AMX tiles at every row count (a decode step's GEMMs at 8-64
-  rows in 0.3-0.5x the fp32 kernel's time on one thread; at 1 row as fast as the bf16 kernel).
-* bf16 elsewhere, and int8 everywhere: the plain ``[N, K]`` weight. Up to ``kernel_rows`` rows
-  (decode steps) ``ops/cpu_weight_gemm.cpp`` streams it (AVX512-BF16 ``vdpbf16ps`` where the CPU
-  has it, else widened to fp32 a tile at a time); more rows (prompt chunks) run oneDNN's bf16
-  GEMM on it (int8 widened to bf16 exactly for the call, its scales applied to the output), or
-  on a CPU with neither AVX512-BF16 nor AMX oneDNN's fp32 GEMM on a widened copy.
-
-int8 is weight-only (like vLLM's W8A16 schemes): symmetric, one fp32 scale per output row
-(``scale = max|w| / 127``), activations not quantized. The LM head is not quantized: it is
-held as bf16 (``HEAD_FORMAT``), and a tied input embedding keeps an int8 table of its own
-(rows dequantized on lookup). With bf16 weights a tied embedding reads the head's plain table,
-so tying costs no second copy, except with the AMX layout, where the embedding keeps its own
-plain bf16 table (oneDNN's packing cannot be gathered).
+* bf16 where the CPU has AVX512-BF16 or AMX (Zen 4, Cooper Lake, Sapphire Rapids and later):
+  oneDNN's own packing of the bf16 weight, run at every row count (on Zen 4 at 1-64 rows
+  1.1-2x the compiled bf16 kernel's speed on the plain weight, at 64-2,048 rows near the
+  CPU's bf16 rate).
+* bf16 elsewhere: the plain ``[N, K]`` weight; decode rows (up to ``BF16_KERNEL_ROWS``) on
+  ``ops/cpu_weight_gemm.cpp`` (weights widened to fp32 in registers), prompt rows on oneDNN's
+  fp32 GEMM on a widened copy.
+* int8: weights and activations in blocks of 32 along K (``q8_weight``, llama.cpp's Q8_0 x
+  Q8_0), multiplied by ``ops/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop). The LM
+  head too: a tied input embedding looks its rows up in the head's packed weight.
 """
 
 from __future__ import annotations
@@ -39,11 +34,12 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from slipstream.worker import q8_weight
 from slipstream.worker.cpu_linear import padded_product
 from slipstream.worker.ops import cpu_kernels
 
@@ -72,42 +68,29 @@ class CpuFeatures:
 
 @dataclass
 class WeightPlan:
-    """One linear layer's weight as its products read it (exactly one of plain / packed).
-    A plan to be packed for oneDNN keeps its plain weight until its first product, so that
-    layers sharing an input can be stacked first (``fused_reduced``)."""
+    """One linear layer's weight as its products read it (exactly one of plain / packed /
+    q8). A plan to be packed for oneDNN keeps its plain weight until its first product, so
+    that layers sharing an input can be stacked first (``fused_reduced``)."""
 
     out_features: int
-    plain: Optional[torch.Tensor]  # [N, K] bf16 or int8, rows contiguous
-    scales: Optional[torch.Tensor]  # [N] fp32: int8's per-row scales
+    plain: Optional[torch.Tensor]  # [N, K] bf16, rows contiguous
     bias: Optional[torch.Tensor]  # [N] fp32
-    kernel_rows: int  # up to this many rows the compiled kernel runs the product
-    # many rows in bf16 (the CPU has AVX512-BF16 or AMX), else in fp32 on a widened copy
+    kernel_rows: int  # up to this many rows the compiled kernel runs a plain product
+    # many rows of a plain weight in bf16 (the CPU has AVX512-BF16 or AMX), else in fp32
     bf16_gemm: bool = True
-    pack: bool = False  # bf16 on AMX: oneDNN's packing replaces the plain weight
+    pack: bool = False  # bf16 with AVX512-BF16 or AMX: oneDNN's packing replaces the plain
     packed: Optional[torch.Tensor] = None  # oneDNN's packing of the bf16 weight
     # The packed product's bf16 output as it is (the lean forward's inner layers, whose
     # consumers take bf16: vLLM's bf16 MLP), else widened to fp32.
     bf16_out: bool = False
+    q8: Optional[q8_weight.Q8Weight] = None  # int8: the packed blocks
+    kernel: bool = False  # the compiled kernels are loaded (int8's product)
 
 
-# Up to this many rows the compiled kernel streams a plain weight; above, oneDNN's bf16 GEMM.
-# One thread, one decode step's GEMMs (SmolLM2-135M, Xeon with AMX, CPU time, noisy shared
-# machine): int8 kernel 0.54x the fp32 kernel at 1 row, 0.78x at 8, 1.18x at 32; bf16 kernel
-# 0.68x at 1 row and 1.26x at 8 (it is bound by vdpbf16ps's rate past a few rows, where
-# oneDNN's blocked kernels keep more products in flight).
-KERNEL_ROWS = {WeightFormat.BFLOAT16: 4, WeightFormat.INT8: 16}
-# A weight this large (an LM head) costs more to widen for one call than the kernel's product
-# at up to 64 rows: a fresh 57 MB bf16 copy page-faults in. SmolLM2's int8 LM head, one thread:
-# kernel 13.6 / 22.0 / 41.5 ms at 16 / 32 / 64 rows against 42.8 / 42.4 / 51.7 widened.
-LARGE_WEIGHT = 1 << 23
-LARGE_KERNEL_ROWS = 64
-
-
-# The LM head is not quantized (held as bf16 under quantization=int8), as quantization
-# schemes commonly leave it: vLLM's compressed-tensors configs list it under "ignore", and
-# llama.cpp's Q4/Q5 mixes keep output.weight at 6 bits or more. A decode step's int8 head past
-# 16 rows was 22 ms of a 109 ms batch-64 step (the kernel) against 2 ms packed bf16 on AMX.
-HEAD_FORMAT = {WeightFormat.INT8: WeightFormat.BFLOAT16}
+# Up to this many rows the compiled kernel streams a plain bf16 weight (a CPU without
+# AVX512-BF16 or AMX, where oneDNN would only emulate bf16); above, oneDNN's fp32 GEMM on a
+# widened copy.
+BF16_KERNEL_ROWS = 4
 
 
 def _bf16_gemm_ok(features: CpuFeatures) -> bool:
@@ -115,26 +98,32 @@ def _bf16_gemm_ok(features: CpuFeatures) -> bool:
     return features.avx512_bf16 or features.amx_bf16
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: ``weight ~= q * scale[:, None]``."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
-
-
 def _wide_product(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
-    """Many rows (a prompt chunk): oneDNN's GEMM on the plain weight, in bf16 where the CPU
-    runs bf16 products natively, else in fp32 on a widened copy made for the call."""
+    """Many rows of a plain weight (a prompt chunk, or no compiled kernel): oneDNN's GEMM, in
+    bf16 where the CPU runs bf16 products natively, else in fp32 on a widened copy."""
     plain = plan.plain
     assert plain is not None  # a plan not packed (packing is the only thing that drops it)
     if plan.bf16_gemm:
-        weight = plain if plain.dtype == torch.bfloat16 else plain.bfloat16()
-        y = F.linear(x.to(torch.bfloat16), weight).float()
+        y = F.linear(x.to(torch.bfloat16), plain).float()
     else:
         y = F.linear(x, plain.float())
-    if plan.scales is not None:
-        y.mul_(plan.scales)
+    if plan.bias is not None:
+        y.add_(plan.bias)
+    return y
+
+
+def _packed_product(plan: WeightPlan, x2: torch.Tensor) -> torch.Tensor:
+    if plan.packed is None:
+        plan.packed = torch.ops.mkldnn._reorder_linear_weight(plan.plain, 64)
+        plan.plain = None
+    packed = plan.packed
+    y = padded_product(
+        x2,
+        lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
+        torch.bfloat16,
+    )
+    if not plan.bf16_out:
+        y = y.float()
     if plan.bias is not None:
         y.add_(plan.bias)
     return y
@@ -144,58 +133,44 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
     x2 = x.reshape(rows, width)
-    if plan.pack and plan.packed is None:
-        plan.packed = torch.ops.mkldnn._reorder_linear_weight(plan.plain, 64)
-        plan.plain = None
-    if plan.packed is not None:
-        packed = plan.packed
-        y = padded_product(
-            x2,
-            lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
-            torch.bfloat16,
-        )
-        if not plan.bf16_out:
-            y = y.float()
-        if plan.bias is not None:
-            y.add_(plan.bias)
+    if plan.q8 is not None:
+        y = q8_weight.product(plan.q8, x2, plan.bias, plan.kernel)
+    elif plan.pack:
+        y = _packed_product(plan, x2)
     elif 0 < rows <= plan.kernel_rows:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch.ops.slipstream_cpu.weight_gemm(x2, plan.plain, plan.scales, plan.bias)
+        y = torch.ops.slipstream_cpu.weight_gemm(x2, plan.plain, plan.bias)
     else:
         y = padded_product(x2, lambda rows: _wide_product(plan, rows))
     return y.view(*x.shape[:-1], plan.out_features)
 
 
-def _plan(
-    weight: torch.Tensor,
-    scales: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    fmt: WeightFormat,
-    features: CpuFeatures,
-    kernel: bool,
+def _bf16_plan(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], features: CpuFeatures, kernel: bool
 ) -> WeightPlan:
-    """``weight`` is already in ``fmt`` (bf16, or int8 with ``scales``)."""
     n, k = weight.shape
-    bias = None if bias is None else bias.detach().float().contiguous()
-    if fmt is WeightFormat.BFLOAT16 and features.amx_bf16 and _onednn_ok():
-        return WeightPlan(n, weight.contiguous(), None, bias, 0, pack=True)
-    rows = KERNEL_ROWS[fmt] if kernel and k % 32 == 0 else 0
-    if rows and fmt is WeightFormat.INT8 and weight.numel() >= LARGE_WEIGHT:
-        rows = LARGE_KERNEL_ROWS
-    return WeightPlan(n, weight.contiguous(), scales, bias, rows, _bf16_gemm_ok(features))
+    if _bf16_gemm_ok(features) and _onednn_ok():
+        return WeightPlan(n, weight, bias, 0, pack=True)
+    rows = BF16_KERNEL_ROWS if kernel and k % 32 == 0 else 0
+    return WeightPlan(n, weight, bias, rows, _bf16_gemm_ok(features))
+
+
+def _plan(
+    module: torch.nn.Linear, fmt: WeightFormat, features: CpuFeatures, kernel: bool
+) -> WeightPlan:
+    weight = module.weight.detach()
+    bias = None if module.bias is None else module.bias.detach().float().contiguous()
+    if fmt is WeightFormat.INT8 and q8_weight.supports(weight):
+        q8 = q8_weight.quantize(weight)
+        return WeightPlan(q8.out_features, None, bias, 0, q8=q8, kernel=kernel)
+    return _bf16_plan(weight.to(torch.bfloat16).contiguous(), bias, features, kernel)
 
 
 def _onednn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
     )
-
-
-def _convert(weight: torch.Tensor, fmt: WeightFormat):
-    if fmt is WeightFormat.INT8:
-        return quantize_int8(weight)
-    return weight.detach().to(torch.bfloat16).contiguous(), None
 
 
 def _meta_like(t: torch.Tensor) -> torch.nn.Parameter:
@@ -205,47 +180,39 @@ def _meta_like(t: torch.Tensor) -> torch.nn.Parameter:
     )
 
 
-@dataclass
-class _Context:
-    fmt: WeightFormat
-    features: CpuFeatures
-    kernel: bool
+def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
+    """A tied embedding looks its rows up in the head's weight and returns them as fp32:
+    int8 reads the head's packed blocks; bf16 reads the head's plain table, or, where oneDNN
+    packs the head, a plain bf16 table of its own (oneDNN's packing cannot be gathered)."""
+    q8 = plan.q8
+    if q8 is not None:
 
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            return q8.rows(ids)
 
-def _prepare_embedding(
-    embedding: torch.nn.Module, plain: torch.Tensor, scales: Optional[torch.Tensor]
-) -> None:
-    """The embedding looks its rows up in ``plain`` and returns them as fp32."""
+        embedding.weight = _meta_like(q8.packed)
+    else:
+        assert plan.plain is not None  # a bf16 plan keeps it until its first product
+        table = plan.plain.clone() if plan.pack else plan.plain
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, plain).float()
-        if scales is not None:
-            rows.mul_(scales[ids].unsqueeze(-1))
-        return rows
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            return F.embedding(ids, table).float()
 
-    embedding.weight = _meta_like(plain)
+        embedding.weight = _meta_like(table)
     embedding.forward = forward
 
 
 def _prepare_one(
-    module: torch.nn.Linear,
-    ctx: _Context,
-    tied_embedding: Optional[torch.nn.Module],
-    fmt: Optional[WeightFormat] = None,
-) -> None:
-    """``module`` in ``fmt`` (default: the model's, ``ctx.fmt``)."""
-    fmt = fmt or ctx.fmt
-    weight, scales = _convert(module.weight, fmt)
-    plan = _plan(weight, scales, module.bias, fmt, ctx.features, ctx.kernel)
-    if tied_embedding is not None and fmt is not ctx.fmt:
-        # an unquantized head: the embedding keeps the model's format in a table of its own
-        _prepare_embedding(tied_embedding, *_convert(module.weight, ctx.fmt))
-    elif tied_embedding is not None:
-        _prepare_embedding(tied_embedding, weight, scales)
-    module.weight = _meta_like(weight)
+    module: torch.nn.Linear, fmt: WeightFormat, features: CpuFeatures, kernel: bool
+) -> WeightPlan:
+    plan = _plan(module, fmt, features, kernel)
+    held = plan.q8.packed if plan.q8 is not None else plan.plain
+    assert held is not None  # a new plan holds its weight
+    module.weight = _meta_like(held)
     if module.bias is not None:
         module.register_parameter("bias", None)  # the plan holds it as fp32
     setattr(module, "forward", functools.partial(_reduced_forward, plan))
+    return plan
 
 
 def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
@@ -253,14 +220,12 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     returns what runs the products, for the start-up log."""
     features = CpuFeatures.detect()
     kernel = cpu_kernels.load()
-    ctx = _Context(fmt, features, kernel)
     embedding = _tied_embedding(model)
     head = getattr(model, "lm_head", None)
     for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
-        if module is head:
-            _prepare_one(module, ctx, embedding, HEAD_FORMAT.get(fmt, fmt))
-        else:
-            _prepare_one(module, ctx, None)
+        plan = _prepare_one(module, fmt, features, kernel)
+        if module is head and embedding is not None:
+            _prepare_embedding(embedding, plan)
     _own_storage(model)
     return describe(fmt, features, kernel)
 
@@ -286,16 +251,19 @@ def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 
 
 def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
-    if fmt is WeightFormat.BFLOAT16 and features.amx_bf16 and _onednn_ok():
-        return "bf16 weights packed for oneDNN (AMX), fp32 activations"
+    if fmt is WeightFormat.INT8:
+        path = torch.ops.slipstream_cpu.q8_gemm_path() if kernel else None
+        how = f"compiled kernel ({path})" if path else "torch (no compiled kernel: slow)"
+        return f"int8 weights and activations in blocks of 32 (Q8_0 x Q8_0); products: {how}"
+    if _bf16_gemm_ok(features) and _onednn_ok():
+        isa = "AMX" if features.amx_bf16 else "AVX512-BF16"
+        return f"bf16 weights packed for oneDNN ({isa}), fp32 activations"
     path = torch.ops.slipstream_cpu.weight_gemm_path() if kernel else None
     decode = f"compiled kernel ({path})" if path else "oneDNN (no compiled kernel)"
-    prompt = (
-        "oneDNN bf16"
-        if _bf16_gemm_ok(features)
-        else "oneDNN fp32 on a widened copy (no AVX512-BF16: slower prompts)"
+    return (
+        f"bf16 weights, fp32 activations; decode rows: {decode}; prompt rows: oneDNN fp32 on "
+        "a widened copy (no AVX512-BF16 or AMX: slower prompts)"
     )
-    return f"{fmt.value} weights, fp32 activations; decode rows: {decode}; prompt rows: {prompt}"
 
 
 def applied_plan_of(product: Optional[Callable]) -> Optional[WeightPlan]:
@@ -313,12 +281,14 @@ def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) ->
     """One product over reduced layers that share an input (q, k, v or gate, up): their
     weights stacked into one plan; each layer's own copy goes (its forward becomes a slice of
     the fused product, which the lean forward does not call). None where they cannot fuse.
-    ``bf16_out``: a packed (AMX) product returns bf16 (see ``WeightPlan.bf16_out``)."""
+    ``bf16_out``: a packed bf16 product returns bf16 (see ``WeightPlan.bf16_out``)."""
     found = [applied_plan(m) for m in modules]
-    plans = [p for p in found if p is not None and p.plain is not None]
-    if len(plans) != len(found) or len({p.pack for p in plans}) != 1:
+    plans = [p for p in found if p is not None and (p.plain is not None or p.q8 is not None)]
+    if len(plans) != len(found) or len({(p.pack, p.q8 is None) for p in plans}) != 1:
         return None
     fused = _stack_plans(plans)
+    if fused is None:
+        return None
     fused.bf16_out = bf16_out and fused.pack
     gemm = functools.partial(_reduced_forward, fused)
     sizes = [p.out_features for p in plans]
@@ -329,7 +299,7 @@ def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) ->
 
 
 def keep_bf16_output(module: torch.nn.Module) -> None:
-    """A packed (AMX) bf16 layer returns its product in bf16 (``WeightPlan.bf16_out``)."""
+    """A packed bf16 layer returns its product in bf16 (``WeightPlan.bf16_out``)."""
     plan = applied_plan(module)
     if plan is not None and plan.pack:
         plan.bf16_out = True
@@ -339,28 +309,34 @@ def _slice_of(gemm: Callable, start: int, size: int, x: torch.Tensor) -> torch.T
     return gemm(x).narrow(-1, start, size)
 
 
-def _stack_plans(plans: Sequence[WeightPlan]) -> WeightPlan:
+def _stack_plans(plans: Sequence[WeightPlan]) -> Optional[WeightPlan]:
     n = sum(p.out_features for p in plans)
     bias = None
     if any(p.bias is not None for p in plans):
         bias = torch.cat(
             [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in plans]
         )
+    first = plans[0]
+    if first.q8 is not None:
+        q8 = q8_weight.stack(_all_set([p.q8 for p in plans]))
+        if q8 is None:
+            return None
+        for p in plans:
+            p.q8 = None
+        return WeightPlan(n, None, bias, 0, q8=q8, kernel=first.kernel)
     stacked = torch.cat(_all_set([p.plain for p in plans])).contiguous()  # not packed yet
-    scales = None
-    if plans[0].scales is not None:  # int8: every plan has its scales
-        scales = torch.cat(_all_set([p.scales for p in plans])).contiguous()
     for p in plans:
         p.plain = None
-    return WeightPlan(
-        n, stacked, scales, bias, plans[0].kernel_rows, plans[0].bf16_gemm, plans[0].pack
-    )
+    return WeightPlan(n, stacked, bias, first.kernel_rows, first.bf16_gemm, first.pack)
 
 
-def _all_set(tensors: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-    """``tensors``, which the caller knows are all set."""
-    present = [t for t in tensors if t is not None]
-    assert len(present) == len(tensors)
+T = TypeVar("T")
+
+
+def _all_set(items: list[Optional[T]]) -> list[T]:
+    """``items``, which the caller knows are all set."""
+    present = [t for t in items if t is not None]
+    assert len(present) == len(items)
     return present
 
 

@@ -1,17 +1,16 @@
-// Linear layers with reduced-precision weights for a few rows (decode steps) on CPU.
+// Linear layers with bf16 weights for a few rows (decode steps) on a CPU where oneDNN does not
+// run bf16 products natively (neither AVX512-BF16 nor AMX: it would emulate them).
 //
-// y[M, N] = x[M, K] · dequant(w[N, K])ᵀ + bias, x and y float32, w in the layout the model
+// y[M, N] = x[M, K] · w[N, K]ᵀ + bias, x and y float32, w bfloat16 in the layout the model
 // stores it ([N, K], rows contiguous: the only resident copy; prompt chunks read the same
-// tensor through oneDNN), one of
-//   bfloat16                            (dtype=bfloat16)
-//   int8 with a float32 scale per row   (quantization=int8: w[n, k] * scales[n])
-// Products accumulate in float32. A decode step reads every weight once, so the product is
-// bound by that read: bf16 halves its bytes against fp32, int8 quarters them.
+// tensor through oneDNN's fp32 GEMM on a widened copy). Products accumulate in float32. A
+// decode step reads every weight once, so the product is bound by that read: bf16 halves its
+// bytes against fp32.
 //
-// With AVX512-BF16 (Zen 4, Cooper Lake and later Xeons) each row of x is rounded to bf16 once
-// and the dot products run on vdpbf16ps (32 products a lane group, fp32 sums), int8 weights
-// widened exactly to bf16 in registers first. Elsewhere the weights are widened to fp32 a tile
-// at a time and the dot products are plain loops the compiler vectorizes (AVX2 or AVX-512).
+// With AVX512-BF16 (where oneDNN is unavailable) each row of x is rounded to bf16 once and
+// the dot products run on vdpbf16ps (32 products a lane group, fp32 sums). Elsewhere the
+// weights are widened to fp32 a tile at a time and the dot products are plain loops the
+// compiler vectorizes (AVX2 or AVX-512).
 //
 // Built with the other kernels by slipstream/worker/ops/cpu_kernels.py:
 // torch.ops.slipstream_cpu.weight_gemm, torch.ops.slipstream_cpu.weight_gemm_path.
@@ -38,34 +37,8 @@ bool g_force_portable = false;
 constexpr int kCols = 4;     // output columns per task tile (their weight rows stay in L1)
 constexpr int kRowTile = 6;  // rows per register tile (kRowTile x kCols accumulators)
 
-enum class WeightKind { kBf16, kInt8 };
-
-WeightKind kind_of(const at::Tensor& w) {
-  if (w.scalar_type() == at::kBFloat16) return WeightKind::kBf16;
-  TORCH_CHECK(w.scalar_type() == at::kChar, "weight_gemm: weight must be bfloat16 or int8");
-  return WeightKind::kInt8;
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool kDpBf16 = true;
-
-// Weight rows [n0, n0 + cols) as bf16 pairs: the tensor itself (bf16), or widened into `buf`.
-const uint16_t* bf16_rows(const at::Tensor& w, WeightKind kind, int64_t n0, int cols, int64_t K,
-                          std::vector<uint16_t>& buf) {
-  if (kind == WeightKind::kBf16)
-    return reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * K;
-  buf.resize(static_cast<size_t>(cols) * K);
-  const int8_t* src = w.data_ptr<int8_t>() + n0 * K;
-  for (int64_t i = 0; i < cols * K; i += 32) {  // K % 32 == 0 (checked)
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
-    // -128..127 are exact in bf16
-    _mm512_storeu_si512(buf.data() + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-  return buf.data();
-}
 
 template <int R, int C>
 void dp_tile(const uint16_t* __restrict x, int64_t K, const uint16_t* __restrict w,
@@ -87,7 +60,7 @@ void dp_tile(const uint16_t* __restrict x, int64_t K, const uint16_t* __restrict
 
 template <int C>
 void dp_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N,
-             int64_t n0, const float* scales, const float* bias) {
+             int64_t n0, const float* bias) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
     float out[kRowTile][C];
     const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - m0));
@@ -103,7 +76,7 @@ void dp_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* 
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < C; ++c) {
         const int64_t n = n0 + c;
-        y[(m0 + r) * N + n] = out[r][c] * (scales ? scales[n] : 1.f) + (bias ? bias[n] : 0.f);
+        y[(m0 + r) * N + n] = out[r][c] + (bias ? bias[n] : 0.f);
       }
   }
 }
@@ -112,26 +85,19 @@ constexpr bool kDpBf16 = false;
 #endif
 
 // Portable: the tile's weight rows widened to fp32, then vectorizable dot products.
-void widen_rows(const at::Tensor& w, WeightKind kind, int64_t n0, int cols, int64_t K,
-                float* out) {
-  if (kind == WeightKind::kBf16) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * K;
+void widen_rows(const uint16_t* w, int64_t n0, int cols, int64_t K, float* out) {
+  const uint16_t* src = w + n0 * K;
 #pragma omp simd
-    for (int64_t i = 0; i < cols * K; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      out[i] = f;
-    }
-  } else {
-    const int8_t* src = w.data_ptr<int8_t>() + n0 * K;
-#pragma omp simd
-    for (int64_t i = 0; i < cols * K; ++i) out[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < cols * K; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    out[i] = f;
   }
 }
 
 void fp32_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int cols,
-               float* y, int64_t N, int64_t n0, const float* scales, const float* bias) {
+               float* y, int64_t N, int64_t n0, const float* bias) {
   for (int64_t m = 0; m < M; ++m)
     for (int c = 0; c < cols; ++c) {
       const float* xm = x + m * ldx;
@@ -140,27 +106,26 @@ void fp32_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w
 #pragma omp simd reduction(+ : sum)
       for (int64_t k = 0; k < K; ++k) sum += xm[k] * wc[k];
       const int64_t n = n0 + c;
-      y[m * N + n] = sum * (scales ? scales[n] : 1.f) + (bias ? bias[n] : 0.f);
+      y[m * N + n] = sum + (bias ? bias[n] : 0.f);
     }
 }
 
 #if defined(__AVX512BF16__)
-void dp_bf16_gemm(const at::Tensor& x, const at::Tensor& w, WeightKind kind, const float* s,
-                  const float* b, float* yp, int64_t tiles, int64_t grain) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+void dp_bf16_gemm(const at::Tensor& x, const uint16_t* w, const float* b, float* yp, int64_t N,
+                  int64_t tiles, int64_t grain) {
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor xb = x.to(at::kBFloat16).contiguous();  // each row rounded once, not per column
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   slipstream_cpu::dynamic_for(tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> buf;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols;
       const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      const uint16_t* wt = bf16_rows(w, kind, n0, cols, K, buf);
+      const uint16_t* wt = w + n0 * K;
       switch (cols) {
-        case 1: dp_rows<1>(xp, M, K, wt, yp, N, n0, s, b); break;
-        case 2: dp_rows<2>(xp, M, K, wt, yp, N, n0, s, b); break;
-        case 3: dp_rows<3>(xp, M, K, wt, yp, N, n0, s, b); break;
-        default: dp_rows<4>(xp, M, K, wt, yp, N, n0, s, b); break;
+        case 1: dp_rows<1>(xp, M, K, wt, yp, N, n0, b); break;
+        case 2: dp_rows<2>(xp, M, K, wt, yp, N, n0, b); break;
+        case 3: dp_rows<3>(xp, M, K, wt, yp, N, n0, b); break;
+        default: dp_rows<4>(xp, M, K, wt, yp, N, n0, b); break;
       }
     }
   });
@@ -168,28 +133,21 @@ void dp_bf16_gemm(const at::Tensor& x, const at::Tensor& w, WeightKind kind, con
 #endif
 
 at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
-                       const c10::optional<at::Tensor>& scales,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "weight_gemm: x must be float32 [M, K], rows contiguous");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "weight_gemm: weight must be [N, K] contiguous, K as x's");
-  const WeightKind kind = kind_of(w);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "weight_gemm: weight must be bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0, "weight_gemm: K must be a multiple of 32");
-  const float* s = nullptr;
-  if (kind == WeightKind::kInt8) {
-    TORCH_CHECK(scales.has_value() && scales->defined() && scales->scalar_type() == at::kFloat &&
-                    scales->is_contiguous() && scales->numel() == N,
-                "weight_gemm: int8 weights need float32 scales [N]");
-    s = scales->data_ptr<float>();
-  }
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "weight_gemm: bias must be float32 [N]");
     b = bias->data_ptr<float>();
   }
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kCols - 1) / kCols;
@@ -197,7 +155,7 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
   const int64_t grain = std::max<int64_t>(1, 16 / kCols);
 #if defined(__AVX512BF16__)
   if (!g_force_portable) {
-    dp_bf16_gemm(x, w, kind, s, b, yp, tiles, grain);
+    dp_bf16_gemm(x, wp, b, yp, N, tiles, grain);
     return y;
   }
 #endif
@@ -208,8 +166,8 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols;
       const int cols = static_cast<int>(std::min<int64_t>(kCols, N - n0));
-      widen_rows(w, kind, n0, cols, K, buf.data());
-      fp32_rows(xp, ldx, M, K, buf.data(), cols, yp, N, n0, s, b);
+      widen_rows(wp, n0, cols, K, buf.data());
+      fp32_rows(xp, ldx, M, K, buf.data(), cols, yp, N, n0, b);
     }
   });
   return y;
@@ -225,7 +183,7 @@ void weight_gemm_force_portable(bool on) { g_force_portable = on; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def("weight_gemm(Tensor x, Tensor w, Tensor? scales, Tensor? bias) -> Tensor");
+  m.def("weight_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("weight_gemm_path() -> str", &weight_gemm_path);
   m.def("weight_gemm_force_portable(bool on) -> ()", &weight_gemm_force_portable);
 }
