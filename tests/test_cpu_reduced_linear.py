@@ -246,3 +246,26 @@ def test_a_cpu_without_vnni_runs_int8_on_the_portable_kernel():
     assert plan is not None and plan.q8 is not None
     torch.testing.assert_close(got, q8_weight.product(plan.q8, x, plan.bias, kernel=False))
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_avx512_bf16_without_amx_holds_panels_and_the_embedding_reads_the_heads(monkeypatch):
+    """Zen 4 / Cooper Lake: every bf16 weight in panels (the only copy), the tied embedding
+    reading the head's panels, products on the panel kernel (portable where this CPU lacks
+    AVX512-BF16)."""
+    monkeypatch.setattr(rl.CpuFeatures, "detect", classmethod(lambda cls: cls(True, False, False)))
+    torch.manual_seed(0)
+    model = _Tiny()
+    ids = torch.tensor([4, 9])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want_rows = model.embed.weight.detach().bfloat16().float()[ids]
+        want = model.a(x)
+        how = rl.prepare_reduced_linears(model, rl.WeightFormat.BFLOAT16)
+        got = model.a(x)
+        rows = model.embed(ids)
+    assert "bf16 weights in panels" in how
+    head, a = rl.applied_plan(model.lm_head), rl.applied_plan(model.a)
+    assert head is not None and head.panels is not None and head.plain is None
+    assert a is not None and a.panels is not None and a.packed is None
+    assert model.embed.weight.device.type == "meta" and torch.equal(rows, want_rows)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()

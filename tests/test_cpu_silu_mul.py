@@ -61,5 +61,7 @@ def test_lean_forward_uses_it_only_for_bf16_products():
     model = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
     prepare_cpu_model(model, "bfloat16", "auto")
     bf16 = FastForward.for_model(model)
-    packed = CpuFeatures.detect().amx_bf16  # only packed (AMX) products hand out bf16
-    assert all((layer.activation is not None) == packed for layer in bf16.layers)
+    # packed (AMX) and panel (AVX512-BF16) products hand out bf16; plain ones fp32
+    features = CpuFeatures.detect()
+    bf16_out = features.amx_bf16 or features.avx512_bf16
+    assert all((layer.activation is not None) == bf16_out for layer in bf16.layers)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -92,8 +93,6 @@ class _Server:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "_Server":
-        import httpx
-
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
@@ -103,9 +102,10 @@ class _Server:
                     f"llama-server exited ({self.proc.returncode}); see {self.log_path}"
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:  # refused while it starts, or 503 while it loads the model
                 pass
             time.sleep(0.5)
         self.__exit__()
@@ -122,8 +122,6 @@ class _Server:
 
 
 def _stream(url: str, prompt: str, record: RequestRecord, bar: Progress) -> None:
-    import httpx
-
     body = {
         "prompt": prompt,
         "n_predict": record.max_tokens,
@@ -133,9 +131,14 @@ def _stream(url: str, prompt: str, record: RequestRecord, bar: Progress) -> None
         "cache_prompt": False,
     }
     try:
-        with httpx.stream("POST", url + "/completion", json=body, timeout=3600) as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
+        request = urllib.request.Request(
+            url + "/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=3600) as resp:
+            for raw in resp:  # server-sent events, a line as it arrives
+                line = raw.decode().strip()
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])

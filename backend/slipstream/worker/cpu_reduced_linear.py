@@ -16,10 +16,14 @@ cache is bf16 with reduced weights unless ``kv_cache_dtype`` says otherwise.
 One copy of each weight is resident: the fp32 weight is dropped once converted, and the layout
 the products read is the only one kept (``WeightPlan``):
 
-* bf16 where the CPU has AVX512-BF16 or AMX (Zen 4, Cooper Lake, Sapphire Rapids and later):
-  oneDNN's own packing of the bf16 weight, run at every row count (on Zen 4 at 1-64 rows
-  1.1-2x the compiled bf16 kernel's speed on the plain weight, at 64-2,048 rows near the
-  CPU's bf16 rate).
+* bf16 where the CPU has AMX (Sapphire Rapids and later Xeons): oneDNN's own packing of the
+  bf16 weight, run on AMX tiles at every row count.
+* bf16 where the CPU has AVX512-BF16 and no AMX (Zen 4, Cooper Lake): the weight in panels
+  (``bf16_weight``) for ``ops/cpu_bf16_gemm.cpp``. A decode step streams the weights from
+  memory: oneDNN's packed bf16 GEMM read them at ~13 GB/s on Zen 4, the panel kernel at
+  1.3-2x that speed at 1-8 rows; at 64 rows both run at ~300 GFLOP/s, at prompt sizes oneDNN
+  is ~10-20% ahead. The panels are also the only copy of the head: a tied embedding reads
+  them, where oneDNN's packing would need a table of its own.
 * bf16 elsewhere: the plain ``[N, K]`` weight; decode rows (up to ``BF16_KERNEL_ROWS``) on
   ``ops/cpu_weight_gemm.cpp`` (weights widened to fp32 in registers), prompt rows on oneDNN's
   fp32 GEMM on a widened copy.
@@ -39,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker import q8_weight
+from slipstream.worker import bf16_weight, q8_weight
 from slipstream.worker.cpu_linear import padded_product
 from slipstream.worker.ops import cpu_kernels
 
@@ -69,7 +73,7 @@ class CpuFeatures:
 @dataclass
 class WeightPlan:
     """One linear layer's weight as its products read it (exactly one of plain / packed /
-    q8). A plan to be packed for oneDNN keeps its plain weight until its first product, so
+    panels / q8). A plan to be packed for oneDNN keeps its plain weight until its first product, so
     that layers sharing an input can be stacked first (``fused_reduced``)."""
 
     out_features: int
@@ -78,13 +82,21 @@ class WeightPlan:
     kernel_rows: int  # up to this many rows the compiled kernel runs a plain product
     # many rows of a plain weight in bf16 (the CPU has AVX512-BF16 or AMX), else in fp32
     bf16_gemm: bool = True
-    pack: bool = False  # bf16 with AVX512-BF16 or AMX: oneDNN's packing replaces the plain
+    pack: bool = False  # bf16 with AMX: oneDNN's packing replaces the plain weight
     packed: Optional[torch.Tensor] = None  # oneDNN's packing of the bf16 weight
-    # The packed product's bf16 output as it is (the lean forward's inner layers, whose
-    # consumers take bf16: vLLM's bf16 MLP), else widened to fp32.
+    panels: Optional[bf16_weight.Bf16Weight] = None  # bf16 with AVX512-BF16, no AMX
+    # A bf16 product's output (packed or panels) as it is (the lean forward's inner layers,
+    # whose consumers take bf16: vLLM's bf16 MLP), else widened to fp32.
     bf16_out: bool = False
     q8: Optional[q8_weight.Q8Weight] = None  # int8: the packed blocks
     kernel: bool = False  # the compiled kernels are loaded (int8's product)
+
+    def held(self) -> Optional[torch.Tensor]:
+        """The tensor that holds the weight (None once stacked into a fused plan)."""
+        for layout in (self.q8, self.panels):
+            if layout is not None:
+                return layout.packed
+        return self.packed if self.packed is not None else self.plain
 
 
 # Up to this many rows the compiled kernel streams a plain bf16 weight (a CPU without
@@ -135,6 +147,8 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(rows, width)
     if plan.q8 is not None:
         y = q8_weight.product(plan.q8, x2, plan.bias, plan.kernel)
+    elif plan.panels is not None:
+        y = bf16_weight.product(plan.panels, x2, plan.bias, plan.bf16_out)
     elif plan.pack:
         y = _packed_product(plan, x2)
     elif 0 < rows <= plan.kernel_rows:
@@ -150,8 +164,10 @@ def _bf16_plan(
     weight: torch.Tensor, bias: Optional[torch.Tensor], features: CpuFeatures, kernel: bool
 ) -> WeightPlan:
     n, k = weight.shape
-    if _bf16_gemm_ok(features) and _onednn_ok():
+    if features.amx_bf16 and _onednn_ok():
         return WeightPlan(n, weight, bias, 0, pack=True)
+    if features.avx512_bf16 and kernel and bf16_weight.supports(weight):
+        return WeightPlan(n, None, bias, 0, panels=bf16_weight.pack(weight))
     rows = BF16_KERNEL_ROWS if kernel and k % 32 == 0 else 0
     return WeightPlan(n, weight, bias, rows, _bf16_gemm_ok(features))
 
@@ -182,15 +198,17 @@ def _meta_like(t: torch.Tensor) -> torch.nn.Parameter:
 
 def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
     """A tied embedding looks its rows up in the head's weight and returns them as fp32:
-    int8 reads the head's packed blocks; bf16 reads the head's plain table, or, where oneDNN
-    packs the head, a plain bf16 table of its own (oneDNN's packing cannot be gathered)."""
-    q8 = plan.q8
-    if q8 is not None:
+    int8 and bf16 panels read the head's packed weight; a plain bf16 head's table, or, where
+    oneDNN packs the head (AMX), a plain bf16 table of its own (oneDNN's packing cannot be
+    gathered)."""
+    panels = plan.q8 if plan.q8 is not None else plan.panels
+    if panels is not None:
+        rows = panels.rows
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
-            return q8.rows(ids)
+            return rows(ids)
 
-        embedding.weight = _meta_like(q8.packed)
+        embedding.weight = _meta_like(panels.packed)
     else:
         assert plan.plain is not None  # a bf16 plan keeps it until its first product
         table = plan.plain.clone() if plan.pack else plan.plain
@@ -206,7 +224,7 @@ def _prepare_one(
     module: torch.nn.Linear, fmt: WeightFormat, features: CpuFeatures, kernel: bool
 ) -> WeightPlan:
     plan = _plan(module, fmt, features, kernel)
-    held = plan.q8.packed if plan.q8 is not None else plan.plain
+    held = plan.held()
     assert held is not None  # a new plan holds its weight
     module.weight = _meta_like(held)
     if module.bias is not None:
@@ -255,9 +273,11 @@ def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
         path = torch.ops.slipstream_cpu.q8_gemm_path() if kernel else None
         how = f"compiled kernel ({path})" if path else "torch (no compiled kernel: slow)"
         return f"int8 weights and activations in blocks of 32 (Q8_0 x Q8_0); products: {how}"
-    if _bf16_gemm_ok(features) and _onednn_ok():
-        isa = "AMX" if features.amx_bf16 else "AVX512-BF16"
-        return f"bf16 weights packed for oneDNN ({isa}), fp32 activations"
+    if features.amx_bf16 and _onednn_ok():
+        return "bf16 weights packed for oneDNN (AMX), fp32 activations"
+    if features.avx512_bf16 and kernel:
+        path = torch.ops.slipstream_cpu.bf16_gemm_path()
+        return f"bf16 weights in panels, fp32 activations; products: compiled kernel ({path})"
     path = torch.ops.slipstream_cpu.weight_gemm_path() if kernel else None
     decode = f"compiled kernel ({path})" if path else "oneDNN (no compiled kernel)"
     return (
@@ -283,13 +303,13 @@ def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) ->
     the fused product, which the lean forward does not call). None where they cannot fuse.
     ``bf16_out``: a packed bf16 product returns bf16 (see ``WeightPlan.bf16_out``)."""
     found = [applied_plan(m) for m in modules]
-    plans = [p for p in found if p is not None and (p.plain is not None or p.q8 is not None)]
-    if len(plans) != len(found) or len({(p.pack, p.q8 is None) for p in plans}) != 1:
+    plans = [p for p in found if p is not None and _unpacked(p)]
+    if len(plans) != len(found) or len({_kind(p) for p in plans}) != 1:
         return None
     fused = _stack_plans(plans)
     if fused is None:
         return None
-    fused.bf16_out = bf16_out and fused.pack
+    fused.bf16_out = bf16_out and _bf16_product(fused)
     gemm = functools.partial(_reduced_forward, fused)
     sizes = [p.out_features for p in plans]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -298,10 +318,24 @@ def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) ->
     return gemm
 
 
+def _unpacked(plan: WeightPlan) -> bool:
+    """Its weight is still whole (not stacked into a fused plan, not packed by oneDNN)."""
+    return any(t is not None for t in (plan.plain, plan.panels, plan.q8))
+
+
+def _kind(plan: WeightPlan) -> tuple[bool, bool, bool]:
+    return plan.pack, plan.panels is not None, plan.q8 is not None
+
+
+def _bf16_product(plan: WeightPlan) -> bool:
+    """Its product can hand out bf16 (oneDNN's packing, or the panels)."""
+    return plan.pack or plan.panels is not None
+
+
 def keep_bf16_output(module: torch.nn.Module) -> None:
-    """A packed bf16 layer returns its product in bf16 (``WeightPlan.bf16_out``)."""
+    """A bf16 layer (packed or panels) returns its product in bf16 (``WeightPlan.bf16_out``)."""
     plan = applied_plan(module)
-    if plan is not None and plan.pack:
+    if plan is not None and _bf16_product(plan):
         plan.bf16_out = True
 
 
@@ -317,6 +351,13 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> Optional[WeightPlan]:
             [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in plans]
         )
     first = plans[0]
+    if first.panels is not None:
+        panels = bf16_weight.stack(_all_set([p.panels for p in plans]))
+        if panels is None:
+            return None
+        for p in plans:
+            p.panels = None
+        return WeightPlan(n, None, bias, 0, panels=panels)
     if first.q8 is not None:
         q8 = q8_weight.stack(_all_set([p.q8 for p in plans]))
         if q8 is None:

@@ -15,10 +15,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from slipstream.worker import panel_layout
+from slipstream.worker.panel_layout import PANEL
+
 BLOCK = 32  # K per scale
-PANEL = 32  # output columns per packed panel (two vectors of 16 lanes)
-LANES = 16
-QUAD = 4  # consecutive k per lane
+QUAD = 4  # consecutive k per lane (vpdpbusd sums four products)
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,8 @@ class Q8Weight:
     def columns(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Output columns ``ids`` ``[T]`` as stored: ``q`` float32 ``[T, K]`` (-127..127) and
         their block scales ``[T, K/32]``."""
-        panel, col = ids // PANEL, ids % PANEL
-        q = self.packed[panel, :, col // LANES, col % LANES]  # [T, K/4, 4]
-        return q.reshape(-1, self.in_features).float().sub_(128), self.scales[panel, :, col]
+        q = panel_layout.columns(self.packed, ids).float().sub_(128)
+        return q, self.scales[ids // PANEL, :, ids % PANEL]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight, float32 ``[*ids.shape, K]`` (the lookups of
@@ -72,15 +72,12 @@ def quantize(weight: torch.Tensor) -> Q8Weight:
     if not supports(weight):
         raise ValueError(f"int8 blocks need K a multiple of {BLOCK}, got {tuple(weight.shape)}")
     n, k = weight.shape
-    padded = -(-n // PANEL) * PANEL
     q, scale = _block_quantize(weight.detach())
-    if padded != n:
-        q = torch.cat([q, q.new_zeros(padded - n, k)])
-        scale = torch.cat([scale, scale.new_zeros(padded - n, k // BLOCK)])
-    u8 = (q + 128).to(torch.uint8)
-    packed = u8.view(padded // PANEL, 2, LANES, k // QUAD, QUAD).permute(0, 3, 1, 2, 4)
-    scales = scale.view(padded // PANEL, PANEL, k // BLOCK).permute(0, 2, 1)
-    return Q8Weight(packed.contiguous(), scales.contiguous(), n, k)
+    packed = panel_layout.pack((q + 128).to(torch.uint8), QUAD)  # padding: never stored
+    if panel_layout.padded(n) != n:
+        scale = torch.cat([scale, scale.new_zeros(panel_layout.padded(n) - n, k // BLOCK)])
+    scales = scale.view(-1, PANEL, k // BLOCK).permute(0, 2, 1)
+    return Q8Weight(packed, scales.contiguous(), n, k)
 
 
 def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:

@@ -48,6 +48,7 @@ SOURCES = tuple(
         "cpu_small_gemm.cpp",
         "cpu_weight_gemm.cpp",
         "cpu_q8_gemm.cpp",
+        "cpu_bf16_gemm.cpp",
         "cpu_rms_norm.cpp",
         "cpu_rotary.cpp",
         "cpu_sampling.cpp",

@@ -1,0 +1,32 @@
+"""The packed layout the compiled int8 and bf16 products read (``ops/cpu_q8_gemm.cpp``,
+``ops/cpu_bf16_gemm.cpp``): a weight ``[N, K]`` in panels of 32 output columns, two vectors of
+16 lanes, each lane ``group`` consecutive k (4 int8 for vpdpbusd, 2 bf16 for vdpbf16ps):
+``[N/32, K/group, 2, 16, group]``, N padded to 32 with zero columns. A panel's weights are
+one contiguous run of memory, read front to back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PANEL = 32  # output columns per panel
+LANES = 16
+
+
+def padded(n: int) -> int:
+    return -(-n // PANEL) * PANEL
+
+
+def pack(values: torch.Tensor, group: int) -> torch.Tensor:
+    """``values`` ``[N, K]`` in panels (``K % group == 0``), zero columns padding N."""
+    n, k = values.shape
+    if padded(n) != n:
+        values = torch.cat([values, values.new_zeros(padded(n) - n, k)])
+    panels = values.view(padded(n) // PANEL, 2, LANES, k // group, group)
+    return panels.permute(0, 3, 1, 2, 4).contiguous()
+
+
+def columns(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Output columns ``ids`` ``[T]`` of a packed weight, as stored: ``[T, K]``."""
+    panel, col = ids // PANEL, ids % PANEL
+    return packed[panel, :, col // LANES, col % LANES].reshape(ids.shape[0], -1)
