@@ -50,7 +50,7 @@ def test_extreme_and_nan_inputs():
     assert torch.isnan(bf[5]) and bf[4] == 1000.0
 
 
-def test_lean_forward_uses_it_only_for_bf16_products():
+def test_lean_forward_uses_it_only_for_reduced_products():
     from slipstream.worker.cpu_reduced_linear import CpuFeatures, prepare_cpu_model
     from slipstream.worker.fast_forward import FastForward
     from slipstream.worker.model_loader import load_model
@@ -65,3 +65,7 @@ def test_lean_forward_uses_it_only_for_bf16_products():
     features = CpuFeatures.detect()
     bf16_out = features.amx_bf16 or features.avx512_bf16
     assert all((layer.activation is not None) == bf16_out for layer in bf16.layers)
+    model = load_model(tiny_model_dir("llama"), torch.float32, "cpu")
+    prepare_cpu_model(model, "int8", "auto")
+    int8 = FastForward.for_model(model)
+    assert all(layer.activation is not None for layer in int8.layers)  # fp32 out of int8
