@@ -22,6 +22,8 @@ from typing import Optional
 
 from slipstream_bench.decode_steps import _Slipstream, measure
 
+# Issue 25's target: resident memory at most the weights' own bytes, the KV cache and this.
+RUNTIME_BUDGET_MB = 300
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 
 
@@ -52,8 +54,13 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings:
     }
 
 
+# As the server's stub process runs it (server/stub/triton_model.py: OpenAI Triton kept out
+# on a machine without CUDA). weights_mb: every parameter at its format's bytes (int8: one and
+# a float32 scale per 32), a tied embedding counted once.
 _RSS_CHILD = """
 import json, sys, torch
+from slipstream.worker.model_loader import keep_gpu_compiler_out
+keep_gpu_compiler_out(torch.device('cpu'))
 from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.engine import LLMEngine
@@ -66,11 +73,15 @@ engine = LLMEngine(EngineConfig.from_dict(settings))
 loaded = rss()
 engine.generate(['The lighthouse at the end of the pier'] * 4,
                 SamplingParams(max_tokens=8, temperature=0))
-weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values()
-              if t.device.type != 'meta')
+bytes_per = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 32}[engine.weight_format]
+model = engine.model
+params = sum(p.numel() for p in model.parameters())
+embedding, head = model.get_input_embeddings().weight, model.lm_head.weight
+if model.config.tie_word_embeddings and embedding is not head:  # stand-ins for one table
+    params -= embedding.numel()
 print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': rss(),
                   'kv_cache_mb': engine.kv_cache.nbytes / 2**20,
-                  'module_tensors_mb': weights / 2**20}))
+                  'weights_mb': params * bytes_per / 2**20}))
 """
 
 
@@ -83,7 +94,13 @@ def rss(settings: dict) -> dict:
             text=True,
             check=True,
         )
-        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        budget = row["weights_mb"] + row["kv_cache_mb"] + RUNTIME_BUDGET_MB
+        out[name] = {
+            **row,
+            "budget_mb": budget,
+            "over_budget_mb": row["rss_after_generate_mb"] - budget,
+        }
     return out
 
 

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -157,6 +158,19 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def keep_gpu_compiler_out(device: torch.device) -> bool:
+    """In a serving process on a machine without CUDA, keep OpenAI Triton from loading: torch
+    imports it (where it is installed) as soon as transformers' model code imports
+    ``torch._dynamo``, only to learn whether it could compile for a GPU, and its library then
+    holds 66 MB resident that a CPU engine never uses. Only where no GPU engine can start in
+    this process and Triton is not loaded yet; returns whether it was kept out (``import
+    triton`` raises ImportError from then on)."""
+    if device.type != "cpu" or torch.cuda.is_available() or "triton" in sys.modules:
+        return False
+    sys.modules["triton"] = None  # type: ignore[assignment]  # Python's "not importable" mark
+    return True
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

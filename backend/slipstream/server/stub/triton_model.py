@@ -59,6 +59,7 @@ from slipstream.server.trtllm.inputs import (
 )
 from slipstream.server.trtllm.outputs import TrtllmResponses
 from slipstream.server.trtllm.row_sender import RowGroup
+from slipstream.worker.model_loader import keep_gpu_compiler_out, resolve_device
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match
@@ -137,6 +138,7 @@ class TritonPythonModel:
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
+        keep_gpu_compiler_out(resolve_device(engine_config.device))
         self.max_queue_size = engine_config.max_queue_size
         # the adapters a request's lora_name may pick (None: LoRA off)
         self.lora_names = list(engine_config.lora_modules) if engine_config.enable_lora else None
