@@ -77,7 +77,9 @@ struct Out {
 #if defined(__AVX512BF16__)
 constexpr bool kDp = true;
 
-template <int R>
+// `first`: the panel's first row tile, which streams its weights from memory (prefetched
+// ahead); the tiles after it find them in the core's cache.
+template <int R, bool first>
 void dp_tile(const uint16_t* __restrict x, int64_t m0, int64_t K, const uint16_t* __restrict wp,
              const Out& out, int64_t n0, int64_t cols) {
   __m512 acc[R][kVecs];
@@ -86,16 +88,23 @@ void dp_tile(const uint16_t* __restrict x, int64_t m0, int64_t K, const uint16_t
   const uint16_t* xr = x + m0 * K;
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint16_t* wk = wp + kp * kPanel * 2;
-    if ((kp & 7) == 0)  // 1 KB a step of 8 pairs: 16 lines, past the panel into the next
+    if (first && (kp & 7) == 0)  // 1 KB a step of 8 pairs: 16 lines, past the panel's end
       for (int64_t line = 0; line < 8 * kPanel * 2 * 2; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes + line, _MM_HINT_T0);
     __m512bh w[kVecs];
     for (int c = 0; c < kVecs; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wk + c * kLanes * 2);
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, xr + r * K + 2 * kp, 4);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+      // The pair of x broadcast by each product's own memory operand ({1to16}), which the
+      // load unit does, rather than once into a register by a shuffle that shares the
+      // products' pipes (that capped the kernel at ~75% of vdpbf16ps's rate). The compiler
+      // folds a broadcast into its use only when it has one use: each product gets its own
+      // pointer, which it cannot prove equal to the other's.
+      const int32_t* pair = reinterpret_cast<const int32_t*>(xr + r * K + 2 * kp);
+      for (int c = 0; c < kVecs; ++c) {
+        const int32_t* own = pair;
+        asm("" : "+r"(own));
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], (__m512bh)_mm512_set1_epi32(*own));
+      }
     }
   }
   alignas(64) float vals[kPanel];
@@ -105,23 +114,33 @@ void dp_tile(const uint16_t* __restrict x, int64_t m0, int64_t K, const uint16_t
   }
 }
 
+template <bool first>
+void dp_tile_of(int rows, const uint16_t* x, int64_t m, int64_t K, const uint16_t* wp,
+                const Out& out, int64_t n0, int64_t cols) {
+  switch (rows) {
+    case 1: dp_tile<1, first>(x, m, K, wp, out, n0, cols); break;
+    case 2: dp_tile<2, first>(x, m, K, wp, out, n0, cols); break;
+    case 3: dp_tile<3, first>(x, m, K, wp, out, n0, cols); break;
+    case 4: dp_tile<4, first>(x, m, K, wp, out, n0, cols); break;
+    case 5: dp_tile<5, first>(x, m, K, wp, out, n0, cols); break;
+    case 6: dp_tile<6, first>(x, m, K, wp, out, n0, cols); break;
+    case 7: dp_tile<7, first>(x, m, K, wp, out, n0, cols); break;
+    case 8: dp_tile<8, first>(x, m, K, wp, out, n0, cols); break;
+    case 9: dp_tile<9, first>(x, m, K, wp, out, n0, cols); break;
+    case 10: dp_tile<10, first>(x, m, K, wp, out, n0, cols); break;
+    case 11: dp_tile<11, first>(x, m, K, wp, out, n0, cols); break;
+    default: dp_tile<12, first>(x, m, K, wp, out, n0, cols); break;
+  }
+}
+
 void dp_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* wp,
              const Out& out, int64_t n0, int64_t cols) {
   for (int64_t m = m0; m < m1; m += kRowTile) {
-    switch (std::min<int64_t>(kRowTile, m1 - m)) {
-      case 1: dp_tile<1>(x, m, K, wp, out, n0, cols); break;
-      case 2: dp_tile<2>(x, m, K, wp, out, n0, cols); break;
-      case 3: dp_tile<3>(x, m, K, wp, out, n0, cols); break;
-      case 4: dp_tile<4>(x, m, K, wp, out, n0, cols); break;
-      case 5: dp_tile<5>(x, m, K, wp, out, n0, cols); break;
-      case 6: dp_tile<6>(x, m, K, wp, out, n0, cols); break;
-      case 7: dp_tile<7>(x, m, K, wp, out, n0, cols); break;
-      case 8: dp_tile<8>(x, m, K, wp, out, n0, cols); break;
-      case 9: dp_tile<9>(x, m, K, wp, out, n0, cols); break;
-      case 10: dp_tile<10>(x, m, K, wp, out, n0, cols); break;
-      case 11: dp_tile<11>(x, m, K, wp, out, n0, cols); break;
-      default: dp_tile<12>(x, m, K, wp, out, n0, cols); break;
-    }
+    const int rows = static_cast<int>(std::min<int64_t>(kRowTile, m1 - m));
+    if (m == m0)
+      dp_tile_of<true>(rows, x, m, K, wp, out, n0, cols);
+    else
+      dp_tile_of<false>(rows, x, m, K, wp, out, n0, cols);
   }
 }
 #else
