@@ -21,6 +21,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+import torch  # noqa: E402
+
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.launch.launcher import (  # noqa: E402
@@ -594,3 +596,20 @@ def test_serve_cli_default_model_answers_paris():
     answer = proc.stdout.split(">>> What is the capital of France?", 1)[1]
     assert "Paris" in answer, proc.stdout
     assert "gRPC" in proc.stdout and "metrics" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine loads OpenAI Triton")
+def test_the_cpu_stub_process_never_maps_openai_triton(server, reference):
+    """The serving process on a CPU-only machine keeps OpenAI Triton's library out (66 MB
+    resident otherwise): after it has loaded the model and answered, none of its mappings is
+    libtriton."""
+    assert texts(run_stream(server, text_inputs("Hello", sampling={**GREEDY, "max_tokens": 2})))
+    stub = subprocess.run(
+        ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert len(stub) == 1
+    maps = Path(f"/proc/{stub[0]}/maps").read_text()
+    assert "libtorch_cpu" in maps  # the model's process, not a bystander
+    assert "libtriton" not in maps
