@@ -20,6 +20,7 @@ keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -143,14 +144,14 @@ def _separate_projection(modules: Sequence[torch.nn.Module]) -> Projection:
     return lambda x: tuple(m(x) for m in modules)
 
 
-def _fused_projection(modules: Sequence[torch.nn.Linear]) -> Projection:
+def _fused_projection(modules: Sequence[torch.nn.Linear], bf16_out: bool = True) -> Projection:
     """One GEMM for linears that share their input, split back per layer, when that gives
     each layer's output bit for bit (checked once); else the layers one by one. The fused
     copy replaces the layers' own packed weights (their stock ``.weight`` stays)."""
     if modules[0] in _PROJECTIONS:
         return _PROJECTIONS[modules[0]]
 
-    reduced = fused_reduced(modules, bf16_out=True)
+    reduced = fused_reduced(modules, bf16_out=bf16_out)
     if reduced is not None:  # each output column is its own dot product: no check needed
         projection = _Split(reduced, [m.out_features for m in modules])
         _PROJECTIONS[modules[0]] = projection
@@ -207,6 +208,10 @@ class FastForward:
         if window_of is None or base is None or not _is_plain_llama(model, config):
             return None
         project = _fused_projection if fuse else _separate_projection
+        # q and k go through rotary in fp32 and v into the cache: a bf16 product hands them
+        # out in fp32 (rounded once, on the cache store) rather than in bf16 widened again
+        # (two copies a layer)
+        project_qkv = functools.partial(_fused_projection, bf16_out=False) if fuse else project
         layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -216,7 +221,7 @@ class FastForward:
                     i,
                     _fused_norm(layer.input_layernorm),
                     _fused_norm(layer.post_attention_layernorm),
-                    project((attn.q_proj, attn.k_proj, attn.v_proj)),
+                    project_qkv((attn.q_proj, attn.k_proj, attn.v_proj)),
                     attn.o_proj,
                     gate_up,
                     mlp.down_proj,
@@ -248,7 +253,7 @@ class FastForward:
         rows: Optional[torch.Tensor] = keep  # the rows still to select (None: selected)
         for layer in self.layers:
             x = layer.norm_in(hidden)
-            q, k, v = layer.qkv(x)  # bf16 from a packed bf16 product: rotary runs in fp32
+            q, k, v = layer.qkv(x)  # fp32 (bf16 from oneDNN's AMX product: rotary is fp32)
             q = self.rotary(q[0].float(), cos, sin, d)
             k = self.rotary(k[0].float(), cos, sin, d)
             out = attention_step(
