@@ -137,3 +137,59 @@ def test_the_torch_path_computes_what_the_kernel_does():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def _reference_with_outliers(x, w, idx, bias=None):
+    """Outlier channels exact in float64, the rest in blocks."""
+    keep = torch.ones(x.shape[1], dtype=torch.bool)
+    keep[idx] = False
+    y = _blocks(x * keep) @ _blocks(w * keep).t() + x[:, idx].double() @ w[:, idx].double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_outlier_channels_are_multiplied_exactly_apart_from_the_blocks(kernel_path, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    idx = torch.tensor([3, 40, 95])
+    x[:, idx] *= 50  # loud channels: in the blocks they would flatten their neighbours
+    bias = torch.randn(40, generator=gen)
+    packed = q8_weight.quantize(w, idx)
+    assert packed.outlier_w is not None and packed.outlier_w.shape == (2, 3, 32)
+    got = q8_weight.product(packed, x, bias, kernel=True)
+    want = _reference_with_outliers(x, w, idx, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-3)
+    plain = _reference(x, w, bias)  # every channel in the blocks: visibly worse
+    exact = x.double() @ w.double().t() + bias.double()
+    assert (got.double() - exact).abs().max() < (plain - exact).abs().max() / 4
+
+
+def test_outliers_read_back_through_rows_and_the_torch_path():
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(64, 64, generator=gen), torch.randn(5, 64, generator=gen) * 3
+    idx = torch.tensor([0, 33])
+    packed = q8_weight.quantize(w, idx)
+    rows = packed.rows(torch.tensor([7, 63]))
+    torch.testing.assert_close(rows[:, idx], w[[7, 63]][:, idx])  # exact, not quantized
+    torch.testing.assert_close(
+        q8_weight.product(packed, x, None, kernel=False),
+        q8_weight.product(packed, x, None, kernel=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    with pytest.raises(RuntimeError, match="outlier channel out of range"):
+        op.q8_gemm(
+            x, packed.packed, packed.scales, 64, None, torch.tensor([0, 64]), packed.outlier_w
+        )
+
+
+def test_only_weights_with_the_same_outliers_stack():
+    w = torch.randn(64, 64)
+    a, b = q8_weight.quantize(w, torch.tensor([1, 2])), q8_weight.quantize(w, torch.tensor([1, 2]))
+    both = q8_weight.stack([a, b])
+    assert both is not None and both.outlier_w is not None and both.outlier_w.shape == (4, 2, 32)
+    x = torch.randn(3, 64)
+    got = q8_weight.product(both, x, None, kernel=True)
+    torch.testing.assert_close(got[:, 64:], q8_weight.product(b, x, None, kernel=True))
+    assert q8_weight.stack([a, q8_weight.quantize(w, torch.tensor([1, 3]))]) is None
+    assert q8_weight.stack([a, q8_weight.quantize(w)]) is None

@@ -28,8 +28,9 @@ the products read is the only one kept (``WeightPlan``):
   ``ops/cpu_weight_gemm.cpp`` (weights widened to fp32 in registers), prompt rows on oneDNN's
   fp32 GEMM on a widened copy.
 * int8: weights and activations in blocks of 32 along K (``q8_weight``, llama.cpp's Q8_0 x
-  Q8_0), multiplied by ``ops/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop). The LM
-  head too: a tied input embedding looks its rows up in the head's packed weight.
+  Q8_0), multiplied by ``ops/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop), each
+  layer's 8 outlier input channels apart in float32 (``activation_outliers``). The LM head
+  too: a tied input embedding looks its rows up in the head's packed weight.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker import bf16_weight, q8_weight
+from slipstream.worker import activation_outliers, bf16_weight, q8_weight
 from slipstream.worker.cpu_linear import padded_product
 from slipstream.worker.ops import cpu_kernels
 
@@ -173,12 +174,16 @@ def _bf16_plan(
 
 
 def _plan(
-    module: torch.nn.Linear, fmt: WeightFormat, features: CpuFeatures, kernel: bool
+    module: torch.nn.Linear,
+    fmt: WeightFormat,
+    features: CpuFeatures,
+    kernel: bool,
+    outliers: Optional[torch.Tensor] = None,
 ) -> WeightPlan:
     weight = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach().float().contiguous()
     if fmt is WeightFormat.INT8 and q8_weight.supports(weight):
-        q8 = q8_weight.quantize(weight)
+        q8 = q8_weight.quantize(weight, outliers)
         return WeightPlan(q8.out_features, None, bias, 0, q8=q8, kernel=kernel)
     return _bf16_plan(weight.to(torch.bfloat16).contiguous(), bias, features, kernel)
 
@@ -221,9 +226,13 @@ def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
 
 
 def _prepare_one(
-    module: torch.nn.Linear, fmt: WeightFormat, features: CpuFeatures, kernel: bool
+    module: torch.nn.Linear,
+    fmt: WeightFormat,
+    features: CpuFeatures,
+    kernel: bool,
+    outliers: Optional[torch.Tensor] = None,
 ) -> WeightPlan:
-    plan = _plan(module, fmt, features, kernel)
+    plan = _plan(module, fmt, features, kernel, outliers)
     held = plan.held()
     assert held is not None  # a new plan holds its weight
     module.weight = _meta_like(held)
@@ -240,8 +249,10 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     kernel = cpu_kernels.load()
     embedding = _tied_embedding(model)
     head = getattr(model, "lm_head", None)
-    for module in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
-        plan = _prepare_one(module, fmt, features, kernel)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    outliers = activation_outliers.find(model, linears) if fmt is WeightFormat.INT8 else {}
+    for module in linears:
+        plan = _prepare_one(module, fmt, features, kernel, outliers.get(module))
         if module is head and embedding is not None:
             _prepare_embedding(embedding, plan)
     _own_storage(model)
