@@ -603,7 +603,10 @@ def test_the_cpu_stub_process_never_maps_openai_triton(server, reference):
     """The serving process on a CPU-only machine keeps OpenAI Triton's library out (66 MB
     resident otherwise): after it has loaded the model and answered, none of its mappings is
     libtriton."""
-    assert texts(run_stream(server, text_inputs("Hello", sampling={**GREEDY, "max_tokens": 2})))
+    responses, error = run_stream(
+        server, text_inputs("Hello", sampling={**GREEDY, "max_tokens": 2})
+    )
+    assert error is None and texts(responses)
     stub = subprocess.run(
         ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
         capture_output=True,
