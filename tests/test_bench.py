@@ -200,6 +200,26 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     assert reps["continuous"]["rounds_tokens_per_s"] == [5.0, None, 7.0]
 
 
+def test_rounds_with_equal_slo_attainment_are_represented_by_their_median_speed():
+    from slipstream_bench import runner
+
+    def run(r, attainment, tps):
+        return {
+            "label": "m",
+            "round": r,
+            "slo": {"attainment": attainment},
+            "summary": {"tokens_per_s": tps},
+        }
+
+    ties = [run(0, 1.0, 212.3), run(1, 1.0, 198.7), run(2, 1.0, 218.7)]
+    (rep,) = runner.representatives(ties, by_slo=True)
+    assert rep["round"] == 0 and rep["rounds_tokens_per_s"] == [212.3, 198.7, 218.7]
+    # attainment still ranks first: the median round by attainment, whatever its speed
+    mixed = [run(0, 0.47, 123.6), run(1, 0.84, 140.2), run(2, 0.73, 137.0)]
+    (rep,) = runner.representatives(mixed, by_slo=True)
+    assert rep["round"] == 2
+
+
 def test_vllm_peer_modes_are_skipped_with_how_to_install_when_absent(tmp_path):
     from slipstream_bench import report, runner
 

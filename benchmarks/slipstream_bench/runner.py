@@ -485,13 +485,19 @@ def _save_partial(sh: _Shared, run: dict) -> None:
         f.write(json.dumps(line, default=str) + "\n")
 
 
+def _speed(run: dict) -> float:
+    return run["summary"].get("tokens_per_s") or 0.0
+
+
 def _attainment(run: dict) -> float:
     return ((run.get("slo") or {}).get("attainment")) or 0.0
 
 
 def representatives(runs: list, by_slo: bool = False) -> list:
     """One run per mode, the median by tokens/s, or by SLO attainment for arrivals over time
-    (``by_slo``; failed rounds count as worst), each with every round's tokens/s in
+    (``by_slo``; rounds with equal attainment ranked by tokens/s, so that three rounds all at
+    100% give the median speed, not the first; failed rounds count as worst), each with every
+    round's tokens/s in
     ``rounds_tokens_per_s`` (and attainment in ``rounds_slo_attainment``); modes in first-run
     order."""
     by_mode: dict = {}
@@ -499,8 +505,7 @@ def representatives(runs: list, by_slo: bool = False) -> list:
         by_mode.setdefault(run["label"], []).append(run)
     out = []
     for mode, group in by_mode.items():
-        key = _attainment if by_slo else (lambda r: r["summary"].get("tokens_per_s") or 0.0)
-        ranked = sorted(group, key=key)
+        ranked = sorted(group, key=lambda r: (_attainment(r) if by_slo else 0.0, _speed(r)))
         chosen = dict(ranked[(len(ranked) - 1) // 2])  # the lower median of an even count
         chosen["rounds_tokens_per_s"] = [r["summary"].get("tokens_per_s") for r in group]
         chosen["rounds_slo_attainment"] = [(r.get("slo") or {}).get("attainment") for r in group]
