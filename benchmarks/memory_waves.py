@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from slipstream.server.launch.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,
     render_model_repository,
+    stub_pids,
 )
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
@@ -76,11 +76,7 @@ threading.Thread(target=_snapshots, args=(os.environ["SLIPSTREAM_TRACE_TRIGGER"]
 
 def stub_memory_mb(server: TritonServer) -> dict[str, float]:
     """The stub's VmRSS and its parts (RssAnon: heap; RssShmem: the shared-memory pool)."""
-    pids = subprocess.run(
-        ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    pids = stub_pids(server.shm_prefix)
     out = {}
     for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines():
         key = line.split(":")[0]

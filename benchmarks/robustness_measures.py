@@ -35,6 +35,7 @@ from slipstream.server.launch.launcher import (
     TritonServer,
     free_port,
     render_model_repository,
+    stub_pids,
 )
 from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
 
@@ -230,11 +231,7 @@ def measure_fairness(server, rounds=3):
     """Each hostile request beside a greedy stream, in rounds alternating with the stream
     alone (the machine's speed drifts): the median slowdown of the stream, the median
     latency of a small request sent right after, the stub's memory growth."""
-    stub = subprocess.run(
-        ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()[0]
+    stub = stub_pids(server.shm_prefix)[0]
     hostile = {
         "100,000 stop strings (1.4 MB JSON)": lambda: inputs(
             "hello", {"stop": [f"stop{i}" for i in range(100_000)]}
@@ -496,11 +493,9 @@ def measure_killed_stub(model):
         time.sleep(0.2)
     clients = Streams(server, n_grpc=5, http=False)
     time.sleep(1.5)
-    stub = subprocess.run(
-        ["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"], capture_output=True, text=True
-    ).stdout.split()[0]
+    stub = stub_pids(prefix)[0]
     killed = time.monotonic()
-    os.kill(int(stub), signal.SIGKILL)
+    os.kill(stub, signal.SIGKILL)
     hanging = clients.join(timeout=30)
     errors_in = time.monotonic() - killed
     while not server.is_ready():

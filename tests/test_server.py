@@ -30,6 +30,7 @@ from slipstream.server.launch.launcher import (  # noqa: E402
     find_tritonserver,
     read_parameters,
     render_model_repository,
+    stub_pids,
 )
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
@@ -607,11 +608,7 @@ def test_the_cpu_stub_process_never_maps_openai_triton(server, reference):
         server, text_inputs("Hello", sampling={**GREEDY, "max_tokens": 2})
     )
     assert error is None and texts(responses)
-    stub = subprocess.run(
-        ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    stub = stub_pids(server.shm_prefix)
     assert len(stub) == 1
     maps = Path(f"/proc/{stub[0]}/maps").read_text()
     assert "libtorch_cpu" in maps  # the model's process, not a bystander

@@ -23,6 +23,7 @@ from slipstream.server.launch.launcher import (  # noqa: E402
     TritonServerError,
     free_port,
     render_model_repository,
+    stub_pids,
 )
 from test_server import (  # noqa: E402
     OVERRIDES,
@@ -267,12 +268,10 @@ def test_killed_stub_errors_clients_at_once_and_serve_brings_the_server_back(tin
             time.sleep(0.2)
         clients = Clients(server, num_grpc=5, http=False)
         wait_streaming(server, 5)
-        stub = subprocess.run(
-            ["pgrep", "-f", f"triton_python_backend_stub.*{prefix}"], capture_output=True, text=True
-        ).stdout.split()
+        stub = stub_pids(prefix)
         assert len(stub) == 1
         killed_at = time.monotonic()
-        os.kill(int(stub[0]), signal.SIGKILL)
+        os.kill(stub[0], signal.SIGKILL)
         assert not clients.join(timeout=10), "a client was left hanging"
         answered_in = time.monotonic() - killed_at
         assert all(how == "error" for how, _ in clients.results.values()), clients.results
@@ -368,13 +367,9 @@ def test_a_stub_killed_before_serve_saw_ready_is_a_crash_to_restart_not_a_failed
         while not server.is_ready():  # the test, not the launcher, sees it ready
             assert server.running and time.monotonic() < deadline
             time.sleep(0.1)
-        stub = subprocess.run(
-            ["pgrep", "-f", f"triton_python_backend_stub.*{server.shm_prefix}"],
-            capture_output=True,
-            text=True,
-        ).stdout.split()
+        stub = stub_pids(server.shm_prefix)
         assert len(stub) == 1
-        os.kill(int(stub[0]), signal.SIGKILL)
+        os.kill(stub[0], signal.SIGKILL)
         server.process.wait(60)  # the watchdog stops tritonserver
         with pytest.raises(TritonServerError, match="before it was ready"):
             server.wait_ready()

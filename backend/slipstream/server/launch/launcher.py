@@ -392,6 +392,17 @@ def gpu_present(dev: Path = Path("/dev")) -> bool:
     return any(dev.glob("nvidia[0-9]*"))
 
 
+def stub_pids(shm_prefix: str) -> list[int]:
+    """The Python backend stubs of the server whose shared-memory regions start with
+    ``shm_prefix`` (each stub's command line names its region)."""
+    found = subprocess.run(
+        ["pgrep", "-f", f"triton_python_backend_stub.*{shm_prefix}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return [int(pid) for pid in found]
+
+
 def _log_file(log_path) -> Optional[Path]:
     """Where Triton's log goes: None for stdout (STDOUT_LOG), a temp file when none is given."""
     if log_path == STDOUT_LOG:

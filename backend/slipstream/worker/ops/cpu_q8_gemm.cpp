@@ -16,8 +16,8 @@
 // the rest (the residual stream's), and a block holding one gets a scale that flattens its
 // other 31 values. Those channels are left out of the blocks (zeroed before quantizing, their
 // weight columns zero in the blocks) and added exactly in float32 from their own weight
-// columns: y += x[:, idx] · w_out (LLM.int8()'s decomposition). On SmolLM2, 8 a layer halve
-// the mean KL against fp32 (0.0038 -> 0.0019).
+// columns: y += x[:, idx] · w_out (LLM.int8()'s decomposition). On SmolLM2, 8 a layer take
+// the mean KL against fp32 from 0.0038 to 0.0014 (perplexity +1.35% -> +0.38%).
 //
 // AVX512-VNNI (Zen 4, Ice Lake and later Xeons): vpdpbusd multiplies unsigned by signed bytes,
 // four pairs a lane. The weights are the unsigned operand, stored as qw + 128; the extra

@@ -252,21 +252,28 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    rows: Optional[torch.Tensor] = None,
-    checked: bool = False,
 ) -> None:
-    """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped
-    (``rows``, when given: the rows to store, with ``slot_mapping`` already theirs;
-    ``checked``: the caller found them already, None meaning every row)."""
+    """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
+    rows, slots = _valid_rows(slot_mapping)
+    _write_kv(key, value, key_cache, value_cache, rows, slots)
+
+
+def _write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    slots: torch.Tensor,
+) -> None:
+    """Rows ``rows`` of key/value (None: every row) into cache slots ``slots``."""
     num_blocks, block_size = key_cache.shape[:2]
     flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
     flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
-    if rows is None and not checked:
-        rows, slot_mapping = _valid_rows(slot_mapping)
     if rows is not None:
         key, value = key[rows], value[rows]
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
 
 
 def _attend(
@@ -463,4 +470,4 @@ def store_step_kv(
     """``store_kv`` with the step's valid rows (slot != -1) worked out once for all layers (a
     check per layer was 30 host round trips a step)."""
     rows, slots = stored_rows(meta)
-    store_kv(key, value, key_cache, value_cache, slots, rows, checked=True)
+    _write_kv(key, value, key_cache, value_cache, rows, slots)
