@@ -90,7 +90,7 @@ class ModelFactory:
         path: Optional[Path] = None
         if model is None:
             path = model_loader.resolve_model_path(self.config.model)
-            model = model_loader.load_model(path, s.dtype, s.device)
+            model = model_loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
         if tokenizer is None:
             tokenizer = model_loader.load_tokenizer(path, self.config.tokenizer)
         config = self.config = model_loader.fit_max_model_len(self.config, model.config)

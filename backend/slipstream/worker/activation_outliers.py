@@ -26,6 +26,16 @@ CALIBRATION_TOKENS = 128
 CALIBRATION_SEED = 0
 
 
+class _HeadReached(Exception):
+    """Raised once the LM head's input is recorded: the logits are not needed."""
+
+
+def _stop(module: torch.nn.Module, args: tuple) -> None:
+    # The head is the forward's last product, [128, vocab] in float32: skipping it saves
+    # its time and the ~12 MB of packing buffers the BLAS library keeps after so wide a GEMM.
+    raise _HeadReached
+
+
 def find(
     model: torch.nn.Module, linears: Sequence[torch.nn.Module], k: int = OUTLIERS_PER_LAYER
 ) -> dict[torch.nn.Module, torch.Tensor]:
@@ -41,12 +51,17 @@ def find(
         maxima[module] = peak if seen is None else torch.maximum(seen, peak)
 
     handles = [m.register_forward_pre_hook(record) for m in linears]
+    head = getattr(model, "lm_head", None)
+    if head is not None and head in linears:
+        handles.append(head.register_forward_pre_hook(_stop, prepend=False))
     try:
         vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
         gen = torch.Generator().manual_seed(CALIBRATION_SEED)
         ids = torch.randint(0, vocab, (1, CALIBRATION_TOKENS), generator=gen)
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
+    except _HeadReached:
+        pass
     except Exception as exc:  # a model without a causal-LM forward: no outliers, said once
         log.warning("int8: no outlier channels (the calibration forward failed: %r)", exc)
         return {}

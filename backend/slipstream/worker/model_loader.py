@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from slipstream.core.config import EngineConfig
+from slipstream.worker import llama_model
 
 # Config fields that bound a model's positions (vLLM derives max_model_len from the same).
 POSITION_LIMIT_FIELDS = (
@@ -173,7 +174,16 @@ def keep_gpu_compiler_out(device: torch.device) -> bool:
     return True
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, lean: bool = False
+) -> torch.nn.Module:
+    """The checkpoint at ``path``; ``lean``: a CPU model the lean forward will run, built
+    without transformers' model code where ``llama_model`` covers it (~150 MB less
+    resident)."""
+    if lean and device.type == "cpu":
+        shape = llama_model.read_shape(path)
+        if shape is not None:
+            return llama_model.load(path, shape, dtype)
     from transformers import AutoModelForCausalLM
 
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -212,10 +222,29 @@ def fit_max_model_len(config: EngineConfig, hf_config) -> EngineConfig:
     return config
 
 
+# tokenizer_config.json classes that are the tokenizers library's file and nothing more
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: Optional[Path], tokenizer: Optional[str] = None):
+    """``AutoTokenizer``'s tokenizer. Where the tokenizer's own config names the plain fast
+    class, that class is built directly: the one AutoTokenizer resolves to, without the
+    model config it loads first (transformers' config classes cost ~60 MB resident)."""
+    source = tokenizer or str(path)
+    if _tokenizer_class(Path(source)) in PLAIN_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer or str(path))
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _tokenizer_class(folder: Path) -> Optional[str]:
+    config = folder / "tokenizer_config.json"
+    if not (config.exists() and (folder / "tokenizer.json").exists()):
+        return None
+    return json.loads(config.read_text()).get("tokenizer_class")
 
 
 def make_tiny_model_dir(target: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

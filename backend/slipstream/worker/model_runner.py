@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from slipstream.core.scheduler_output import SchedulerOutput
-from slipstream.worker import attention
+from slipstream.worker import attention, llama_model
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
 from slipstream.worker.fast_forward import FastForward
 from slipstream.worker.kv_cache import KVCache
@@ -59,7 +59,10 @@ class ModelRunner:
         fast_forward: bool = True,
         lora: Optional[LoraLayers] = None,
     ) -> None:
-        check_backend_compatible(model)
+        # a model built without transformers (llama_model) runs the lean forward only
+        lean_only = isinstance(model, llama_model.LlamaForCausalLM)
+        if not lean_only:
+            check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
         self.device = device
@@ -68,12 +71,15 @@ class ModelRunner:
         self.ops = get_ops(device, attention_ops)
         hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
         self.num_query_heads = hf.config.get_text_config().num_attention_heads
-        hf.set_attn_implementation(attention.register())
+        if not lean_only:
+            hf.set_attn_implementation(attention.register())
         self.fast = (
             FastForward.for_model(model, fuse=lora is None)
-            if fast_forward and device.type == "cpu"
+            if (fast_forward or lean_only) and device.type == "cpu"
             else None
         )
+        if lean_only and self.fast is None:
+            raise ValueError("a model built by llama_model runs on CPU with the lean forward only")
         self.lora = lora  # its per-token adapter choice cannot be replayed from a CUDA graph
         if lora is not None:
             cuda_graph_sizes = None
