@@ -123,3 +123,46 @@ def test_the_last_layer_finishes_only_the_rows_that_give_logits(fuse):
         want = model(ids[None]).logits[0, keep]
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert seen == {0: 12, fast.layers[-1].index: 2 if fuse else 12}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_linears_are_held_only_in_their_packed_copies(tmp_path, tied):
+    """With the lean forward's products on packed (and stacked) copies, a linear's stock
+    weight is read by nothing: it goes, but for a tied head, whose table the embedding
+    looks rows up in. The engine still answers as the Hugging Face model does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from support import hf_greedy
+
+    path = tiny_model_dir("llama")
+    if tied:
+        path = tmp_path / "tied"
+        shutil.copytree(tiny_model_dir("llama"), path)
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
+        weights = load_file(str(path / "model.safetensors"))
+        del weights["lm_head.weight"]
+        save_file(weights, str(path / "model.safetensors"))
+    engine = LLMEngine(EngineConfig(model=str(path), num_gpu_blocks_override=64))
+    head = engine.model.lm_head
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 7 + 1
+    assert all(m.weight.is_meta for m in linears if m is not head)
+    assert head.weight.is_meta != tied
+    assert not engine.model.get_input_embeddings().weight.is_meta
+    prompt = [5, 17, 300, 42, 7]
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(path, prompt, 8)
+
+
+def test_the_projections_loras_wrap_keep_their_stock_weights():
+    from slipstream.worker.cpu_linear import prepare_linears
+    from slipstream.worker.model_loader import load_model
+
+    model = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"), lean=True)
+    prepare_linears(model, "auto")
+    fast = FastForward.for_model(model, fuse=False)
+    assert fast is not None and fast.packed_only() == []

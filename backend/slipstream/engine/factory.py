@@ -13,7 +13,7 @@ import torch
 
 from slipstream.core.config import EngineConfig
 from slipstream.worker import model_loader
-from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.cpu_linear import drop_stock_weights, prepare_linears
 from slipstream.worker.cpu_norm import prepare_norms
 from slipstream.worker.cpu_reduced_linear import prepare_cpu_model, release_freed_memory
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
@@ -148,6 +148,8 @@ class ModelFactory:
             lora,
         )
         if self.settings.device.type == "cpu":
+            if runner.fast is not None:  # fp32: the stock weights the packed copies replace
+                drop_stock_weights(model, runner.fast.packed_only())
             # the lean forward stacks q, k, v and gate, up into one weight each: the layers'
             # own copies it freed go back to the OS (bf16: ~140 MB of heap otherwise kept)
             release_freed_memory()

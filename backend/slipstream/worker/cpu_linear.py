@@ -197,6 +197,37 @@ def applied_mode(module: torch.nn.Linear) -> Optional[CpuLinear]:
     return CpuLinear.STOCK
 
 
+def storage_less(t: torch.Tensor) -> torch.nn.Parameter:
+    """A stand-in with the weight's shape and dtype and no storage: the layer's own copy goes."""
+    return torch.nn.Parameter(
+        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False
+    )
+
+
+def own_storage(model: torch.nn.Module) -> None:
+    """Give what is left of a model (norms, rotary tables, an embedding) storage of its own.
+    Loaded from safetensors, every tensor is a view of the file's one memory map: a single
+    norm weight left in it keeps the whole file mapped, and the pages the packing read (all
+    of the weights) resident."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+
+
+def drop_stock_weights(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) -> None:
+    """``modules``' products run on packed copies only (``prepare_linears``' oneDNN and
+    small-GEMM packing, or a stacked copy of layers fused by the lean forward): their stock
+    ``.weight`` becomes a stand-in, a copy fewer of each weight resident. A weight that an
+    embedding shares (a tied LM head: the lookups read it) stays."""
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    dropped = [m for m in modules if id(m.weight) not in shared and m.weight.device.type == "cpu"]
+    for module in dropped:
+        module.weight = storage_less(module.weight)
+    if dropped:
+        own_storage(model)
+
+
 def _transpose(module: torch.nn.Linear) -> None:
     if module.weight.is_contiguous():
         module.weight.data = module.weight.data.t().contiguous().t()

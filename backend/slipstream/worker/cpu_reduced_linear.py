@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.worker import activation_outliers, bf16_weight, q8_weight
-from slipstream.worker.cpu_linear import padded_product
+from slipstream.worker.cpu_linear import own_storage, padded_product, storage_less
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -194,13 +194,6 @@ def _onednn_ok() -> bool:
     )
 
 
-def _meta_like(t: torch.Tensor) -> torch.nn.Parameter:
-    """A stand-in with the weight's shape and dtype and no storage: the layer's own copy goes."""
-    return torch.nn.Parameter(
-        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False
-    )
-
-
 def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
     """A tied embedding looks its rows up in the head's weight and returns them as fp32:
     int8 and bf16 panels read the head's packed weight; a plain bf16 head's table, or, where
@@ -213,7 +206,7 @@ def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
         def forward(ids: torch.Tensor) -> torch.Tensor:
             return rows(ids)
 
-        embedding.weight = _meta_like(panels.packed)
+        embedding.weight = storage_less(panels.packed)
     else:
         assert plan.plain is not None  # a bf16 plan keeps it until its first product
         table = plan.plain.clone() if plan.pack else plan.plain
@@ -221,7 +214,7 @@ def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
         def forward(ids: torch.Tensor) -> torch.Tensor:
             return F.embedding(ids, table).float()
 
-        embedding.weight = _meta_like(table)
+        embedding.weight = storage_less(table)
     embedding.forward = forward
 
 
@@ -235,7 +228,7 @@ def _prepare_one(
     plan = _plan(module, fmt, features, kernel, outliers)
     held = plan.held()
     assert held is not None  # a new plan holds its weight
-    module.weight = _meta_like(held)
+    module.weight = storage_less(held)
     if module.bias is not None:
         module.register_parameter("bias", None)  # the plan holds it as fp32
     setattr(module, "forward", functools.partial(_reduced_forward, plan))
@@ -255,19 +248,8 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
         plan = _prepare_one(module, fmt, features, kernel, outliers.get(module))
         if module is head and embedding is not None:
             _prepare_embedding(embedding, plan)
-    _own_storage(model)
+    own_storage(model)
     return describe(fmt, features, kernel)
-
-
-def _own_storage(model: torch.nn.Module) -> None:
-    """Give what is left (norms, rotary tables) storage of its own. Loaded from safetensors,
-    every tensor is a view of the file's one memory map: a single norm weight left in it
-    keeps the whole file mapped, and the pages the conversion read (all of the fp32
-    weights) resident."""
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if tensor.device.type == "cpu":
-                tensor.data = tensor.data.clone()
 
 
 def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_linear import applied_mode, fused_linear
+from slipstream.worker.cpu_linear import CpuLinear, applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
 from slipstream.worker.cpu_reduced_linear import applied_plan_of, fused_reduced, keep_bf16_output
 from slipstream.worker.ops import cpu_kernels
@@ -41,6 +41,8 @@ _WINDOW: dict = {
 }
 
 Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+# Linears whose product runs on a stacked copy of their weights (_fused_projection).
+_STACKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 @dataclass
@@ -176,6 +178,7 @@ def _fused_projection(modules: Sequence[torch.nn.Linear], bf16_out: bool = True)
                 return separate
     for m in modules:
         m.__dict__.pop("forward", None)  # frees the layer's own packed weight
+        _STACKED.add(m)
     _PROJECTIONS[modules[0]] = fused
     return fused
 
@@ -235,6 +238,16 @@ class FastForward:
                 keep_bf16_output(layer.o)
                 keep_bf16_output(layer.down)
         return cls(model, layers, select_early=fuse)
+
+    def packed_only(self) -> list[torch.nn.Linear]:
+        """The fp32 linears whose products this forward runs on packed copies alone (their
+        layers stacked, or packed by ``prepare_linears``): their stock weights are read by
+        nothing. None of them when the projections are the modules' own (LoRA)."""
+        if not self.select_early:  # fuse=False: LoRA wraps the modules' own products
+            return []
+        linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = (CpuLinear.ONEDNN, CpuLinear.AUTO)
+        return [m for m in linears if m in _STACKED or applied_mode(m) in packed]
 
     def __call__(
         self,
