@@ -56,9 +56,10 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings:
 
 # As the server's stub process runs it (server/stub/triton_model.py: OpenAI Triton kept out
 # on a machine without CUDA). weights_mb: every parameter at its format's bytes (int8: one and
-# a float32 scale per 32), a tied embedding counted once.
+# a float32 scale per 32, and the float32 columns of the outlier channels kept out of the
+# blocks), a tied embedding counted once.
 _RSS_CHILD = """
-import json, sys, torch
+import gc, json, sys, torch
 from slipstream.worker.model_loader import keep_gpu_compiler_out
 keep_gpu_compiler_out(torch.device('cpu'))
 from slipstream.core.config import EngineConfig
@@ -73,15 +74,19 @@ engine = LLMEngine(EngineConfig.from_dict(settings))
 loaded = rss()
 engine.generate(['The lighthouse at the end of the pier'] * 4,
                 SamplingParams(max_tokens=8, temperature=0))
+generated = rss()  # before the counting below, which allocates
 bytes_per = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 32}[engine.weight_format]
 model = engine.model
 params = sum(p.numel() for p in model.parameters())
 embedding, head = model.get_input_embeddings().weight, model.lm_head.weight
 if model.config.tie_word_embeddings and embedding is not head:  # stand-ins for one table
     params -= embedding.numel()
-print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': rss(),
+from slipstream.worker.q8_weight import Q8Weight
+outlier_columns = sum(o.outlier_w.nbytes for o in gc.get_objects()
+                      if isinstance(o, Q8Weight) and o.outlier_w is not None)
+print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': generated,
                   'kv_cache_mb': engine.kv_cache.nbytes / 2**20,
-                  'weights_mb': params * bytes_per / 2**20}))
+                  'weights_mb': (params * bytes_per + outlier_columns) / 2**20}))
 """
 
 
