@@ -149,8 +149,8 @@ def _gemm(weight: torch.Tensor, bias: Optional[torch.Tensor], mode: CpuLinear) -
 def _pack(module: torch.nn.Linear, mode: CpuLinear) -> None:
     weight = module.weight.detach().contiguous()
     bias = None if module.bias is None else module.bias.detach().contiguous()
-    # An instance attribute shadows Linear.forward; the stock weight stays (tied embeddings
-    # and any code that reads .weight keep working).
+    # An instance attribute shadows Linear.forward; the stock weight stays for now (the lean
+    # forward stacks fused layers from it, then drop_stock_weights lets it go).
     setattr(module, "forward", _gemm(weight, bias, mode))
 
 
