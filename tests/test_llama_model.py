@@ -166,3 +166,26 @@ def test_the_plain_tokenizer_class_loads_as_autotokenizer_would():
     for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids"):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("generation_file", [True, False])
+def test_the_end_of_sequence_ids_are_read_as_transformers_reads_them(tmp_path, generation_file):
+    from transformers import GenerationConfig
+
+    target = _copy_with_config(tmp_path, eos_token_id=[7, 9])
+    generation = target / "generation_config.json"
+    if generation_file:
+        generation.write_text(json.dumps({"eos_token_id": 11, "bos_token_id": 1}))
+    else:
+        generation.unlink(missing_ok=True)
+    lean = model_loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
+    if generation_file:
+        expected = GenerationConfig.from_pretrained(str(target)).eos_token_id
+    else:
+        from transformers import AutoConfig
+
+        expected = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(target)))
+        expected = expected.eos_token_id
+    assert (
+        lean.generation_config.eos_token_id == expected == ([7, 9] if not generation_file else 11)
+    )

@@ -99,7 +99,11 @@ class GenerationDefaults:
 
     @classmethod
     def read(cls, path: Path) -> "GenerationDefaults":
+        """From ``generation_config.json``; without one, from ``config.json``, as
+        transformers derives a model's generation config."""
         file = path / GENERATION_FILE
+        if not file.exists():
+            file = path / CONFIG_FILE
         raw = json.loads(file.read_text()) if file.exists() else {}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
