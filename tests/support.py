@@ -21,6 +21,26 @@ def tiny_model_dir(arch: str = "llama") -> Path:
     return make_tiny_model_dir(cache_root() / "test-models" / f"tiny-{arch}", arch)
 
 
+def tiny_llama_variant(target: Path, **config_changes) -> Path:
+    """A copy of the tiny Llama at ``target`` with ``config.json`` fields changed."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir("llama"), target)
+    raw = json.loads((target / "config.json").read_text())
+    raw.update(config_changes)
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+def drop_checkpoint_tensor(path: Path, name: str) -> None:
+    """Remove tensor ``name`` from the model's ``model.safetensors``."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    del weights[name]
+    save_file(weights, str(path / "model.safetensors"))
+
+
 @functools.lru_cache(maxsize=None)
 def reference_model(path: Path):
     from transformers import AutoModelForCausalLM

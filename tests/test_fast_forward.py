@@ -130,22 +130,12 @@ def test_fp32_linears_are_held_only_in_their_packed_copies(tmp_path, tied):
     """With the lean forward's products on packed (and stacked) copies, a linear's stock
     weight is read by nothing: it goes, but for a tied head, whose table the embedding
     looks rows up in. The engine still answers as the Hugging Face model does."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from support import hf_greedy
+    from support import drop_checkpoint_tensor, hf_greedy, tiny_llama_variant
 
     path = tiny_model_dir("llama")
     if tied:
-        path = tmp_path / "tied"
-        shutil.copytree(tiny_model_dir("llama"), path)
-        raw = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
-        weights = load_file(str(path / "model.safetensors"))
-        del weights["lm_head.weight"]
-        save_file(weights, str(path / "model.safetensors"))
+        path = tiny_llama_variant(tmp_path / "tied", tie_word_embeddings=True)
+        drop_checkpoint_tensor(path, "lm_head.weight")
     engine = LLMEngine(EngineConfig(model=str(path), num_gpu_blocks_override=64))
     head = engine.model.lm_head
     linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]

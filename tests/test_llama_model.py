@@ -3,10 +3,8 @@ weights and module arithmetic as the Hugging Face model, none of its imports in 
 process, and everything it does not cover left to transformers."""
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch
 from slipstream import EngineConfig
 from slipstream.engine import LLMEngine
 from slipstream.worker import llama_model, model_loader
-from support import reference_model, tiny_model_dir
+from support import drop_checkpoint_tensor, reference_model, tiny_llama_variant, tiny_model_dir
 
 # What transformers' model and config classes import, which a serving process on CPU avoids.
 HEAVY_MODULES = (
@@ -62,30 +60,14 @@ def test_other_architectures_are_not_built_here(arch):
     assert llama_model.read_shape(tiny_model_dir(arch)) is None
 
 
-def _copy_with_config(tmp_path: Path, **changes) -> Path:
-    target = tmp_path / "model"
-    shutil.copytree(tiny_model_dir("llama"), target)
-    raw = json.loads((target / "config.json").read_text())
-    raw.update(changes)
-    (target / "config.json").write_text(json.dumps(raw))
-    return target
-
-
 def test_a_scaled_rope_or_another_activation_is_left_to_transformers(tmp_path):
-    scaled = _copy_with_config(
-        tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    scaled = tiny_llama_variant(
+        tmp_path / "model",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
     )
     assert llama_model.read_shape(scaled) is None
-    gelu = _copy_with_config(tmp_path / "b", hidden_act="gelu")
+    gelu = tiny_llama_variant(tmp_path / "b", hidden_act="gelu")
     assert llama_model.read_shape(gelu) is None
-
-
-def _without_tensor(path: Path, name: str) -> None:
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(str(path / "model.safetensors"))
-    del weights[name]
-    save_file(weights, str(path / "model.safetensors"))
 
 
 @pytest.mark.parametrize(
@@ -101,9 +83,9 @@ def test_weights_buffers_and_modules_match_the_hf_model(tmp_path, layout, tied):
 
     path = tiny_model_dir("llama")
     if layout != "untied":
-        path = _copy_with_config(tmp_path, tie_word_embeddings=True)
+        path = tiny_llama_variant(tmp_path / "model", tie_word_embeddings=True)
     if tied:
-        _without_tensor(path, "lm_head.weight")
+        drop_checkpoint_tensor(path, "lm_head.weight")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     lean = model_loader.load_model(path, torch.float32, torch.device("cpu"), lean=True)
     assert isinstance(lean, llama_model.LlamaForCausalLM)
@@ -139,8 +121,8 @@ def test_its_own_forward_gives_the_hf_models_logits():
 
 
 def test_a_checkpoint_without_a_layers_weights_is_refused_by_name(tmp_path):
-    target = _copy_with_config(tmp_path)
-    _without_tensor(target, "model.layers.1.mlp.down_proj.weight")
+    target = tiny_llama_variant(tmp_path / "model")
+    drop_checkpoint_tensor(target, "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
         model_loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
 
@@ -172,7 +154,7 @@ def test_the_plain_tokenizer_class_loads_as_autotokenizer_would():
 def test_the_end_of_sequence_ids_are_read_as_transformers_reads_them(tmp_path, generation_file):
     from transformers import GenerationConfig
 
-    target = _copy_with_config(tmp_path, eos_token_id=[7, 9])
+    target = tiny_llama_variant(tmp_path / "model", eos_token_id=[7, 9])
     generation = target / "generation_config.json"
     if generation_file:
         generation.write_text(json.dumps({"eos_token_id": 11, "bos_token_id": 1}))
