@@ -1,5 +1,6 @@
-"""The compiled small-GEMM kernel (few rows: decode steps at small batch) computes the linear
-product, and ``cpu_linear=auto`` sends few-row products to it and the rest to oneDNN."""
+"""The compiled fp32 GEMM kernel computes the linear product at any row count (12 x 2 tiles
+for decode rows, 8 x 3 tiles over row chunks from 32 rows on), and ``cpu_linear=auto`` runs
+every product on it, over one packed copy that a tied embedding reads too."""
 
 import pytest
 import torch
@@ -26,6 +27,18 @@ def test_small_gemm_computes_the_linear_product(rows, n, bias):
     got = op.small_gemm(x, op.pack_small_gemm_weight(weight), n, b)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [32, 45, 200])  # whole wide tiles, a tail of them, chunks
+@pytest.mark.parametrize("n", [48, 100, 150])  # one whole group, a ragged tail, a partial group
+@pytest.mark.parametrize("k", [72, 2048])  # 2048: more rows than one chunk keeps in L2
+def test_many_row_products_in_wide_tiles_and_chunks_compute_the_linear_product(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    want = F.linear(x.double(), weight.double(), b.double())
+    got = op.small_gemm(x, op.pack_small_gemm_weight(weight), n, b)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-4)
 
 
 def test_small_gemm_reads_rows_at_their_stride():
@@ -58,13 +71,35 @@ def _calls(model: torch.nn.Module, x: torch.Tensor) -> dict:
     }
 
 
-def test_auto_layout_sends_few_rows_to_the_kernel_and_many_to_onednn():
-    if not cpu_linear.onednn_available():
-        pytest.skip("torch built without oneDNN")
+def test_auto_layout_runs_every_row_count_on_the_kernel():
+    if not cpu_linear.kernel_serves_fp32():
+        pytest.skip("no AVX-512: auto is onednn here")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 24, bias=False))
     assert cpu_linear.prepare_linears(model, "auto") is cpu_linear.CpuLinear.AUTO
     assert cpu_linear.applied_mode(model[0]) is cpu_linear.CpuLinear.AUTO
-    few, many = cpu_linear.SMALL_GEMM_MAX_ROWS, cpu_linear.SMALL_GEMM_MAX_ROWS + 1
-    assert _calls(model, torch.randn(1, few, 64)) == {"slipstream_cpu::small_gemm": 2}
-    assert _calls(model, torch.randn(1, many, 64)) == {"mkldnn::_linear_pointwise": 2}
+    for rows in (1, 64, 65, 700):
+        assert _calls(model, torch.randn(1, rows, 64)) == {"slipstream_cpu::small_gemm": 2}
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(70, 32)
+        self.lm_head = torch.nn.Linear(32, 70, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+
+def test_a_tied_embedding_looks_its_rows_up_in_the_heads_packed_copy():
+    if not cpu_linear.kernel_serves_fp32():
+        pytest.skip("no AVX-512: auto is onednn here")
+    torch.manual_seed(1)
+    model = _TiedLM()
+    table = model.embed.weight.detach().clone()
+    cpu_linear.prepare_linears(model, "auto")
+    assert model.embed.weight.is_meta  # the table is no longer held for the lookups
+    ids = torch.tensor([[0, 15, 16, 17, 69, 33]])
+    with torch.no_grad():
+        assert torch.equal(model.embed(ids), table[ids])
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(model.lm_head(x), x @ table.t(), rtol=1e-5, atol=1e-5)

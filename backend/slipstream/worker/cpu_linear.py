@@ -1,18 +1,20 @@
 """How the model's linear layers multiply on CPU: the weight layout and the GEMM library.
 
-``auto`` (the default) is ``onednn`` plus, for a product of up to ``SMALL_GEMM_MAX_ROWS`` rows
-(a decode step), the compiled small-GEMM kernel (``ops/cpu_small_gemm.cpp``) on its own packed
-copy of the weight: at a few rows the product is bound by reading the weight from memory, which
-oneDNN does at ~20 GB/s on the AMD EPYC VMs here against the kernel's ~30, and at any row count
-its threads take work from a shared counter, so one the OS preempts does not hold the other up
-(docs/benchmarks.md). The price is that copy: the weights are held once more. ``onednn`` packs
-every ``nn.Linear`` weight once into oneDNN's blocked layout and runs the layer through
-oneDNN's inner product, as vLLM's CPU backend does; torch's own fp32 ``linear`` calls MKL's
-sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's shapes at 30-130 GFLOP/s against
-oneDNN's 110-210, and the 49k-row LM head at a third of oneDNN's speed. ``transposed`` keeps
-torch's linear on a column-major copy of the weight (faster than the stock layout for small
-batches on Intel Xeons); ``stock`` changes nothing.
-Outputs differ from the stock layout by float rounding only (relative 1e-6).
+``auto`` (the default) runs every fp32 product, decode rows and prompt chunks alike, on the
+compiled kernel (``ops/cpu_small_gemm.cpp``) over one packed copy of the weight: at a few rows
+the product is bound by reading the weight from memory, which oneDNN does at ~20 GB/s on the
+AMD EPYC VMs here against the kernel's ~30; at many rows it is bound by the FMAs, where the
+kernel's wide tiles run at oneDNN's speed (0.99-1.02x a decoder layer's time from 128 to 2,048
+rows); and at any row count its threads take work from a shared counter, so one the OS
+preempts does not hold the other up (docs/benchmarks.md). A tied LM head's packed copy also
+serves the embedding's lookups, so each weight is held once. The kernel's fast paths need
+AVX-512: elsewhere ``auto`` is ``onednn``. ``onednn`` packs every ``nn.Linear`` weight once
+into oneDNN's blocked layout and runs the layer through oneDNN's inner product, as vLLM's CPU
+backend does; torch's own fp32 ``linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) VMs
+here ran the model's shapes at 30-130 GFLOP/s against oneDNN's 110-210, and the 49k-row LM
+head at a third of oneDNN's speed. ``transposed`` keeps torch's linear on a column-major copy
+of the weight (faster than the stock layout for small batches on Intel Xeons); ``stock``
+changes nothing. Outputs differ from the stock layout by float rounding only (relative 1e-6).
 """
 
 from __future__ import annotations
@@ -41,15 +43,12 @@ class CpuLinear(str, enum.Enum):
 # oneDNN picks its blocked weight format for a typical row count; any count works with it.
 _PACK_ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many rows the small-GEMM kernel runs the product, above it oneDNN. Taken alone
-# (2 threads, AMD EPYC Zen 4, one decode step's weights) the kernel is ahead to ~48 rows (48:
-# 63.9 against 69.0 ms) and oneDNN past it (64: 80.7 against 89.0 ms). In the engine's own
-# steps the kernel was as fast at 64 running (129.8 against 129.2 ms) and faster at 32-59
-# (95.6 against 111.0 ms); in the server, where the token path takes a core from one of the
-# two threads now and then, oneDNN's fixed split waits for the preempted thread while the
-# kernel's shared counter hands its work to the other: 193-194 against 180-181 tokens/s.
-# Without AVX-512 the kernel's portable loop is kept to the few rows it was measured at.
-SMALL_GEMM_MAX_ROWS = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+
+
+def kernel_serves_fp32() -> bool:
+    """The compiled kernel runs every fp32 product here (``auto``): it has AVX-512, and the
+    kernels compile."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and cpu_kernels.load()
 
 
 def onednn_available() -> bool:
@@ -127,23 +126,44 @@ def _onednn_forward(
 
 
 def _auto_forward(
-    packed: torch.Tensor, small: torch.Tensor, n: int, bias: Optional[torch.Tensor], x: torch.Tensor
+    small: torch.Tensor, n: int, bias: Optional[torch.Tensor], x: torch.Tensor
 ) -> torch.Tensor:
     width = x.shape[-1]
     rows = x.numel() // width if width else 0
-    if 0 < rows <= SMALL_GEMM_MAX_ROWS:
-        out = torch.ops.slipstream_cpu.small_gemm(x.reshape(rows, width), small, n, bias)
-        return out.view(*x.shape[:-1], n)
-    return _onednn_forward(packed, bias, x)
+    out = torch.ops.slipstream_cpu.small_gemm(x.reshape(rows, width), small, n, bias)
+    return out.view(*x.shape[:-1], n)
 
 
 def _gemm(weight: torch.Tensor, bias: Optional[torch.Tensor], mode: CpuLinear) -> Callable:
     """The product with ``weight`` [N, K] in ``mode`` (ONEDNN or AUTO), packed once."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
     if mode is CpuLinear.AUTO:
         small = torch.ops.slipstream_cpu.pack_small_gemm_weight(weight)
-        return functools.partial(_auto_forward, packed, small, weight.shape[0], bias)
+        return functools.partial(_auto_forward, small, weight.shape[0], bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
     return functools.partial(_onednn_forward, packed, bias)
+
+
+def _packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the weight ``pack_small_gemm_weight`` packed as [N/16, K, 16]."""
+    lanes = packed.shape[2]
+    return packed[ids // lanes, :, ids % lanes]
+
+
+def _embedding_from_head(embedding: torch.nn.Embedding, head: torch.nn.Linear) -> None:
+    """A tied embedding looks its rows up in the head's packed copy: its table (the same
+    weight) need not stay for it."""
+    forward = head.__dict__.get("forward")
+    if not (isinstance(forward, functools.partial) and forward.func is _auto_forward):
+        return
+    packed = forward.args[0]
+    if embedding.padding_idx is not None or embedding.max_norm is not None:
+        return  # torch's lookup does more than read a row
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        return _packed_rows(packed, ids)
+
+    setattr(embedding, "forward", lookup)
+    embedding.weight = storage_less(embedding.weight)
 
 
 def _pack(module: torch.nn.Linear, mode: CpuLinear) -> None:
@@ -233,21 +253,33 @@ def _transpose(module: torch.nn.Linear) -> None:
         module.weight.data = module.weight.data.t().contiguous().t()
 
 
+def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Embedding]:
+    head = getattr(model, "lm_head", None)
+    found = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if not isinstance(head, torch.nn.Linear) or len(found) != 1:
+        return None
+    return found[0] if found[0].weight is head.weight else None
+
+
 def prepare_linears(model: torch.nn.Module, mode: str) -> CpuLinear:
     """Apply ``mode`` to every linear layer of a CPU model; returns the mode applied
-    (``onednn`` falls back to ``transposed`` where oneDNN or the dtype is unsupported)."""
+    (``auto`` is ``onednn`` where the kernel does not serve fp32; ``onednn`` falls back to
+    ``transposed`` where oneDNN or the dtype is unsupported)."""
     choice = CpuLinear(mode)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtype = linears[0].weight.dtype if linears else torch.float32
-    if choice is CpuLinear.AUTO and not (dtype == torch.float32 and cpu_kernels.load()):
-        choice = CpuLinear.ONEDNN  # the kernel is fp32 only, and may not compile here
-    if choice in (CpuLinear.ONEDNN, CpuLinear.AUTO):
+    if choice is CpuLinear.AUTO and not (dtype == torch.float32 and kernel_serves_fp32()):
+        choice = CpuLinear.ONEDNN
+    if choice is CpuLinear.ONEDNN:
         if not onednn_available() or dtype not in _ONEDNN_DTYPES:
             log.warning("oneDNN linear unavailable for %s; using transposed weights", dtype)
             choice = CpuLinear.TRANSPOSED
+    embedding = _tied_embedding(model)
     for module in linears:
         if choice in (CpuLinear.ONEDNN, CpuLinear.AUTO):
             _pack(module, choice)
         elif choice is CpuLinear.TRANSPOSED:
             _transpose(module)
+    if embedding is not None:
+        _embedding_from_head(embedding, getattr(model, "lm_head"))
     return choice
