@@ -117,7 +117,7 @@ class EngineConfig:
 
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    cpu_linear: str = "auto"  # CPU: oneDNN + the small-GEMM kernel; "onednn", "transposed", "stock"
+    cpu_linear: str = "auto"  # CPU fp32: the compiled kernel; "onednn", "transposed", "stock"
     attention_ops: str = "auto"  # auto: cpu kernel on CPU, triton on CUDA; or torch, cpu, triton
     fast_forward: bool = True  # CPU: Llama-style models skip the HF forward's wrappers
     enable_lora: bool = False  # serve PEFT adapters per request (lora_name)

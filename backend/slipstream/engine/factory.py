@@ -14,8 +14,9 @@ import torch
 from slipstream.core.config import EngineConfig
 from slipstream.worker import model_loader
 from slipstream.worker.cpu_linear import drop_stock_weights, prepare_linears
+from slipstream.worker.cpu_memory import release_freed_memory
 from slipstream.worker.cpu_norm import prepare_norms
-from slipstream.worker.cpu_reduced_linear import prepare_cpu_model, release_freed_memory
+from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
 from slipstream.worker.model_runner import ModelRunner

@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from slipstream.worker.cpu_memory import own_storage, storage_less
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -215,24 +216,6 @@ def applied_mode(module: torch.nn.Linear) -> Optional[CpuLinear]:
     if not module.weight.is_contiguous() and module.weight.t().is_contiguous():
         return CpuLinear.TRANSPOSED
     return CpuLinear.STOCK
-
-
-def storage_less(t: torch.Tensor) -> torch.nn.Parameter:
-    """A stand-in with the weight's shape and dtype and no storage: the layer's own copy goes."""
-    return torch.nn.Parameter(
-        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False
-    )
-
-
-def own_storage(model: torch.nn.Module) -> None:
-    """Give what is left of a model (norms, rotary tables, an embedding) storage of its own.
-    Loaded from safetensors, every tensor is a view of the file's one memory map: a single
-    norm weight left in it keeps the whole file mapped, and the pages the packing read (all
-    of the weights) resident."""
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            if tensor.device.type == "cpu":
-                tensor.data = tensor.data.clone()
 
 
 def drop_stock_weights(model: torch.nn.Module, modules: Sequence[torch.nn.Linear]) -> None:

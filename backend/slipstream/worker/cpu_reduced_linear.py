@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.worker import activation_outliers, bf16_weight, q8_weight
-from slipstream.worker.cpu_linear import own_storage, padded_product, storage_less
+from slipstream.worker.cpu_linear import padded_product
+from slipstream.worker.cpu_memory import own_storage, release_freed_memory, storage_less
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -372,20 +373,6 @@ def _all_set(items: list[Optional[T]]) -> list[T]:
     present = [t for t in items if t is not None]
     assert len(present) == len(items)
     return present
-
-
-def release_freed_memory() -> None:
-    """Hand the freed fp32 weights' pages back to the OS (glibc keeps freed heap memory,
-    and raises its mmap threshold after large frees, so RSS would stay at the fp32 size)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 def prepare_cpu_model(model: torch.nn.Module, weights: str, cpu_linear: str) -> None:

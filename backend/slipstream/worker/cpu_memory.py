@@ -1,0 +1,39 @@
+"""Where a CPU model's weight memory goes: a layer's stock copy replaced by a stand-in without
+storage once a packed copy serves its products, what is left given storage of its own (off
+the checkpoint's memory map), and freed pages handed back to the OS."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import torch
+
+
+def storage_less(t: torch.Tensor) -> torch.nn.Parameter:
+    """A stand-in with the weight's shape and dtype and no storage: the layer's own copy goes."""
+    return torch.nn.Parameter(
+        torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False
+    )
+
+
+def own_storage(model: torch.nn.Module) -> None:
+    """Give what is left of a model (norms, rotary tables, an embedding) storage of its own.
+    Loaded from safetensors, every tensor is a view of the file's one memory map: a single
+    norm weight left in it keeps the whole file mapped, and the pages the packing read (all
+    of the weights) resident."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+
+
+def release_freed_memory() -> None:
+    """Hand the freed fp32 weights' pages back to the OS (glibc keeps freed heap memory,
+    and raises its mmap threshold after large frees, so RSS would stay at the fp32 size)."""
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
