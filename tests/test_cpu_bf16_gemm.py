@@ -47,6 +47,24 @@ def test_bf16_out_is_the_fp32_result_rounded_once(kernel_path):
     assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.bfloat16())
 
 
+def test_bf16_out_rounds_infinities_nans_and_ties_as_torch_does(kernel_path):
+    """Whole panels are stored as vectors: their rounding must stay torch's, lane by lane."""
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(6, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    x[2] = 0.0
+    x[2, 0] = 1.0
+    bias = torch.zeros(64)
+    bias[:8] = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e38, 3.4e38, -3e38, 1.5, 2**-133]
+    )
+    w[:, 0] = 0.0  # row 2's sums are the bias: ties, overflow to inf, a subnormal
+    packed = bf16_weight.pack(w)
+    wide = bf16_weight.product(packed, x, bias, bf16_out=False)
+    narrow = bf16_weight.product(packed, x, bias, bf16_out=True)
+    torch.testing.assert_close(narrow, wide.bfloat16(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_row_does_not_depend_on_its_batch():
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(30, 64, generator=gen), torch.randn(64, 64, generator=gen)
