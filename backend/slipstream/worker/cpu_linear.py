@@ -157,8 +157,8 @@ def _embedding_from_head(embedding: torch.nn.Embedding, head: torch.nn.Linear) -
     if not (isinstance(forward, functools.partial) and forward.func is _auto_forward):
         return
     packed = forward.args[0]
-    if embedding.padding_idx is not None or embedding.max_norm is not None:
-        return  # torch's lookup does more than read a row
+    if embedding.max_norm is not None:
+        return  # torch's lookup renormalises the rows it reads (padding_idx only stops grads)
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         return _packed_rows(packed, ids)
