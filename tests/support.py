@@ -99,3 +99,24 @@ def http_generate(server, model: str, body: dict) -> tuple:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """An embedding whose forward scales its rows, as Gemma's does."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 8.0
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding tied to its LM head, the two linears on either side of it."""
+
+    def __init__(self, embedding: type = torch.nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embedding(70, 64, padding_idx=2)  # a padding_idx as transformers builds it
+        self.a = torch.nn.Linear(64, 96, bias=True)
+        self.lm_head = torch.nn.Linear(64, 70, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.embed

@@ -128,6 +128,23 @@ def test_bf16_tied_embedding_reads_the_bf16_table():
     assert rows.dtype == torch.float32 and torch.equal(rows, want[ids])
 
 
+@pytest.mark.parametrize("fmt", [rl.WeightFormat.INT8, rl.WeightFormat.BFLOAT16])
+def test_an_embedding_with_a_forward_of_its_own_keeps_it_and_its_table(fmt):
+    """Gemma's embedding scales its rows: it keeps its own table and forward; the head is
+    still reduced."""
+    from support import ScaledEmbedding, TiedLM
+
+    torch.manual_seed(3)
+    model = TiedLM(ScaledEmbedding)
+    ids = torch.tensor([0, 2, 15, 69])
+    with torch.no_grad():
+        want = model.embed(ids)
+        rl.prepare_reduced_linears(model, fmt)
+        assert not model.embed.weight.is_meta
+        assert torch.equal(model.embed(ids), want)
+    assert rl.applied_plan(model.lm_head) is not None
+
+
 def test_fused_layers_compute_each_layers_product():
     torch.manual_seed(0)
     model = _Tiny()

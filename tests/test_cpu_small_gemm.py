@@ -82,24 +82,32 @@ def test_auto_layout_runs_every_row_count_on_the_kernel():
         assert _calls(model, torch.randn(1, rows, 64)) == {"slipstream_cpu::small_gemm": 2}
 
 
-class _TiedLM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(70, 32, padding_idx=2)  # as transformers builds it
-        self.lm_head = torch.nn.Linear(32, 70, bias=False)
-        self.lm_head.weight = self.embed.weight
-
-
 def test_a_tied_embedding_looks_its_rows_up_in_the_heads_packed_copy():
     if not cpu_linear.kernel_serves_fp32():
         pytest.skip("no AVX-512: auto is onednn here")
+    from support import TiedLM
+
     torch.manual_seed(1)
-    model = _TiedLM()
+    model = TiedLM()
     table = model.embed.weight.detach().clone()
     cpu_linear.prepare_linears(model, "auto")
     assert model.embed.weight.is_meta  # the table is no longer held for the lookups
     ids = torch.tensor([[0, 2, 15, 16, 17, 69, 33]])
     with torch.no_grad():
         assert torch.equal(model.embed(ids), table[ids])
-        x = torch.randn(3, 32)
+        x = torch.randn(3, 64)
         torch.testing.assert_close(model.lm_head(x), x @ table.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_embedding_with_a_forward_of_its_own_keeps_it_and_its_table():
+    """Gemma's embedding scales its rows: a lookup in the head's packed copy would drop that."""
+    from support import ScaledEmbedding, TiedLM
+
+    torch.manual_seed(2)
+    model = TiedLM(ScaledEmbedding)
+    ids = torch.tensor([0, 2, 15, 69])
+    with torch.no_grad():
+        want = model.embed(ids)
+        cpu_linear.prepare_linears(model, "auto")
+        assert not model.embed.weight.is_meta
+        assert torch.equal(model.embed(ids), want)

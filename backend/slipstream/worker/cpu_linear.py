@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_memory import own_storage, storage_less
+from slipstream.worker.cpu_memory import own_storage, reads_rows_only, storage_less
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -157,8 +157,8 @@ def _embedding_from_head(embedding: torch.nn.Embedding, head: torch.nn.Linear) -
     if not (isinstance(forward, functools.partial) and forward.func is _auto_forward):
         return
     packed = forward.args[0]
-    if embedding.max_norm is not None:
-        return  # torch's lookup renormalises the rows it reads (padding_idx only stops grads)
+    if not reads_rows_only(embedding):
+        return
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         return _packed_rows(packed, ids)

@@ -28,6 +28,13 @@ def own_storage(model: torch.nn.Module) -> None:
                 tensor.data = tensor.data.clone()
 
 
+def reads_rows_only(embedding: torch.nn.Embedding) -> bool:
+    """Its lookup only reads rows of its table, so a packed copy of the table (a tied head's)
+    can serve it: not a subclass with a forward of its own (Gemma scales its rows), not one
+    that renormalises the rows it reads (``max_norm``). ``padding_idx`` only stops gradients."""
+    return type(embedding).forward is torch.nn.Embedding.forward and embedding.max_norm is None
+
+
 def release_freed_memory() -> None:
     """Hand the freed fp32 weights' pages back to the OS (glibc keeps freed heap memory,
     and raises its mmap threshold after large frees, so RSS would stay at the fp32 size)."""

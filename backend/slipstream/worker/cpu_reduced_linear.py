@@ -46,7 +46,12 @@ import torch.nn.functional as F
 
 from slipstream.worker import activation_outliers, bf16_weight, q8_weight
 from slipstream.worker.cpu_linear import padded_product
-from slipstream.worker.cpu_memory import own_storage, release_freed_memory, storage_less
+from slipstream.worker.cpu_memory import (
+    own_storage,
+    reads_rows_only,
+    release_freed_memory,
+    storage_less,
+)
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -259,7 +264,8 @@ def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     embedding = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     if head is None or embedding is None or embedding.weight is not head.weight:
         return None
-    return embedding
+    # an embedding whose lookup does more than read rows keeps its own (fp32) table
+    return embedding if reads_rows_only(embedding) else None
 
 
 def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
