@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_memory import own_storage, reads_rows_only, storage_less
+from slipstream.worker.cpu_memory import own_storage, storage_less, tied_embedding
 from slipstream.worker.ops import cpu_kernels
 
 log = logging.getLogger("slipstream")
@@ -157,8 +157,6 @@ def _embedding_from_head(embedding: torch.nn.Embedding, head: torch.nn.Linear) -
     if not (isinstance(forward, functools.partial) and forward.func is _auto_forward):
         return
     packed = forward.args[0]
-    if not reads_rows_only(embedding):
-        return
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         return _packed_rows(packed, ids)
@@ -236,14 +234,6 @@ def _transpose(module: torch.nn.Linear) -> None:
         module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Embedding]:
-    head = getattr(model, "lm_head", None)
-    found = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    if not isinstance(head, torch.nn.Linear) or len(found) != 1:
-        return None
-    return found[0] if found[0].weight is head.weight else None
-
-
 def prepare_linears(model: torch.nn.Module, mode: str) -> CpuLinear:
     """Apply ``mode`` to every linear layer of a CPU model; returns the mode applied
     (``auto`` is ``onednn`` where the kernel does not serve fp32; ``onednn`` falls back to
@@ -257,7 +247,7 @@ def prepare_linears(model: torch.nn.Module, mode: str) -> CpuLinear:
         if not onednn_available() or dtype not in _ONEDNN_DTYPES:
             log.warning("oneDNN linear unavailable for %s; using transposed weights", dtype)
             choice = CpuLinear.TRANSPOSED
-    embedding = _tied_embedding(model)
+    embedding = tied_embedding(model)
     for module in linears:
         if choice in (CpuLinear.ONEDNN, CpuLinear.AUTO):
             _pack(module, choice)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,19 @@ def reads_rows_only(embedding: torch.nn.Embedding) -> bool:
     can serve it: not a subclass with a forward of its own (Gemma scales its rows), not one
     that renormalises the rows it reads (``max_norm``). ``padding_idx`` only stops gradients."""
     return type(embedding).forward is torch.nn.Embedding.forward and embedding.max_norm is None
+
+
+def tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Embedding]:
+    """The input embedding that shares the LM head's weight and could read its rows from the
+    head's packed copy (``reads_rows_only``); None where there is none such."""
+    head = getattr(model, "lm_head", None)
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if head is None or not isinstance(embedding, torch.nn.Embedding):
+        return None
+    if embedding.weight is not head.weight or not reads_rows_only(embedding):
+        return None
+    return embedding
 
 
 def release_freed_memory() -> None:

@@ -39,7 +39,7 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +48,9 @@ from slipstream.worker import activation_outliers, bf16_weight, q8_weight
 from slipstream.worker.cpu_linear import padded_product
 from slipstream.worker.cpu_memory import (
     own_storage,
-    reads_rows_only,
     release_freed_memory,
     storage_less,
+    tied_embedding,
 )
 from slipstream.worker.ops import cpu_kernels
 
@@ -246,7 +246,7 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     returns what runs the products, for the start-up log."""
     features = CpuFeatures.detect()
     kernel = cpu_kernels.load()
-    embedding = _tied_embedding(model)
+    embedding = tied_embedding(model)
     head = getattr(model, "lm_head", None)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     outliers = activation_outliers.find(model, linears) if fmt is WeightFormat.INT8 else {}
@@ -256,16 +256,6 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
             _prepare_embedding(embedding, plan)
     own_storage(model)
     return describe(fmt, features, kernel)
-
-
-def _tied_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-    head = getattr(model, "lm_head", None)
-    hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
-    embedding = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-    if head is None or embedding is None or embedding.weight is not head.weight:
-        return None
-    # an embedding whose lookup does more than read rows keeps its own (fp32) table
-    return embedding if reads_rows_only(embedding) else None
 
 
 def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:

@@ -33,6 +33,18 @@ namespace {
 constexpr int64_t kLanes = 16;  // output columns per packed block
 constexpr int kRowTile = 12;    // rows sharing one pass over a block pair (24 accumulators)
 
+#if defined(__AVX512F__)
+// One row's sums for `nblocks` whole blocks from column n0: y[n0 + ...] = acc + bias.
+inline void store_blocks(const __m512* acc, int nblocks, float* __restrict y, int64_t n0,
+                         const float* __restrict bias) {
+  for (int b = 0; b < nblocks; ++b) {
+    __m512 v = acc[b];
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + b * kLanes));
+    _mm512_storeu_ps(y + n0 + b * kLanes, v);
+  }
+}
+#endif
+
 // acc[m][b] (b: one of two column blocks) += x[m, k] * w[b][k] over k; then y = acc + bias.
 template <int M>
 void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
@@ -60,12 +72,7 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int
     }
   }
   if (n0 + nblocks * kLanes <= N) {  // whole blocks: vector stores
-    for (int m = 0; m < M; ++m)
-      for (int b = 0; b < nblocks; ++b) {
-        __m512 v = acc[m][b];
-        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + b * kLanes));
-        _mm512_storeu_ps(y + m * ldy + n0 + b * kLanes, v);
-      }
+    for (int m = 0; m < M; ++m) store_blocks(acc[m], nblocks, y + m * ldy, n0, bias);
     return;
   }
   alignas(64) float out[2][kLanes];
@@ -118,12 +125,7 @@ void wide_tile(const float* __restrict x, int64_t ldx, const float* __restrict w
       for (int b = 0; b < B; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
     }
   }
-  for (int m = 0; m < R; ++m)
-    for (int b = 0; b < B; ++b) {
-      __m512 v = acc[m][b];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + b * kLanes));
-      _mm512_storeu_ps(y + m * ldy + n0 + b * kLanes, v);
-    }
+  for (int m = 0; m < R; ++m) store_blocks(acc[m], B, y + m * ldy, n0, bias);
 }
 #endif
 
