@@ -30,7 +30,13 @@ import torch.nn.functional as F
 
 from slipstream.worker.cpu_linear import CpuLinear, applied_mode, fused_linear
 from slipstream.worker.cpu_norm import LLAMA_STYLE_NORMS
-from slipstream.worker.cpu_reduced_linear import applied_plan_of, fused_reduced, keep_bf16_output
+from slipstream.worker.cpu_reduced_linear import (
+    applied_plan,
+    applied_plan_of,
+    fused_reduced,
+    keep_bf16_output,
+)
+from slipstream.worker.decode_stack import DecodeStack, StackLayer
 from slipstream.worker.ops import cpu_kernels
 
 # model_type -> how a layer finds its sliding window (None: no window)
@@ -41,6 +47,8 @@ _WINDOW: dict = {
 }
 
 Projection = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+# (hidden [T, H], cos [T, D], sin [T, D]) -> hidden after every decoder layer
+Layers = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Linears whose product runs on a stacked copy of their weights (_fused_projection).
 _STACKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
@@ -199,6 +207,8 @@ class FastForward:
         self.head_dim = layers[0].o.in_features // self.num_heads
         self.final_norm = _fused_norm(self.base.norm)
         self.rotary = _rotary_for(model)
+        # every layer in one compiled call on decode steps (set by for_model where it can)
+        self.stack: Optional[DecodeStack] = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, fuse: bool = True) -> Optional["FastForward"]:
@@ -237,7 +247,21 @@ class FastForward:
             for layer in layers:
                 keep_bf16_output(layer.o)
                 keep_bf16_output(layer.down)
-        return cls(model, layers, select_early=fuse)
+        forward = cls(model, layers, select_early=fuse)
+        if fuse:
+            forward.stack = forward._decode_stack()
+        return forward
+
+    def _decode_stack(self) -> Optional[DecodeStack]:
+        """The compiled stack of these layers, where each is one it runs as this loop does."""
+        if self.rotary is not _kernel_rotary:
+            return None
+        stacked = [_stack_layer(layer) for layer in self.layers]
+        if any(s is None for s in stacked):
+            return None
+        return DecodeStack.build(
+            [s for s in stacked if s is not None], self.num_heads, self.num_kv_heads, self.head_dim
+        )
 
     def packed_only(self) -> list[torch.nn.Linear]:
         """The fp32 linears whose products this forward runs on packed copies alone (their
@@ -255,15 +279,36 @@ class FastForward:
         positions: torch.Tensor,
         keep: torch.Tensor,
         attention_step: Callable,
+        stacked: Optional[Layers] = None,
     ) -> torch.Tensor:
         """``attention_step(layer_index, q [T,H,D], k [T,Hkv,D], v, scaling, window)``
-        stores K/V and returns the attention output ``[T, H, D]``."""
+        stores K/V and returns the attention output ``[T, H, D]``; ``stacked``, where given,
+        runs every layer instead (the compiled stack over a decode step's caches), when
+        every row's logits are kept."""
         t = input_ids.shape[0]
         hidden = self.base.embed_tokens(input_ids[None])  # [1, T, hidden]
         cos, sin = self.base.rotary_emb(hidden, positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         rows: Optional[torch.Tensor] = keep  # the rows still to select (None: selected)
+        if stacked is not None and keep.numel() == t:
+            hidden = stacked(hidden[0], cos, sin)[None]
+        else:
+            hidden, rows = self._layers(hidden, cos, sin, keep, attention_step)
+        hidden = self.final_norm(hidden if rows is None else hidden[:, rows, :])
+        return self.model.lm_head(hidden)[0]
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keep: torch.Tensor,
+        attention_step: Callable,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every decoder layer from Python: (hidden, the rows still to select or None)."""
+        t = hidden.shape[1]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        rows: Optional[torch.Tensor] = keep
         for layer in self.layers:
             x = layer.norm_in(hidden)
             q, k, v = layer.qkv(x)  # fp32 (bf16 from oneDNN's AMX product: rotary is fp32)
@@ -287,8 +332,34 @@ class FastForward:
             else:
                 gate, up = layer.gate_up(x)
                 hidden.add_(layer.down(torch.mul(F.silu(gate, inplace=True), up)))
-        hidden = self.final_norm(hidden if rows is None else hidden[:, rows, :])
-        return self.model.lm_head(hidden)[0]
+        return hidden, rows
+
+
+def _stack_layer(layer: _Layer) -> Optional[StackLayer]:
+    """``layer`` in the compiled stack's terms, where its projections are fused reduced
+    products and its activation the compiled one."""
+    if not (isinstance(layer.qkv, _Split) and isinstance(layer.gate_up, _Split)):
+        return None
+    if layer.activation is None:
+        return None
+    qkv, gate_up = applied_plan_of(layer.qkv.product), applied_plan_of(layer.gate_up.product)
+    o, down = applied_plan(layer.o), applied_plan(layer.down)
+    if qkv is None or gate_up is None or o is None or down is None:
+        return None
+    norm_in, norm_post = layer.norm_in, layer.norm_post
+    if not (isinstance(norm_in, torch.nn.Module) and isinstance(norm_post, torch.nn.Module)):
+        return None
+    return StackLayer(
+        norm_in,
+        norm_post,
+        qkv,
+        layer.qkv.sizes,
+        o,
+        gate_up,
+        down,
+        layer.scaling,
+        layer.sliding_window,
+    )
 
 
 def _is_plain_llama(model: torch.nn.Module, config) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -11,9 +12,10 @@ import torch
 from slipstream.core.scheduler_output import SchedulerOutput
 from slipstream.worker import attention, llama_model
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
-from slipstream.worker.fast_forward import FastForward
+from slipstream.worker.fast_forward import FastForward, Layers
 from slipstream.worker.kv_cache import KVCache
 from slipstream.worker.lora_layers import LoraLayers, LoraMapping
+from slipstream.worker.ops import cpu_kernels
 from slipstream.worker.ops.dispatch import get_ops
 from slipstream.worker.ops.metadata import AttentionMetadata
 
@@ -218,7 +220,9 @@ class ModelRunner:
         # Every layer shares the step's layout: the ops work it out once, here.
         meta.plan = self.ops.plan(meta, self.kv.key_caches[0], self.num_query_heads)
         if self.fast is not None:
-            return self.fast(input_ids, positions, keep, self._attention_step(meta))
+            return self.fast(
+                input_ids, positions, keep, self._attention_step(meta), self._stacked(meta)
+            )
         context = attention.StepContext(meta, self.kv.key_caches, self.kv.value_caches, self.ops)
         with attention.step_context(context):
             out = self.model(
@@ -228,6 +232,22 @@ class ModelRunner:
                 logits_to_keep=keep,
             )
         return out.logits[0]
+
+    def _stacked(self, meta: AttentionMetadata) -> Optional[Layers]:
+        """The compiled decode stack over this step's caches, where the step is all decode
+        rows on the CPU kernels (else None: the lean forward's own loop)."""
+        stack = self.fast.stack if self.fast is not None else None
+        if stack is None or self.ops is not cpu_kernels:
+            return None
+        step = cpu_kernels.decode_step(meta, self.kv.key_caches[0])
+        if step is None:
+            return None
+        return functools.partial(
+            stack.run,
+            key_caches=list(self.kv.key_caches),
+            value_caches=list(self.kv.value_caches),
+            rows=step,
+        )
 
     def _attention_step(self, meta: AttentionMetadata):
         """The lean forward's attention: store the new K/V, attend over the paged cache."""

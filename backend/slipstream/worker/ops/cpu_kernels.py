@@ -54,6 +54,7 @@ SOURCES = tuple(
         "cpu_sampling.cpp",
         "cpu_silu_mul.cpp",
         "cpu_logit_stats.cpp",
+        "cpu_decode_stack.cpp",
     )
 )
 HEADERS = tuple(
@@ -249,6 +250,27 @@ class _Plan(AttentionPlan):
 # The prefill kernel's head sizes (ops/cpu_prefill_attention.cpp); others, and softcapped
 # scores, take the torch path.
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A step whose every row is a decode-kernel row (no prompt chunk): what the compiled
+    decode stack (``decode_stack``) reads besides the hidden state."""
+
+    decode: _DecodeRows
+    store_rows: Optional[torch.Tensor]  # the rows whose K/V is stored (None: every row)
+    store_slots: torch.Tensor
+
+
+def decode_step(meta: AttentionMetadata, key_cache: torch.Tensor) -> Optional[DecodeStep]:
+    """The step's kernel rows where the step (planned by ``plan``) is all decode rows over a
+    cache the kernel reads; else None."""
+    step_plan = meta.plan
+    if not isinstance(step_plan, _Plan) or step_plan.decode is None or step_plan.prompts:
+        return None
+    if key_cache.dtype not in CACHE_DTYPES or not load():
+        return None
+    return DecodeStep(step_plan.decode, step_plan.store_rows, step_plan.store_slots)
 
 
 def _kernel_rows(meta: AttentionMetadata, starts: list[int]) -> Optional[_DecodeRows]:

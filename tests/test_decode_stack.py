@@ -1,0 +1,82 @@
+"""The compiled decode stack (``worker/decode_stack.py``, ``ops/cpu_decode_stack.cpp``): every
+decoder layer of an all-decode step in one call, with the Python loop's results bit for bit."""
+
+import pytest
+import torch
+
+from slipstream import EngineConfig, SamplingParams
+from slipstream.engine import LLMEngine
+from slipstream.worker.ops import cpu_kernels
+from support import random_workload, tiny_model_dir
+
+REDUCED = [dict(quantization="int8"), dict(dtype="bfloat16")]
+
+
+def _engine(arch: str, **settings) -> LLMEngine:
+    if not cpu_kernels.load():
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir(arch)),
+            block_size=4,
+            max_num_batched_tokens=48,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_gpu_blocks_override=300,
+            device="cpu",
+            **settings,
+        )
+    )
+
+
+def _step_logits(arch: str, stacked: bool, settings: dict) -> tuple[list, int]:
+    """Every step's logits for a chunked, mixed prefill/decode workload (sampled, seeded),
+    and how many steps ran on the stack."""
+    engine = _engine(arch, **settings)
+    fast = engine.runner.fast
+    assert fast is not None
+    if fast.stack is None:
+        pytest.skip("this CPU runs these products without the compiled reduced kernels")
+    calls = [0]
+    if stacked:
+        run = fast.stack.run
+        fast.stack.run = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or run(*a, **k)
+    else:
+        fast.stack = None
+    logits: list = []
+    runner_run = engine.runner.run
+    engine.runner.run = lambda batch: logits.append(runner_run(batch)) or logits[-1]
+    prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    engine.generate(prompts, params)
+    return logits, calls[0]
+
+
+@pytest.mark.parametrize("settings", REDUCED, ids=["int8", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k, v biases
+def test_decode_steps_on_the_stack_give_the_python_loops_logits_bit_for_bit(arch, settings):
+    loop, _ = _step_logits(arch, stacked=False, settings=settings)
+    stack, calls = _step_logits(arch, stacked=True, settings=settings)
+    assert calls >= 4  # the all-decode steps ran on it (prompt chunks never do)
+    assert len(stack) == len(loop) > calls
+    for a, b in zip(loop, stack):
+        assert torch.equal(a, b)
+
+
+def test_fp32_layers_keep_the_python_loop():
+    engine = _engine("llama")
+    assert engine.runner.fast is not None and engine.runner.fast.stack is None
+
+
+def test_a_step_with_a_prompt_chunk_runs_the_python_loop():
+    engine = _engine("llama", quantization="int8")
+    fast = engine.runner.fast
+    assert fast is not None and fast.stack is not None
+    seen: list = []
+    run = fast.stack.run
+    fast.stack.run = lambda hidden, *a, **k: seen.append(hidden.shape[0]) or run(hidden, *a, **k)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), request_id="a")
+    engine.step()  # a prompt step: not on the stack
+    assert seen == []
+    engine.step()
+    assert seen == [1]  # its first decode step is
