@@ -80,3 +80,42 @@ def test_a_step_with_a_prompt_chunk_runs_the_python_loop():
     assert seen == []
     engine.step()
     assert seen == [1]  # its first decode step is
+
+
+def test_the_stack_runs_without_the_gil():
+    """Other Python threads (the server's response sender, tokenizer and step watchdog) run
+    while a step's layers do: a spinning thread records ticks inside the stack's calls."""
+    import bisect
+    import threading
+    import time
+
+    engine = _engine("llama", quantization="int8")
+    fast = engine.runner.fast
+    assert fast is not None and fast.stack is not None
+    windows: list = []
+    run = fast.stack.run
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        out = run(*a, **k)
+        windows.append((start, time.perf_counter()))
+        return out
+
+    fast.stack.run = timed
+    ticks: list = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        engine.generate([[5, 6, 7, 8] * 4] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        stop.set()
+        spinner.join()
+    inside = [bisect.bisect_left(ticks, b) - bisect.bisect_right(ticks, a) for a, b in windows]
+    assert len(inside) >= 6
+    assert sum(n > 0 for n in inside) >= len(inside) // 2

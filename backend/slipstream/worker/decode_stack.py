@@ -122,7 +122,8 @@ class DecodeStack:
     ) -> torch.Tensor:
         store_rows = _NONE if rows.store_rows is None else rows.store_rows
         d = rows.decode
-        return self.native.run(
+        torch.ops.slipstream_cpu.decode_stack_run(
+            self.native,
             hidden,
             cos,
             sin,
@@ -134,3 +135,4 @@ class DecodeStack:
             d.seq_lens,
             d.rows,
         )
+        return hidden

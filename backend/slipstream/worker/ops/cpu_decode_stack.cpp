@@ -10,7 +10,7 @@
 // final norm and head stay in Python.
 //
 // Built with the other kernels by slipstream/worker/ops/cpu_kernels.py:
-// torch.classes.slipstream_cpu.DecodeStack.
+// torch.classes.slipstream_cpu.DecodeStack, torch.ops.slipstream_cpu.decode_stack_run.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -110,13 +110,13 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
-  // hidden [T, H] float32, updated in place through every layer and returned. K/V of row
+  // hidden [T, H] float32, updated in place through every layer. K/V of row
   // store_rows[j] (every row when store_rows is empty and slots are not) go to slot store_slots[j]; the decode kernel's rows,
   // tables and context lengths are the step's (cpu_kernels._DecodeRows).
-  at::Tensor run(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
-                 std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
-                 at::Tensor store_rows, at::Tensor store_slots, at::Tensor tables,
-                 at::Tensor seq_lens, at::Tensor rows) const {
+  void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+           const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+           const at::Tensor& store_rows, const at::Tensor& store_slots, const at::Tensor& tables,
+           const at::Tensor& seq_lens, const at::Tensor& rows) const {
     static const auto rms_norm =
         op("slipstream_cpu::rms_norm")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -157,7 +157,6 @@ struct DecodeStack : torch::CustomClassHolder {
       hidden.add_(l.down(silu_mul.call(l.gate_up(rms_norm.call(hidden, l.norm_post,
                                                                l.eps_post)))));
     }
-    return hidden;
   }
 
   // torch_ops._write_kv: the stored rows' K/V into their slots of the flat cache.
@@ -177,12 +176,29 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 };
 
+// The step as an operator rather than a method of the class: an operator called from Python
+// runs without the GIL (a method holds it), so the server's other threads (the response
+// sender, the tokenizer, the step watchdog) run while a step's layers do.
+void decode_stack_run(const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor hidden,
+                      at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> key_caches,
+                      std::vector<at::Tensor> value_caches, at::Tensor store_rows,
+                      at::Tensor store_slots, at::Tensor tables, at::Tensor seq_lens,
+                      at::Tensor rows) {
+  stack->run(hidden, cos, sin, key_caches, value_caches, store_rows, store_slots, tables,
+             seq_lens, rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers)
-      .def("run", &DecodeStack::run);
+      .def("num_layers", &DecodeStack::num_layers);
+  m.def(
+      "decode_stack_run(__torch__.torch.classes.slipstream_cpu.DecodeStack stack, "
+      "Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor(b!)[] key_caches, "
+      "Tensor(c!)[] value_caches, Tensor store_rows, Tensor store_slots, Tensor tables, "
+      "Tensor seq_lens, Tensor rows) -> ()",
+      &decode_stack_run);
 }
