@@ -65,6 +65,35 @@ def hf_greedy(path: Path, prompt: list, max_tokens: int) -> list:
     return out[0, len(prompt) :].tolist()
 
 
+def chunked_engine(arch: str, **settings):
+    """An engine on the tiny ``arch`` whose steps chunk prompts and mix them with decode rows
+    (48-token steps, 4-token blocks), for ``step_logits``; ``settings``: more EngineConfig."""
+    from slipstream import EngineConfig
+    from slipstream.engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir(arch)),
+            block_size=4,
+            max_num_batched_tokens=48,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_gpu_blocks_override=300,
+            **settings,
+        )
+    )
+
+
+def step_logits(engine, params) -> list:
+    """Every step's logits while ``engine`` generates five prompts of 1-90 tokens."""
+    prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
+    logits: list = []
+    run = engine.runner.run
+    engine.runner.run = lambda batch: logits.append(run(batch)) or logits[-1]
+    engine.generate(prompts, params)
+    return logits
+
+
 def random_workload(
     n: int, seed: int = 0, lengths=(1, 2, 5, 17, 40, 64, 130, 300), max_out: int = 24
 ) -> tuple:

@@ -4,10 +4,10 @@ decoder layer of an all-decode step in one call, with the Python loop's results 
 import pytest
 import torch
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.engine import LLMEngine
 from slipstream.worker.ops import cpu_kernels
-from support import random_workload, tiny_model_dir
+from support import chunked_engine, step_logits
 
 REDUCED = [dict(quantization="int8"), dict(dtype="bfloat16")]
 
@@ -15,18 +15,7 @@ REDUCED = [dict(quantization="int8"), dict(dtype="bfloat16")]
 def _engine(arch: str, **settings) -> LLMEngine:
     if not cpu_kernels.load():
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir(arch)),
-            block_size=4,
-            max_num_batched_tokens=48,
-            max_num_seqs=8,
-            max_model_len=256,
-            num_gpu_blocks_override=300,
-            device="cpu",
-            **settings,
-        )
-    )
+    return chunked_engine(arch, device="cpu", **settings)
 
 
 def _step_logits(arch: str, stacked: bool, settings: dict) -> tuple[list, int]:
@@ -43,13 +32,8 @@ def _step_logits(arch: str, stacked: bool, settings: dict) -> tuple[list, int]:
         fast.stack.run = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or run(*a, **k)
     else:
         fast.stack = None
-    logits: list = []
-    runner_run = engine.runner.run
-    engine.runner.run = lambda batch: logits.append(runner_run(batch)) or logits[-1]
-    prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    engine.generate(prompts, params)
-    return logits, calls[0]
+    return step_logits(engine, params), calls[0]
 
 
 @pytest.mark.parametrize("settings", REDUCED, ids=["int8", "bf16"])

@@ -7,34 +7,19 @@ import torch
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
 from slipstream.worker.fast_forward import FastForward
-from support import random_workload, tiny_model_dir
+from support import chunked_engine, step_logits, tiny_model_dir
 
 
-def step_logits(arch: str, fast: bool) -> list:
+def greedy_step_logits(arch: str, fast: bool) -> list:
     """Every step's logits for a small chunked, mixed prefill/decode workload."""
-    prompts, _ = random_workload(5, seed=3, lengths=(3, 40, 17, 90, 1))
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir(arch)),
-            block_size=4,
-            max_num_batched_tokens=48,
-            max_num_seqs=8,
-            max_model_len=256,
-            num_gpu_blocks_override=300,
-            fast_forward=fast,
-        )
-    )
+    engine = chunked_engine(arch, fast_forward=fast)
     assert (engine.runner.fast is not None) == fast
-    logits = []
-    run = engine.runner.run
-    engine.runner.run = lambda batch: logits.append(run(batch)) or logits[-1]
-    engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    return logits
+    return step_logits(engine, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_lean_forward_logits_equal_the_hf_forward_bit_for_bit(arch):
-    hf, lean = step_logits(arch, fast=False), step_logits(arch, fast=True)
+    hf, lean = greedy_step_logits(arch, fast=False), greedy_step_logits(arch, fast=True)
     assert len(hf) == len(lean) > 5
     for a, b in zip(hf, lean):
         assert torch.equal(a, b)

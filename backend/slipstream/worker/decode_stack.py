@@ -6,7 +6,7 @@ streaming weights. The compiled stack makes the same calls, on the same tensors,
 order, from C++: the hidden state it hands back is bit for bit the Python loop's. It serves
 the layers whose products are the compiled reduced kernels (``quantization=int8`` and bf16
 panels) and norms the compiled RMSNorm, on steps where every row is a decode-kernel row
-(``cpu_kernels.decode_rows``) and every row's logits are kept; other steps, models and
+(``cpu_kernels.decode_step``) and every row's logits are kept; other steps, models and
 formats run the Python loop.
 """
 

@@ -244,8 +244,8 @@ class ModelRunner:
             return None
         return functools.partial(
             stack.run,
-            key_caches=list(self.kv.key_caches),
-            value_caches=list(self.kv.value_caches),
+            key_caches=self.kv.key_caches,
+            value_caches=self.kv.value_caches,
             rows=step,
         )
 

@@ -108,11 +108,10 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
-
-  // hidden [T, H] float32, updated in place through every layer. K/V of row
-  // store_rows[j] (every row when store_rows is empty and slots are not) go to slot store_slots[j]; the decode kernel's rows,
-  // tables and context lengths are the step's (cpu_kernels._DecodeRows).
+  // hidden [T, H] float32, updated in place through every layer. K/V of row store_rows[j]
+  // (of every row when store_rows is empty and the slots are not) go to slot store_slots[j];
+  // the decode kernel's rows, tables and context lengths are the step's
+  // (cpu_kernels._DecodeRows).
   void run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
            const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
            const at::Tensor& store_rows, const at::Tensor& store_slots, const at::Tensor& tables,
@@ -193,8 +192,7 @@ void decode_stack_run(const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor h
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers);
+      .def("add_layer", &DecodeStack::add_layer);
   m.def(
       "decode_stack_run(__torch__.torch.classes.slipstream_cpu.DecodeStack stack, "
       "Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor(b!)[] key_caches, "

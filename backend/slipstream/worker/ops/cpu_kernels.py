@@ -266,9 +266,9 @@ def decode_step(meta: AttentionMetadata, key_cache: torch.Tensor) -> Optional[De
     """The step's kernel rows where the step (planned by ``plan``) is all decode rows over a
     cache the kernel reads; else None."""
     step_plan = meta.plan
-    if not isinstance(step_plan, _Plan) or step_plan.decode is None or step_plan.prompts:
+    if not isinstance(step_plan, _Plan) or step_plan.decode is None:
         return None
-    if key_cache.dtype not in CACHE_DTYPES or not load():
+    if step_plan.prompts is not None or key_cache.dtype not in CACHE_DTYPES or not load():
         return None
     return DecodeStep(step_plan.decode, step_plan.store_rows, step_plan.store_slots)
 
