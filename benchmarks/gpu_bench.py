@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU benchmark for the CUDA path (H100 / H200).
 
-Part 1, kernels (``slipstream.worker.ops.triton_kernels``):
+Part 1, kernels (``slipstream.worker.attention.triton_backend``):
   * HBM bandwidth measured with a large device-to-device copy (read + write bytes / time);
   * paged decode attention at each batch x context, against torch SDPA on contiguous K/V, with
     the HBM roofline: the KV bytes the step must read / the measured copy bandwidth;
@@ -154,7 +154,7 @@ def check_kernels(dtype) -> dict:
     """Every kernel against the torch reference on a small ragged case, on the GPU."""
     import torch
 
-    from slipstream.worker.ops import torch_ops as ref, triton_kernels as tk
+    from slipstream.worker.attention import torch_backend as ref, triton_backend as tk
 
     out = {}
     h, hkv, d, bs = 9, 3, 64, 16
@@ -198,7 +198,7 @@ def check_kernels(dtype) -> dict:
 def bench_decode(shape_name, batch, ctx, block_size, dtype, bw_GBps) -> dict:
     import torch
 
-    from slipstream.worker.ops import triton_kernels as tk
+    from slipstream.worker.attention import triton_backend as tk
 
     h, hkv, d = SHAPES[shape_name]
     kc, vc, bt, seq_lens = make_paged(batch, [ctx] * batch, hkv, d, block_size, dtype)
@@ -242,7 +242,7 @@ def bench_prefill(shape_name, case, block_size, dtype) -> dict:
     """case = (num_seqs, cached prefix per seq, new tokens per seq)."""
     import torch
 
-    from slipstream.worker.ops import triton_kernels as tk
+    from slipstream.worker.attention import triton_backend as tk
 
     h, hkv, d = SHAPES[shape_name]
     nseq, prefix, new = case

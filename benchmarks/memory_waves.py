@@ -22,13 +22,14 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from slipstream.cache_dir import cache_root
 from slipstream.server.launch.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,
     render_model_repository,
     stub_pids,
 )
-from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
+from slipstream.testing import make_tiny_model_dir
 
 SETTINGS = {
     "kv_cache_memory_bytes": 8 * 1024 * 1024,

@@ -203,7 +203,7 @@ def converted_default_model() -> str:
     """The embedded SmolLM2, dequantized once into an HF safetensors directory: the very
     weights Slipstream serves."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
-    from slipstream.worker.model_loader import default_model_dir
+    from slipstream.worker.model.gguf import default_model_dir
 
     return str(default_model_dir())
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.worker.model_loader import cache_root
+from slipstream.cache_dir import cache_root
 from support import tiny_model_dir
 
 ATTENTION = ["q_proj", "v_proj"]

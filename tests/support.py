@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.worker.model_loader import cache_root, make_tiny_model_dir
+from slipstream.cache_dir import cache_root
+from slipstream.testing import make_tiny_model_dir
 
 
 @functools.lru_cache(maxsize=None)

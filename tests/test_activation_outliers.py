@@ -4,8 +4,8 @@ import logging
 
 import torch
 
-from slipstream.worker import activation_outliers
-from slipstream.worker.model_loader import load_model
+from slipstream.worker.layers.quantization import int8_outliers
+from slipstream.worker.model.loader import load_model
 from support import tiny_model_dir
 
 
@@ -15,17 +15,17 @@ def test_a_loud_channel_of_the_residual_stream_is_found_for_the_layers_that_read
     with torch.no_grad():
         layer.input_layernorm.weight[13] *= 200  # q, k, v read channel 13 at 200x
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    found = activation_outliers.find(model, linears, k=4)
+    found = int8_outliers.find(model, linears, k=4)
     attn = layer.self_attn
     assert all(13 in found[m].tolist() for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert all(len(found[m]) == 4 for m in linears)
     assert torch.equal(found[attn.q_proj], found[attn.k_proj])  # one input, one set: they stack
-    again = activation_outliers.find(model, linears, k=4)  # fixed seed: the same channels
+    again = int8_outliers.find(model, linears, k=4)  # fixed seed: the same channels
     assert all(torch.equal(found[m], again[m]) for m in linears)
 
 
 def test_a_model_without_a_causal_lm_forward_gets_none_and_says_so(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     with caplog.at_level(logging.WARNING, logger="slipstream"):
-        assert activation_outliers.find(model, list(model)) == {}
+        assert int8_outliers.find(model, list(model)) == {}
     assert "no outlier channels" in caplog.text

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from slipstream.server.launch.cli import main as cli_main
-from slipstream.worker.model_loader import load_tokenizer
+from slipstream.worker.model.loader import load_tokenizer
 from slipstream_bench import timeline
 from slipstream_bench.metrics import RequestRecord, percentile, summarize
 from slipstream_bench.workload import (

@@ -5,11 +5,11 @@ both of its paths, against float64 on the bf16-rounded operands."""
 import pytest
 import torch
 
-from slipstream.worker import bf16_weight, panel_layout
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.layers.quantization import bf16 as bf16_weight, panel_layout
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 op = torch.ops.slipstream_cpu
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.cpu_linear import (
+from slipstream.worker.layers.linear import (
     CpuLinear,
     bucketed_rows,
     onednn_available,
@@ -95,7 +95,7 @@ def test_padded_rows_leave_the_real_rows_unchanged(rows):
 def test_padded_products_stage_into_one_reused_buffer_and_slice_the_padding_off():
     """A padded input is converted and padded in one pass into a per-width buffer that is
     reused (no fresh padded copy per product); the rows past the input are zeros."""
-    from slipstream.worker import cpu_linear
+    from slipstream.worker.layers import linear as cpu_linear
 
     torch.manual_seed(0)
     w = torch.randn(40, 24)

@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 
 
@@ -47,7 +47,7 @@ def test_greedy_tokens_come_from_it_only_while_no_penalty_or_constraint_changed_
     taken: a repetition penalty that moves the maximum still wins."""
     from slipstream.core.request import Request
     from slipstream.core.sampling_params import SamplingParams
-    from slipstream.worker import sampler as sampler_module
+    from slipstream.worker.sample import sampler as sampler_module
 
     calls = []
     stats = sampler_module._logit_stats

@@ -4,12 +4,12 @@ exactly the fp32 Llama-style norms of a model through it."""
 import pytest
 import torch
 
-from slipstream.worker.cpu_norm import prepare_norms
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.layers.norm import prepare_norms
 from support import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 
 

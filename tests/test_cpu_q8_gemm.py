@@ -5,11 +5,11 @@ against the same arithmetic in float64."""
 import pytest
 import torch
 
-from slipstream.worker import q8_weight
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.layers.quantization import int8 as q8_weight
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 op = torch.ops.slipstream_cpu
 

@@ -5,11 +5,13 @@ and ``prepare_reduced_linears``: one resident copy of each weight, products clos
 import pytest
 import torch
 
-from slipstream.worker import cpu_reduced_linear as rl, q8_weight
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.kernels.cpu_features import CpuFeatures
+from slipstream.worker.layers import reduced_linear as rl
+from slipstream.worker.layers.quantization import int8 as q8_weight
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 op = torch.ops.slipstream_cpu
 
@@ -207,7 +209,7 @@ def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weigh
 def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
     from slipstream import EngineConfig
     from slipstream.server.stub.engine_args import translate
-    from slipstream.worker.model_loader import resolve_weight_format
+    from slipstream.worker.device import resolve_weight_format
 
     with pytest.raises(ValueError, match="CPU only"):
         resolve_weight_format(EngineConfig(quantization="int8"), torch.device("cuda"))
@@ -226,7 +228,7 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
 def test_a_cpu_without_bf16_or_amx_takes_the_portable_bf16_paths(monkeypatch):
     """As on an AVX2-only CPU: decode rows on the portable kernel, prompt rows in fp32 on a
     widened copy (oneDNN would only emulate bf16 there); the log line says so."""
-    monkeypatch.setattr(rl.CpuFeatures, "detect", classmethod(lambda cls: cls(False, False, False)))
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: cls(False, False, False)))
     op.weight_gemm_force_portable(True)
     try:
         torch.manual_seed(0)
@@ -269,7 +271,7 @@ def test_avx512_bf16_without_amx_holds_panels_and_the_embedding_reads_the_heads(
     """Zen 4 / Cooper Lake: every bf16 weight in panels (the only copy), the tied embedding
     reading the head's panels, products on the panel kernel (portable where this CPU lacks
     AVX512-BF16)."""
-    monkeypatch.setattr(rl.CpuFeatures, "detect", classmethod(lambda cls: cls(True, False, False)))
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: cls(True, False, False)))
     torch.manual_seed(0)
     model = _Tiny()
     ids = torch.tensor([4, 9])

@@ -4,11 +4,11 @@ bit for bit, and the lean forward runs it."""
 import pytest
 import torch
 
-from slipstream.worker import fast_forward
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.model import lean_forward
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 
 
@@ -59,5 +59,5 @@ def test_the_lean_forward_of_an_fp32_model_uses_the_kernel_and_a_bf16_one_torch(
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     model.model.norm = torch.nn.LayerNorm(2)
-    assert fast_forward._rotary_for(model) is fast_forward._kernel_rotary
-    assert fast_forward._rotary_for(model.to(torch.bfloat16)) is fast_forward._torch_rotary
+    assert lean_forward._rotary_for(model) is lean_forward._kernel_rotary
+    assert lean_forward._rotary_for(model.to(torch.bfloat16)) is lean_forward._torch_rotary

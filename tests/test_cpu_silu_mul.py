@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 
 
@@ -51,9 +51,10 @@ def test_extreme_and_nan_inputs():
 
 
 def test_lean_forward_uses_it_only_for_reduced_products():
-    from slipstream.worker.cpu_reduced_linear import CpuFeatures, prepare_cpu_model
-    from slipstream.worker.fast_forward import FastForward
-    from slipstream.worker.model_loader import load_model
+    from slipstream.worker.kernels.cpu_features import CpuFeatures
+    from slipstream.worker.layers.preparation import prepare_cpu_model
+    from slipstream.worker.model.lean_forward import FastForward
+    from slipstream.worker.model.loader import load_model
     from support import tiny_model_dir
 
     fp32 = FastForward.for_model(load_model(tiny_model_dir("llama"), torch.float32, "cpu"))

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.worker import cpu_linear
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.layers import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.load(), reason=f"no CPU kernel: {cpu_kernels.unavailable_reason()}"
+    not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
 )
 op = torch.ops.slipstream_cpu
 

@@ -96,7 +96,7 @@ def test_padding_rows_are_inert_for_triton_decode():
     """Load a 3-row batch into a bucket of 4, then store_kv + decode attention on the padded
     view: the padding row writes no slot and yields zeros, the real rows match the reference."""
     pytest.importorskip("triton")
-    from slipstream.worker.ops import torch_ops as ref, triton_kernels as tk
+    from slipstream.worker.attention import torch_backend as ref, triton_backend as tk
 
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, h, d = 10, 4, 3, 9, 32

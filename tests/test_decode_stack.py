@@ -6,15 +6,16 @@ import torch
 
 from slipstream import SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.worker.ops import cpu_kernels
+from slipstream.worker import kernels
+from slipstream.worker.attention.metadata import DecodeRows, DecodeStep
 from support import chunked_engine, step_logits
 
 REDUCED = [dict(quantization="int8"), dict(dtype="bfloat16")]
 
 
 def _engine(arch: str, **settings) -> LLMEngine:
-    if not cpu_kernels.load():
-        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    if not kernels.load():
+        pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")
     return chunked_engine(arch, device="cpu", **settings)
 
 
@@ -22,7 +23,7 @@ def _step_logits(arch: str, stacked: bool, settings: dict) -> tuple[list, int]:
     """Every step's logits for a chunked, mixed prefill/decode workload (sampled, seeded),
     and how many steps ran on the stack."""
     engine = _engine(arch, **settings)
-    fast = engine.runner.fast
+    fast = engine.runner.forward.lean
     assert fast is not None
     if fast.stack is None:
         pytest.skip("this CPU runs these products without the compiled reduced kernels")
@@ -49,12 +50,12 @@ def test_decode_steps_on_the_stack_give_the_python_loops_logits_bit_for_bit(arch
 
 def test_fp32_layers_keep_the_python_loop():
     engine = _engine("llama")
-    assert engine.runner.fast is not None and engine.runner.fast.stack is None
+    assert engine.runner.forward.lean is not None and engine.runner.forward.lean.stack is None
 
 
 def test_a_step_with_a_prompt_chunk_runs_the_python_loop():
     engine = _engine("llama", quantization="int8")
-    fast = engine.runner.fast
+    fast = engine.runner.forward.lean
     assert fast is not None and fast.stack is not None
     seen: list = []
     run = fast.stack.run
@@ -76,15 +77,15 @@ def test_the_stack_runs_without_the_gil():
     import time
 
     engine = _engine("llama", quantization="int8")
-    fast = engine.runner.fast
+    fast = engine.runner.forward.lean
     assert fast is not None and fast.stack is not None
     t, block = 40_000, 16
     hkv, d = fast.num_kv_heads, fast.head_dim
     caches = [torch.zeros(t // block, block, hkv, d, dtype=torch.bfloat16) for _ in fast.layers]
     values = [c.clone() for c in caches]
     rows = torch.arange(t)
-    step = cpu_kernels.DecodeStep(
-        cpu_kernels._DecodeRows(
+    step = DecodeStep(
+        DecodeRows(
             rows,
             (rows // block).to(torch.int32)[:, None].contiguous(),
             torch.ones(t, dtype=torch.int32),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from slipstream.engine.detokenizer import IncrementalDetokenizer
-from slipstream.worker.model_loader import load_tokenizer
+from slipstream.worker.model.loader import load_tokenizer
 from support import tiny_model_dir
 
 

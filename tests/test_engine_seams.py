@@ -17,7 +17,7 @@ from slipstream.engine import LLMEngine, OverloadedError, StepResult
 from slipstream.engine.admission import QueueLimit
 from slipstream.engine.input_processor import InputProcessor, PromptOptions
 from slipstream.engine.loop import EngineLoop, EngineSurface
-from slipstream.worker import attention
+from slipstream.worker.attention import transformers_hook as attention
 from support import tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -108,7 +108,7 @@ def test_step_says_whether_a_batch_ran(engine):
 
 def test_the_attention_plan_is_made_once_per_step(engine, monkeypatch):
     calls = []
-    ops = engine.runner.ops
+    ops = engine.runner.forward.ops
     original = ops.plan
 
     def counted(meta, *args):

@@ -6,14 +6,14 @@ import torch
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.worker.fast_forward import FastForward
+from slipstream.worker.model.lean_forward import FastForward
 from support import chunked_engine, step_logits, tiny_model_dir
 
 
 def greedy_step_logits(arch: str, fast: bool) -> list:
     """Every step's logits for a small chunked, mixed prefill/decode workload."""
     engine = chunked_engine(arch, fast_forward=fast)
-    assert (engine.runner.fast is not None) == fast
+    assert (engine.runner.forward.lean is not None) == fast
     return step_logits(engine, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
 
 
@@ -42,13 +42,13 @@ def test_lean_forward_runs_four_gemms_per_layer(layout, gemm):
     layers' own product, so this also checks that): 4 a layer (qkv, o, gate-up, down) plus
     the LM head, against 7 a layer in the Hugging Face forward. With ``auto`` these few-row
     steps run the small-GEMM kernel."""
-    from slipstream.worker.cpu_linear import onednn_available
-    from slipstream.worker.ops import cpu_kernels
+    from slipstream.worker import kernels
+    from slipstream.worker.layers.linear import onednn_available
 
     if not onednn_available():
         pytest.skip("oneDNN linear unavailable in this torch build")
-    if layout == "auto" and not cpu_kernels.load():
-        pytest.skip(f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+    if layout == "auto" and not kernels.load():
+        pytest.skip(f"no CPU kernel: {kernels.unavailable_reason()}")
 
     def gemms_per_step(fast: bool) -> int:
         engine = LLMEngine(
@@ -117,7 +117,7 @@ def test_fp32_linears_are_held_only_in_their_packed_copies(tmp_path, tied):
     looks its rows up in the head's packed copy (``auto`` on the kernel); with oneDNN's
     packing, which cannot be gathered, the embedding keeps it. The engine still answers as
     the Hugging Face model does."""
-    from slipstream.worker.cpu_linear import kernel_serves_fp32
+    from slipstream.worker.layers.linear import kernel_serves_fp32
     from support import drop_checkpoint_tensor, hf_greedy, tiny_llama_variant
 
     path = tiny_model_dir("llama")
@@ -138,8 +138,8 @@ def test_fp32_linears_are_held_only_in_their_packed_copies(tmp_path, tied):
 
 
 def test_the_projections_loras_wrap_keep_their_stock_weights():
-    from slipstream.worker.cpu_linear import prepare_linears
-    from slipstream.worker.model_loader import load_model
+    from slipstream.worker.layers.linear import prepare_linears
+    from slipstream.worker.model.loader import load_model
 
     model = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"), lean=True)
     prepare_linears(model, "auto")

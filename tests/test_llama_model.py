@@ -11,7 +11,7 @@ import torch
 
 from slipstream import EngineConfig
 from slipstream.engine import LLMEngine
-from slipstream.worker import llama_model, model_loader
+from slipstream.worker.model import llama as llama_model, loader
 from support import drop_checkpoint_tensor, reference_model, tiny_llama_variant, tiny_model_dir
 
 # What transformers' model and config classes import, which a serving process on CPU avoids.
@@ -43,7 +43,7 @@ def test_a_cpu_engine_on_a_llama_checkpoint_imports_no_transformers_model_or_con
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded, module = proc.stdout.strip().splitlines()[-2:]
     assert json.loads(loaded) == []
-    assert module == "slipstream.worker.llama_model"
+    assert module == "slipstream.worker.model.llama"
 
 
 def test_the_engine_uses_transformers_model_when_the_lean_forward_is_off():
@@ -87,7 +87,7 @@ def test_weights_buffers_and_modules_match_the_hf_model(tmp_path, layout, tied):
     if tied:
         drop_checkpoint_tensor(path, "lm_head.weight")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    lean = model_loader.load_model(path, torch.float32, torch.device("cpu"), lean=True)
+    lean = loader.load_model(path, torch.float32, torch.device("cpu"), lean=True)
     assert isinstance(lean, llama_model.LlamaForCausalLM)
     assert (lean.lm_head.weight is lean.model.embed_tokens.weight) == tied
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
@@ -111,7 +111,7 @@ def test_weights_buffers_and_modules_match_the_hf_model(tmp_path, layout, tied):
 def test_its_own_forward_gives_the_hf_models_logits():
     """The plain forward (int8's calibration pass at load) is the model's causal forward."""
     path = tiny_model_dir("llama")
-    lean = model_loader.load_model(path, torch.float32, torch.device("cpu"), lean=True)
+    lean = loader.load_model(path, torch.float32, torch.device("cpu"), lean=True)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, lean.config.vocab_size, (1, 37), generator=gen)
     with torch.no_grad():
@@ -124,15 +124,15 @@ def test_a_checkpoint_without_a_layers_weights_is_refused_by_name(tmp_path):
     target = tiny_llama_variant(tmp_path / "model")
     drop_checkpoint_tensor(target, "model.layers.1.mlp.down_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
-        model_loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
+        loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
 
 
 def test_the_plain_tokenizer_class_loads_as_autotokenizer_would():
     from transformers import AutoTokenizer
 
     path = tiny_model_dir("llama")
-    assert model_loader._tokenizer_class(path) in model_loader.PLAIN_TOKENIZER_CLASSES
-    ours = model_loader.load_tokenizer(path)
+    assert loader._tokenizer_class(path) in loader.PLAIN_TOKENIZER_CLASSES
+    ours = loader.load_tokenizer(path)
     theirs = AutoTokenizer.from_pretrained(str(path))
     assert type(ours) is type(theirs)
     text = "The lighthouse keeper's log, 1893: fog — 12 ships ✓ <|im_end|> done"
@@ -160,7 +160,7 @@ def test_the_end_of_sequence_ids_are_read_as_transformers_reads_them(tmp_path, g
         generation.write_text(json.dumps({"eos_token_id": 11, "bos_token_id": 1}))
     else:
         generation.unlink(missing_ok=True)
-    lean = model_loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
+    lean = loader.load_model(target, torch.float32, torch.device("cpu"), lean=True)
     if generation_file:
         expected = GenerationConfig.from_pretrained(str(target)).eos_token_id
     else:

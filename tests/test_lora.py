@@ -11,7 +11,7 @@ import pytest
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.lora_limit import adapters_of
 from slipstream.engine import LLMEngine
-from slipstream.worker import lora_layers
+from slipstream.worker.lora import layers
 from lora_support import adapter_dir, make_adapter, merged_greedy
 from support import random_workload, tiny_model_dir
 
@@ -53,9 +53,9 @@ def test_mixed_adapters_in_one_batch_match_the_merged_models(fast_forward, monke
     for i in range(0, len(jobs), 3):
         assert len({tuple(r) for r in reference[i : i + 3]}) == 3
     steps = []
-    original = lora_layers.LoraLayers.mapping_for
+    original = layers.LoraLayers.mapping_for
     monkeypatch.setattr(
-        lora_layers.LoraLayers,
+        layers.LoraLayers,
         "mapping_for",
         lambda self, spans, device: steps.append(spans) or original(self, spans, device),
     )

@@ -13,10 +13,12 @@ def test_dispatch_without_triton_falls_back_to_torch_ops():
         import torch
         import slipstream
         from slipstream.worker import cuda_graphs  # must not need triton either
-        from slipstream.worker.ops import dispatch
-        from slipstream.worker.ops import cpu_kernels, torch_ops
+        from slipstream.worker.attention import dispatch
+        from slipstream.worker import kernels
+        from slipstream.worker.attention import cpu_backend
+        from slipstream.worker.attention import torch_backend as torch_ops
         assert dispatch.get_ops(torch.device("cuda")) is torch_ops
-        assert dispatch.get_ops("cpu") is (cpu_kernels if cpu_kernels.load() else torch_ops)
+        assert dispatch.get_ops("cpu") is (cpu_backend if kernels.load() else torch_ops)
         assert not dispatch.triton_available()
         os.environ["SLIPSTREAM_ATTENTION"] = "triton"
         try:
@@ -38,7 +40,8 @@ def test_cpu_kernels_can_be_turned_off():
         import os
         os.environ["SLIPSTREAM_CPU_KERNELS"] = "0"
         os.environ.pop("SLIPSTREAM_ATTENTION", None)
-        from slipstream.worker.ops import dispatch, torch_ops
+        from slipstream.worker.attention import dispatch
+        from slipstream.worker.attention import torch_backend as torch_ops
         assert dispatch.get_ops("cpu") is torch_ops
         os.environ["SLIPSTREAM_ATTENTION"] = "cpu"
         try:
@@ -58,10 +61,14 @@ def test_cpu_kernels_can_be_turned_off():
 def test_every_ops_module_implements_the_attention_ops_interface():
     import inspect
 
-    from slipstream.worker.ops import cpu_kernels, torch_ops, triton_kernels
-    from slipstream.worker.ops.base import AttentionOps
+    from slipstream.worker.attention import (
+        cpu_backend as cpu_backend,
+        torch_backend as torch_ops,
+        triton_backend as triton_kernels,
+    )
+    from slipstream.worker.attention.base import AttentionOps
 
-    for module in (torch_ops, triton_kernels, cpu_kernels):
+    for module in (torch_ops, triton_kernels, cpu_backend):
         assert isinstance(module, AttentionOps), module.__name__
         for name in ("store_step_kv", "paged_attention"):
             want = list(inspect.signature(getattr(AttentionOps, name)).parameters)[1:]  # no self

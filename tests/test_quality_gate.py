@@ -16,7 +16,7 @@ MIN_AGREEMENT = {"bfloat16": 0.6, "int8": 0.4}
 
 @pytest.fixture(scope="module")
 def model_and_reference():
-    from slipstream.worker.model_loader import load_tokenizer, resolve_model_path
+    from slipstream.worker.model.loader import load_tokenizer, resolve_model_path
 
     path = resolve_model_path("default")
     tokenizer = load_tokenizer(path)

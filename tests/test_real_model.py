@@ -6,7 +6,7 @@ import pytest
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.worker.model_loader import default_model_dir
+from slipstream.worker.model.gguf import default_model_dir
 from support import hf_greedy
 
 pytestmark = pytest.mark.slow

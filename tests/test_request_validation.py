@@ -13,7 +13,8 @@ from slipstream import EngineConfig, SamplingParams
 from slipstream.core import sampling_params as sp
 from slipstream.engine import LLMEngine
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
-from slipstream.worker.model_loader import fit_max_model_len, make_tiny_model_dir, position_limit
+from slipstream.testing import make_tiny_model_dir
+from slipstream.worker.model.context_length import fit_max_model_len, position_limit
 from support import tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -11,8 +11,8 @@ import torch
 
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
-from slipstream.worker import token_draw
-from slipstream.worker.sampler import Sampler
+from slipstream.worker.sample import token_draw
+from slipstream.worker.sample.sampler import Sampler
 
 VOCAB = 400
 PARAMS = [

@@ -8,7 +8,7 @@ import torch
 
 from slipstream.core.request import Request
 from slipstream.core.sampling_params import FLOAT32_NORMAL_RANGE, SamplingParams
-from slipstream.worker.sampler import PLACEHOLDER_TOKEN, PerRequestError, Sampler
+from slipstream.worker.sample.sampler import PLACEHOLDER_TOKEN, PerRequestError, Sampler
 
 VOCAB = 50
 

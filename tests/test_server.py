@@ -33,7 +33,7 @@ from slipstream.server.launch.launcher import (  # noqa: E402
     stub_pids,
 )
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
-from slipstream.worker.model_loader import make_tiny_model_dir  # noqa: E402
+from slipstream.testing import make_tiny_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODEL = "slipstream"

@@ -367,18 +367,19 @@ def test_verification_chunks_and_prompt_chunks_are_flagged_to_the_attention(monk
     """The CPU attention runs a chunk as decode-kernel rows when it is a verification (the
     model runner's ``verify_host``) and on the prefill kernel when it is a prompt chunk
     (``prompt_host``), whatever its length: a prompt row's path must not depend on the batch."""
-    from slipstream.worker.ops import cpu_kernels
+    from slipstream.worker import kernels
+    from slipstream.worker.attention import cpu_backend
 
-    if not cpu_kernels.load():
-        pytest.skip(f"no CPU kernel: {cpu_kernels.unavailable_reason()}")
+    if not kernels.load():
+        pytest.skip(f"no CPU kernel: {kernels.unavailable_reason()}")
     seen = []
-    build = cpu_kernels._build_plan
+    build = cpu_backend.plan
 
-    def record(meta):
+    def record(meta, *args):
         seen.append((list(meta.query_lens_host), list(meta.verify_host), list(meta.prompt_host)))
-        return build(meta)
+        return build(meta, *args)
 
-    monkeypatch.setattr(cpu_kernels, "_build_plan", record)
+    monkeypatch.setattr(cpu_backend, "plan", record)
     engine = make_engine(speculative_method="ngram", num_speculative_tokens=3, attention_ops="cpu")
     prompts, params = workload()
     engine.generate(prompts, params)

@@ -14,7 +14,7 @@ from slipstream import EngineConfig, SamplingParams
 from slipstream.core.structured_outputs import StructuredOutputsParams
 from slipstream.engine import LLMEngine
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
-from slipstream.worker.structured_output import GrammarCompiler
+from slipstream.worker.sample.structured_output import GrammarCompiler
 from support import random_workload, tiny_model_dir
 
 pytest.importorskip("llguidance")

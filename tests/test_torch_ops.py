@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slipstream.worker.ops import torch_ops
+from slipstream.worker.attention import torch_backend as torch_ops
 
 
 def test_length_groups_bound_padding_and_cover_every_sequence():
@@ -43,7 +43,7 @@ def paged_cache(lens: list, bs: int, hkv: int, d: int) -> tuple:
 def mixed_step(q_lens: list, seq_lens: list, bs: int, hkv: int, d: int) -> tuple:
     """A paged cache and the attention metadata of one step whose rows compute ``q_lens``
     tokens each at the end of ``seq_lens`` (1 = decode, more = a prefill chunk)."""
-    from slipstream.worker.ops.metadata import AttentionMetadata
+    from slipstream.worker.attention.metadata import AttentionMetadata
 
     tables, kc, vc = paged_cache(seq_lens, bs, hkv, d)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)

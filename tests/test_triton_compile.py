@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(r"""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from slipstream.worker.ops import triton_kernels as tk
+    from slipstream.worker.attention import triton_backend as tk
 
     TARGET = GPUTarget("cuda", 90, 32)
     DT = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}

@@ -14,11 +14,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from slipstream.worker.ops import (
-    torch_ops as ref,  # noqa: E402
-    triton_kernels as tk,  # noqa: E402
+from slipstream.worker.attention import (  # noqa: E402
+    torch_backend as ref,
+    triton_backend as tk,
 )
-from slipstream.worker.ops.metadata import AttentionMetadata  # noqa: E402
+from slipstream.worker.attention.metadata import AttentionMetadata  # noqa: E402
 
 BLOCK_SIZE = 4
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -272,10 +272,11 @@ def test_store_then_paged_attention_steps(dtype):
 
 
 def test_dispatch_selects_by_device(monkeypatch):
-    from slipstream.worker.ops import cpu_kernels, dispatch
+    from slipstream.worker import kernels
+    from slipstream.worker.attention import cpu_backend, dispatch
 
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    assert dispatch.get_ops(torch.device("cpu")) is (cpu_kernels if cpu_kernels.load() else ref)
+    assert dispatch.get_ops(torch.device("cpu")) is (cpu_backend if kernels.load() else ref)
     assert dispatch.get_ops(torch.device("cuda")) is tk  # triton imports here
     monkeypatch.setenv(dispatch.ENV_VAR, "torch")
     assert dispatch.get_ops(torch.device("cuda")) is ref

@@ -1,8 +1,14 @@
-"""Small random-model configs for tests: one per attention variant the engine must honour."""
+"""Small random models for tests and demos: one config per attention variant the engine must
+honour, saved with the embedded model's tokenizer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from transformers import AutoConfig
+
+from slipstream.worker.model.gguf import DEFAULT_GGUF_FILE, default_gguf_path
 
 _COMMON = dict(
     hidden_size=64,
@@ -36,3 +42,24 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     model_type = values.pop("model_type")
     values.update(overrides)
     return AutoConfig.for_model(str(model_type), vocab_size=vocab_size, **values)
+
+
+def make_tiny_model_dir(target: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A small random model with the SmolLM2 tokenizer, for tests and demos without 30 s loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = Path(target)
+    if (target / "config.json").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(default_gguf_path().parent), gguf_file=DEFAULT_GGUF_FILE
+    )
+    overrides.setdefault("bos_token_id", tokenizer.bos_token_id)
+    overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

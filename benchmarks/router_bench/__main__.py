@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from slipstream.worker.model_loader import default_model_dir, load_tokenizer
+    from slipstream.worker.model.gguf import default_model_dir
+    from slipstream.worker.model.loader import load_tokenizer
 
     tokenizer_dir = str(default_model_dir())
     tokenizer = load_tokenizer(tokenizer_dir, None)

@@ -145,7 +145,7 @@ def _vllm(
 def run(opts: argparse.Namespace) -> dict:
     from slipstream.server.launch.launcher import TritonServer
     from slipstream.server.openai.frontend import OpenAIFrontend
-    from slipstream.worker.model_loader import resolve_model_path
+    from slipstream.worker.model.loader import resolve_model_path
     from slipstream_bench.server_run import render
 
     tokenizer = load_tokenizer("default")

@@ -28,7 +28,7 @@ FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantizat
 
 
 def _flags() -> str:
-    from slipstream.worker.cpu_reduced_linear import CpuFeatures
+    from slipstream.worker.kernels.cpu_features import CpuFeatures
 
     return repr(CpuFeatures.detect())
 
@@ -60,7 +60,7 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings:
 # blocks), a tied embedding counted once.
 _RSS_CHILD = """
 import gc, json, sys, torch
-from slipstream.worker.model_loader import keep_gpu_compiler_out
+from slipstream.worker.device import keep_gpu_compiler_out
 keep_gpu_compiler_out(torch.device('cpu'))
 from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
@@ -81,7 +81,7 @@ params = sum(p.numel() for p in model.parameters())
 embedding, head = model.get_input_embeddings().weight, model.lm_head.weight
 if model.config.tie_word_embeddings and embedding is not head:  # stand-ins for one table
     params -= embedding.numel()
-from slipstream.worker.q8_weight import Q8Weight
+from slipstream.worker.layers.quantization.int8 import Q8Weight
 outlier_columns = sum(o.outlier_w.nbytes for o in gc.get_objects()
                       if isinstance(o, Q8Weight) and o.outlier_w is not None)
 print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': generated,

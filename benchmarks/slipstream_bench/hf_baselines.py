@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from slipstream.worker.model_loader import resolve_model_path
+from slipstream.worker.model.loader import resolve_model_path
 from slipstream_bench.driver import Progress, send_on_schedule
 from slipstream_bench.metrics import RequestRecord, records_to_json, summarize
 from slipstream_bench.workload import Workload

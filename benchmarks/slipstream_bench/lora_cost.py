@@ -28,8 +28,8 @@ import torch
 from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.engine import LLMEngine
-from slipstream.worker.lora_adapter import TARGET_MODULES
-from slipstream.worker.model_loader import load_model, resolve_model_path
+from slipstream.worker.lora.adapter import TARGET_MODULES
+from slipstream.worker.model.loader import load_model, resolve_model_path
 
 # variant -> (engine settings, adapter of each request in turn: None is the base model)
 VARIANTS = {

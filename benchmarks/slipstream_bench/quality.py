@@ -59,7 +59,7 @@ class QualityReport:
 
 
 def load_fp32(path: Path):
-    from slipstream.worker.model_loader import load_model
+    from slipstream.worker.model.loader import load_model
 
     return load_model(path, torch.float32, torch.device("cpu"))
 
@@ -219,7 +219,7 @@ def format_table(reports: Sequence[QualityReport]) -> str:
 
 def run_quality(model: str, weights: Sequence[str], output_dir: Optional[Path]) -> int:
     """``slipstream bench --scenario quality``: the table, and quality.json; 1 if a gate fails."""
-    from slipstream.worker.model_loader import load_tokenizer, resolve_model_path
+    from slipstream.worker.model.loader import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
@@ -240,6 +240,6 @@ def run_quality(model: str, weights: Sequence[str], output_dir: Optional[Path]) 
 
 
 def _flags() -> str:
-    from slipstream.worker.ops.cpu_kernels import _cpu_flags
+    from slipstream.worker.kernels.cpu_features import cpu_flags
 
-    return _cpu_flags()
+    return cpu_flags()

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from slipstream.worker.cpu_linear import prepare_linears
+from slipstream.worker.layers.linear import prepare_linears
 from slipstream_bench import timeline
 
 MAX_GRID_POINTS = 24

@@ -88,7 +88,7 @@ def log(message: str) -> None:
 
 
 def load_tokenizer(model: str):
-    from slipstream.worker.model_loader import load_tokenizer as load, resolve_model_path
+    from slipstream.worker.model.loader import load_tokenizer as load, resolve_model_path
 
     return load(resolve_model_path(model))
 

@@ -25,7 +25,7 @@ import torch
 from slipstream_bench.step_profile import _Clock, _fill, instrumented, parse_sampling
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLER_PATH = "backend/slipstream/worker/sampler.py"
+SAMPLER_PATH = "backend/slipstream/worker/sample/sampler.py"
 
 
 def baseline_sampler_class(revision: str) -> type:

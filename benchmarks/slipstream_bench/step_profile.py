@@ -106,7 +106,7 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
         (sched, "update_from_output", "update"),
         (engine.output_processor, "process", "report"),
     ]
-    saved_ops = runner.ops
+    saved_ops = runner.forward.ops
     saved = [(obj, attr, vars(obj).get(attr, _MISSING)) for obj, attr, _ in patches]
     for obj, attr, label in patches:
         setattr(obj, attr, clock.wrap(label, getattr(obj, attr)))
@@ -120,7 +120,7 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
         def __getattr__(self, name: str):
             return getattr(saved_ops, name)
 
-    runner.ops = _TimedOps()
+    runner.forward.ops = _TimedOps()
     try:
         yield
     finally:
@@ -129,7 +129,7 @@ def instrumented(engine, clock: _Clock) -> Iterator[None]:
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, value)
-        runner.ops = saved_ops
+        runner.forward.ops = saved_ops
 
 
 def _params(max_tokens: int, sampling: dict | None = None, index: int = 0):

@@ -50,7 +50,7 @@ class MaskTimer:
     the way a difference of two step times does."""
 
     def __init__(self) -> None:
-        from slipstream.worker import sampler
+        from slipstream.worker.sample import sampler
 
         self.spent = 0.0
         original = sampler.apply_grammar_masks

@@ -8,7 +8,7 @@ that picks a random allowed token at each step (the same seed for every library)
     python -m slipstream_bench.structured_libs [--steps 64] [--repeats 3]
 
 Libraries that are not installed are skipped. Used to choose the library behind
-``slipstream.worker.structured_output`` (docs/structured_outputs.md has the figures).
+``slipstream.worker.sample.structured_output`` (docs/structured_outputs.md has the figures).
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    from slipstream.worker.model_loader import default_model_dir, load_tokenizer
+    from slipstream.worker.model.gguf import default_model_dir
+    from slipstream.worker.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir())
     vocab = len(tokenizer)

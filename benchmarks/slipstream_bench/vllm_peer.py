@@ -59,7 +59,7 @@ class VllmPeer:
 
 
 def default_peers_dir() -> Path:
-    from slipstream.worker.model_loader import cache_root
+    from slipstream.cache_dir import cache_root
 
     return cache_root() / "peers"
 

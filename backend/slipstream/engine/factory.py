@@ -12,13 +12,15 @@ from typing import Any, Optional
 import torch
 
 from slipstream.core.config import EngineConfig
-from slipstream.worker import model_loader
-from slipstream.worker.cpu_linear import drop_stock_weights, prepare_linears
-from slipstream.worker.cpu_memory import release_freed_memory
-from slipstream.worker.cpu_norm import prepare_norms
-from slipstream.worker.cpu_reduced_linear import prepare_cpu_model
+from slipstream.worker.device import DeviceSettings
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
-from slipstream.worker.lora_layers import LoraLayers, load_lora_layers
+from slipstream.worker.layers.linear import drop_stock_weights
+from slipstream.worker.layers.memory import release_freed_memory
+from slipstream.worker.layers.preparation import prepare_cpu_model
+from slipstream.worker.layers.reduced_linear import WeightFormat
+from slipstream.worker.lora.layers import LoraLayers, load_lora_layers
+from slipstream.worker.model import loader
+from slipstream.worker.model.context_length import fit_max_model_len
 from slipstream.worker.model_runner import ModelRunner
 
 log = logging.getLogger("slipstream")
@@ -35,28 +37,6 @@ def input_vocab_size(model: torch.nn.Module) -> int:
     """How many token ids the model embeds (its input embeddings' rows)."""
     hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
     return int(hf.get_input_embeddings().num_embeddings)
-
-
-@dataclass(frozen=True)
-class DeviceSettings:
-    """Where and in which formats the models run, resolved once from the config."""
-
-    device: torch.device
-    dtype: torch.dtype  # the activations'
-    weight_format: str  # how a CPU model holds its linear weights
-    kv_dtype: torch.dtype
-
-    @classmethod
-    def resolve(cls, config: EngineConfig) -> "DeviceSettings":
-        device = model_loader.resolve_device(config.device)
-        dtype = model_loader.resolve_compute_dtype(config, device)
-        weight_format = model_loader.resolve_weight_format(config, device)
-        return cls(
-            device,
-            dtype,
-            weight_format,
-            model_loader.resolve_kv_cache_dtype(config, dtype, weight_format),
-        )
 
 
 @dataclass
@@ -90,11 +70,11 @@ class ModelFactory:
         s = self.settings
         path: Optional[Path] = None
         if model is None:
-            path = model_loader.resolve_model_path(self.config.model)
-            model = model_loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
+            path = loader.resolve_model_path(self.config.model)
+            model = loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
         if tokenizer is None:
-            tokenizer = model_loader.load_tokenizer(path, self.config.tokenizer)
-        config = self.config = model_loader.fit_max_model_len(self.config, model.config)
+            tokenizer = loader.load_tokenizer(path, self.config.tokenizer)
+        config = self.config = fit_max_model_len(self.config, model.config)
         if s.device.type == "cpu":
             prepare_cpu_model(model, s.weight_format, config.cpu_linear)
         lora = None
@@ -149,8 +129,8 @@ class ModelFactory:
             lora,
         )
         if self.settings.device.type == "cpu":
-            if runner.fast is not None:  # fp32: the stock weights the packed copies replace
-                drop_stock_weights(model, runner.fast.packed_only())
+            # fp32: the stock weights the packed copies replace
+            drop_stock_weights(model, runner.forward.packed_only())
             # the lean forward stacks q, k, v and gate, up into one weight each: the layers'
             # own copies it freed go back to the OS (bf16: ~140 MB of heap otherwise kept)
             release_freed_memory()
@@ -166,11 +146,10 @@ class ModelFactory:
         if c.speculative_model != c.model or target is None:
             # the draft method requires speculative_model (EngineConfig's validation)
             assert c.speculative_model is not None
-            path = model_loader.resolve_model_path(c.speculative_model)
-            model = model_loader.load_model(path, s.dtype, s.device)
-            if s.device.type == "cpu":
-                prepare_linears(model, c.cpu_linear)
-                prepare_norms(model)
+            path = loader.resolve_model_path(c.speculative_model)
+            model = loader.load_model(path, s.dtype, s.device)
+            if s.device.type == "cpu":  # the draft runs fp32 weights, whatever the target's
+                prepare_cpu_model(model, WeightFormat.FLOAT32.value, c.cpu_linear)
         geometry = KVGeometry.from_model_config(model.config, c.block_size, s.dtype)
         per_seq = -(-(c.num_speculative_tokens + 1) // c.block_size) + 1
         num_blocks = target_num_blocks + c.max_num_seqs * per_seq

@@ -18,8 +18,8 @@ from typing import Optional, Sequence, TypeGuard, Union
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.request import Request
 from slipstream.core.sampling_params import SamplingParams
-from slipstream.worker.sampler import prepare as prepare_sampling
-from slipstream.worker.structured_output import GrammarCompiler
+from slipstream.worker.sample.sampler import prepare as prepare_sampling
+from slipstream.worker.sample.structured_output import GrammarCompiler
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
 Prompt = Union[str, list[int], list[ChatMessage]]

@@ -45,9 +45,9 @@ from slipstream.engine.model_executor import ModelExecutor
 from slipstream.engine.output_processor import OutputProcessor
 from slipstream.engine.spec_decode import Proposer, make_proposer
 from slipstream.trace import StepTracer
-from slipstream.worker.cpu_memory import release_freed_memory
-from slipstream.worker.sampler import Sampler
-from slipstream.worker.structured_output import GrammarCompiler
+from slipstream.worker.layers.memory import release_freed_memory
+from slipstream.worker.sample.sampler import Sampler
+from slipstream.worker.sample.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
 log = logging.getLogger("slipstream")

@@ -21,7 +21,7 @@ from slipstream.core.beam_search import BeamSearch
 from slipstream.core.request import Request
 from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from slipstream.worker.model_runner import ModelRunner
-from slipstream.worker.sampler import (
+from slipstream.worker.sample.sampler import (
     PerRequestError,
     Sampler,
     SampleResult,

@@ -13,7 +13,7 @@ The wrapped ``forward(input_ids[B], positions[B], slot_mapping[B], block_tables[
 seq_lens[B]) -> logits[B, V]`` must be capturable: no host synchronisation (no ``.item()``,
 ``.tolist()``, ``int(tensor)``), no data-dependent shapes, everything it reads that changes
 between steps passed through these five tensors (or living at fixed addresses, like the KV
-cache). The Triton ops (:mod:`slipstream.worker.ops.triton_kernels`) decode path qualifies; the
+cache). The Triton backend's (``attention/triton_backend``) decode path qualifies; the
 torch reference does not (it reads ``seq_lens.max()``), and capture then fails and the runner falls
 back to eager with a warning.
 

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from slipstream.core.scheduler_output import SchedulerOutput
-from slipstream.worker import attention, llama_model
+from slipstream.worker.attention.dispatch import get_ops
+from slipstream.worker.attention.metadata import AttentionMetadata
 from slipstream.worker.cuda_graphs import DecodeGraphRunner
-from slipstream.worker.fast_forward import FastForward, Layers
 from slipstream.worker.kv_cache import KVCache
-from slipstream.worker.lora_layers import LoraLayers, LoraMapping
-from slipstream.worker.ops import cpu_kernels
-from slipstream.worker.ops.dispatch import get_ops
-from slipstream.worker.ops.metadata import AttentionMetadata
+from slipstream.worker.lora.layers import LoraLayers, LoraMapping
+from slipstream.worker.model.forward import ModelForward
 
 
 @dataclass
@@ -33,21 +30,6 @@ class StepBatch:
     prompt_rows: Optional[list[list[int]]] = None
 
 
-def check_backend_compatible(model: torch.nn.Module) -> None:
-    compatible = getattr(model, "is_backend_compatible", None)
-    ok = (
-        compatible()
-        if callable(compatible)
-        else getattr(model, "_supports_attention_backend", False)
-    )
-    if not ok:
-        raise ValueError(
-            f"{type(model).__name__} does not support transformers' attention interface, so its "
-            "attention cannot run on the paged KV cache; choose a model whose class does "
-            "(Llama, Qwen, Mistral, Gemma, Phi, GPT-NeoX, GPT-2, OPT, ...)"
-        )
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -61,27 +43,15 @@ class ModelRunner:
         fast_forward: bool = True,
         lora: Optional[LoraLayers] = None,
     ) -> None:
-        # a model built without transformers (llama_model) runs the lean forward only
-        lean_only = isinstance(model, llama_model.LlamaForCausalLM)
-        if not lean_only:
-            check_backend_compatible(model)
         self.model = model
         self.kv = kv_cache
         self.device = device
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.ops = get_ops(device, attention_ops)
-        hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
-        self.num_query_heads = hf.config.get_text_config().num_attention_heads
-        if not lean_only:
-            hf.set_attn_implementation(attention.register())
-        self.fast = (
-            FastForward.for_model(model, fuse=lora is None)
-            if (fast_forward or lean_only) and device.type == "cpu"
-            else None
+        ops = get_ops(device, attention_ops)
+        self.forward = ModelForward.select(
+            model, kv_cache, ops, device, fast_forward, fuse=lora is None
         )
-        if lean_only and self.fast is None:
-            raise ValueError("a model built by llama_model runs on CPU with the lean forward only")
         self.lora = lora  # its per-token adapter choice cannot be replayed from a CUDA graph
         if lora is not None:
             cuda_graph_sizes = None
@@ -92,6 +62,7 @@ class ModelRunner:
         if self.device.type != "cuda" or not sizes or max_num_seqs <= 0:
             return None
         self._cu_seqlens = torch.arange(max_num_seqs + 2, dtype=torch.int32, device=self.device)
+        self._keep_all = torch.arange(max_num_seqs + 1, dtype=torch.long, device=self.device)
         runner = DecodeGraphRunner(
             self._decode_forward,
             max_num_seqs,
@@ -117,7 +88,7 @@ class ModelRunner:
             query_lens_host=[1] * n,
             seq_lens_host=[],
         )
-        return self._forward(input_ids, positions, meta, 0)
+        return self.forward(input_ids, positions, meta, self._keep_all[:n])
 
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         ids: list = []
@@ -216,51 +187,6 @@ class ModelRunner:
             sample_rows,
         )
 
-    def _forward(self, input_ids, positions, meta: AttentionMetadata, keep) -> torch.Tensor:
-        # Every layer shares the step's layout: the ops work it out once, here.
-        meta.plan = self.ops.plan(meta, self.kv.key_caches[0], self.num_query_heads)
-        if self.fast is not None:
-            return self.fast(
-                input_ids, positions, keep, self._attention_step(meta), self._stacked(meta)
-            )
-        context = attention.StepContext(meta, self.kv.key_caches, self.kv.value_caches, self.ops)
-        with attention.step_context(context):
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        return out.logits[0]
-
-    def _stacked(self, meta: AttentionMetadata) -> Optional[Layers]:
-        """The compiled decode stack over this step's caches, where the step is all decode
-        rows on the CPU kernels (else None: the lean forward's own loop)."""
-        stack = self.fast.stack if self.fast is not None else None
-        if stack is None or self.ops is not cpu_kernels:
-            return None
-        step = cpu_kernels.decode_step(meta, self.kv.key_caches[0])
-        if step is None:
-            return None
-        return functools.partial(
-            stack.run,
-            key_caches=self.kv.key_caches,
-            value_caches=self.kv.value_caches,
-            rows=step,
-        )
-
-    def _attention_step(self, meta: AttentionMetadata):
-        """The lean forward's attention: store the new K/V, attend over the paged cache."""
-        key_caches, value_caches, ops = self.kv.key_caches, self.kv.value_caches, self.ops
-
-        def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
-            ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)
-            return ops.paged_attention(
-                q, key_caches[layer], value_caches[layer], meta, scaling, window, None
-            )
-
-        return step
-
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed batch; logits (fp32) only for the rows that are sampled, then
@@ -281,7 +207,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.activate(batch.lora)
         try:
-            logits = self._forward(batch.input_ids, batch.positions, meta, keep).float()
+            logits = self.forward(batch.input_ids, batch.positions, meta, keep).float()
         finally:
             if self.lora is not None:
                 self.lora.deactivate()

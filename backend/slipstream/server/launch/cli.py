@@ -418,7 +418,7 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
     prompt_model = DEFAULT_MODEL_NAME if DEFAULT_MODEL_NAME in engines else names[0]
     if any(e.get("model", "default") in ("", "default") for e in engines.values()):
         # convert the GGUF once, here, with a progress bar
-        from slipstream.worker.model_loader import default_model_dir
+        from slipstream.worker.model.gguf import default_model_dir
 
         default_model_dir()
     return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model])

@@ -78,7 +78,7 @@ def load_tokenizer(source: str):
 
 
 def _model_dir(source: str) -> Path:
-    from slipstream.worker.model_loader import resolve_model_path
+    from slipstream.worker.model.loader import resolve_model_path
 
     return resolve_model_path(source)
 
@@ -87,7 +87,7 @@ def _model_dir(source: str) -> Path:
 def _position_limit(source: str) -> Optional[int]:
     from transformers import AutoConfig
 
-    from slipstream.worker.model_loader import position_limit
+    from slipstream.worker.model.context_length import position_limit
 
     return position_limit(AutoConfig.from_pretrained(str(_model_dir(source))))
 

@@ -59,7 +59,7 @@ from slipstream.server.trtllm.inputs import (
 )
 from slipstream.server.trtllm.outputs import TrtllmResponses
 from slipstream.server.trtllm.row_sender import RowGroup
-from slipstream.worker.model_loader import keep_gpu_compiler_out, resolve_device
+from slipstream.worker.device import keep_gpu_compiler_out, resolve_device
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ERROR_PREFIX = "Error generating stream: "  # Triton vLLM backend's, which its clients match

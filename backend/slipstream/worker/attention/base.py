@@ -1,0 +1,49 @@
+"""The seam between the attention hook and its kernels: what an ops module provides.
+
+Three modules implement it, ``torch_ops`` (any device; the reference), ``cpu_kernels`` (a
+compiled decode kernel plus the torch path's prefill; the CPU default) and ``triton_kernels``
+(OpenAI Triton, CUDA); ``dispatch.get_ops`` picks one per device. All work on the paged
+cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and on the
+step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it; slot -1 marks rows
+(padding) whose K/V is not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
+
+
+@runtime_checkable
+class AttentionOps(Protocol):
+    def plan(
+        self, meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int
+    ) -> AttentionPlan:
+        """What every layer of the step reuses, worked out once (the model runner calls it
+        before the forward and keeps it in ``meta.plan``)."""
+
+    def store_step_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Write the step's new K/V rows (``[T, Hkv, D]``) at ``meta.slot_mapping``."""
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries (``[T, H, D]``, sequences packed by
+        ``meta.cu_seqlens_q``) over each sequence's cached K/V; returns ``[T, H, D]``."""

@@ -1,0 +1,795 @@
+"""Paged attention as OpenAI Triton kernels: the CUDA path.
+
+Same signatures and semantics as :mod:`slipstream.worker.attention.torch_backend` (the reference the
+kernels are
+tested against). Cache layout, per layer: ``key_cache`` / ``value_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block * block_size + offset.
+
+Kernels
+-------
+* ``_store_kv_kernel``: one program per new token writes its ``[Hkv, D]`` key and value rows
+  into their slot (slot -1 = skip).
+* ``_decode_kernel``: one program per (sequence, KV head[, split]) loads the whole GQA group of
+  query heads as the M dimension of the dots, so every KV tile is read from HBM once per group.
+  Online softmax over tiles of ``BLOCK_N`` tokens gathered across pages. When the batch has too
+  few (sequence, KV head) pairs to fill the GPU, the context is split into ``NUM_SPLITS`` parts
+  (flash-decoding) and ``_decode_reduce_kernel`` merges the partial results by their
+  log-sum-exp. No host synchronisation: safe to capture in a CUDA graph.
+* ``_prefill_kernel``: ragged, causal flash attention over the paged cache. One program per
+  (query tile, sequence, KV head); the rows of a tile are the flattened (token, group head)
+  pairs of that KV head, so GQA groups share KV loads here too. It reads the whole context
+  (prefix-cache hits, earlier chunks and the new tokens, all already in the cache).
+
+Every score and accumulator is fp32. For fp32 caches (and under ``TRITON_INTERPRET=1``, whose
+bf16 arithmetic is unreliable) the tiles are converted to fp32 and the dots run in exact
+("ieee") fp32; for fp16/bf16 caches on the GPU the dots take 16-bit inputs with fp32
+accumulation, as flash attention does. Outputs are cast to the query dtype on store.
+
+Masked keys (outside the context, before the sliding window, after the query position, or in a
+page whose id is -1) get probability 0 and are loaded as 0, and a row with no key left (the
+padding rows of a CUDA-graph batch: seq_len 1, block table of -1) yields 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
+
+LOG2E = tl.constexpr(1.4426950408889634)
+_NEG_INIT = tl.constexpr(
+    -1.0e30
+)  # finite running-max start: all-masked rows give exp2(0)*0, not NaN
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _fp32_math(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float32 or not cache.is_cuda or _interpreting()
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 2 * sigmoid(2x) - 1: saturates cleanly at +-1 for large |x|.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# store_kv
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    K,
+    V,
+    KC,
+    VC,
+    Slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    kc = KC + blk * stride_kcb + off * stride_kco + offs_h[:, None] * stride_kch + offs_d[None, :]
+    vc = VC + blk * stride_vcb + off * stride_vco + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(kc, k.to(KC.dtype.element_ty), mask=mask)  # no-op when the dtypes already match
+    tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
+    """Constexprs and launch options of ``_store_kv_kernel`` (shared with the compile test)."""
+    return dict(
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        H_PAD=_next_pow2(hkv),
+        D_PAD=_next_pow2(d),
+        BLOCK_SIZE=block_size,
+        num_warps=1 if hkv * d <= 512 else 4,
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    slot_mapping = slot_mapping.contiguous()
+    _store_kv_kernel[(t,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        **store_kv_config(hkv, d, key_cache.shape[1]),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    SeqLens,
+    Out,
+    MidO,
+    MidLse,
+    scale,
+    softcap,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP32_MATH: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * G + offs_g
+    b64 = b.to(tl.int64)
+
+    q = tl.load(
+        Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(KC.dtype.element_ty)
+
+    # Keys allowed for the query at position seq_len - 1: [lo, seq_len).
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    tile_lo = lo // BLOCK_N
+    tile_hi = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
+    t_start = tile_lo + split * per_split
+    t_end = tl.minimum(t_start + per_split, tile_hi)
+
+    m_i = tl.full([BLOCK_G], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], dtype=tl.float32)
+    bt_row = BT + b64 * stride_btb
+
+    for tile in range(t_start, t_end):
+        tok = tile * BLOCK_N + offs_n
+        in_seq = (tok < seq_len) & (tok >= lo)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_seq, other=-1)
+        valid = in_seq & (blk >= 0)
+        blk = tl.maximum(blk, 0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            KC
+            + blk[:, None] * stride_kcb
+            + off[:, None] * stride_kco
+            + kvh * stride_kch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            VC
+            + blk[:, None] * stride_vcb
+            + off[:, None] * stride_vco
+            + kvh * stride_vch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(VC.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            Out + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=o_mask,
+        )
+    else:
+        tl.store(
+            MidO
+            + b64 * stride_mob
+            + heads[:, None] * stride_moh
+            + split * stride_mos
+            + offs_d[None, :],
+            out,
+            mask=o_mask,
+        )
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(MidLse + b64 * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO,
+    MidLse,
+    Out,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(
+        MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf")
+    )
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)  # empty splits (lse -inf) weigh 0
+    o = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
+    )
+
+
+def decode_config(
+    h: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    num_splits: int,
+    window: int,
+    softcap: float,
+    fp32_math: bool,
+    block_n: Optional[int] = None,
+) -> dict:
+    """Constexprs and launch options of ``_decode_kernel`` (shared with the compile test)."""
+    d_pad = _next_pow2(max(d, 16))
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    return dict(
+        G=h // hkv,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_G=max(16, _next_pow2(h // hkv)),  # tl.dot needs M >= 16 on the GPU
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        FP32_MATH=fp32_math,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def decode_reduce_config(d: int, num_splits: int) -> dict:
+    d_pad = _next_pow2(max(d, 16))
+    return dict(
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        S_PAD=_next_pow2(num_splits),
+        num_warps=1 if d_pad <= 64 else 2,
+    )
+
+
+def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Split the context when (sequence, KV head) pairs alone leave SMs idle.
+
+    Uses static shapes only (the block-table width bounds the context), so the choice is
+    stable across CUDA-graph replays of one batch size.
+    """
+    if device.type != "cuda" or _interpreting():
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    splits = min(triton.cdiv(sms, programs), triton.cdiv(max_ctx, 256), 16)
+    return max(1, splits)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``.
+
+    ``num_splits`` / ``block_n`` override the heuristics (tests). No host synchronisation.
+    """
+    b, h, d = query.shape
+    _, block_size, hkv, _ = key_cache.shape
+    assert h % hkv == 0, "query heads must be a multiple of KV heads"
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    out = torch.empty_like(query)
+    if b == 0:
+        return out
+    query = _last_dim_contiguous(query)
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    window = int(sliding_window) if sliding_window else 0
+    cap = float(softcap) if softcap else 0.0
+    cfg = decode_config(h, hkv, d, block_size, 1, window, cap, _fp32_math(key_cache), block_n)
+    max_ctx = block_tables.shape[1] * block_size
+    splits = num_splits or _pick_num_splits(b * hkv, max_ctx, cfg["BLOCK_N"], query.device)
+    cfg["NUM_SPLITS"] = splits
+    d_pad = cfg["D_PAD"]
+    if splits > 1:
+        mid_o = torch.empty((b, h, splits, d_pad), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
+    else:
+        mid_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=query.device)
+        mid_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
+    _decode_kernel[(b, hkv, splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        float(scale),
+        cap,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        **cfg,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(b, h)](
+            mid_o,
+            mid_lse,
+            out,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            **decode_reduce_config(d, splits),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# prefill (ragged, causal, over the paged context)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,
+    KC,
+    VC,
+    BT,
+    CuQ,
+    SeqLens,
+    Out,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    FP32_MATH: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_begin = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_begin
+    row0 = mt * BLOCK_M
+    if row0 >= q_len * G:
+        return
+    seq_len = tl.load(SeqLens + b)
+    ctx_len = seq_len - q_len  # tokens cached before this step's new ones
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)  # flattened (token, group head) rows
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    row_ok = offs_m < q_len * G
+    tok_i = offs_m // G
+    heads = kvh * G + offs_m % G
+    q_pos = ctx_len + tok_i
+    q_rows = (q_begin + tok_i).to(tl.int64)
+    qo_mask = row_ok[:, None] & d_mask[None, :]
+
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    if FP32_MATH:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(KC.dtype.element_ty)
+
+    first_tok = row0 // G
+    last_tok = tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)
+    hi = ctx_len + last_tok + 1  # causal: nothing past the tile's last query position
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx_len + first_tok - window + 1, 0)
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+
+    for s0 in range(start, hi, BLOCK_N):
+        tok = s0 + offs_n
+        in_seq = tok < hi
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_seq, other=-1)
+        valid = in_seq & (blk >= 0)
+        blk = tl.maximum(blk, 0).to(tl.int64)
+        off = tok % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            KC
+            + blk[:, None] * stride_kcb
+            + off[:, None] * stride_kco
+            + kvh * stride_kch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            VC
+            + blk[:, None] * stride_vcb
+            + off[:, None] * stride_vco
+            + kvh * stride_vch
+            + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if FP32_MATH:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        allowed = valid[None, :] & (tok[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (tok[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_MATH:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(VC.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=qo_mask,
+    )
+
+
+def prefill_config(
+    h: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    window: int,
+    softcap: float,
+    fp32_math: bool,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> dict:
+    """Constexprs and launch options of ``_prefill_kernel`` (shared with the compile test)."""
+    d_pad = _next_pow2(max(d, 16))
+    block_m = block_m or 64
+    block_n = block_n or (64 if d_pad <= 64 else 32)
+    return dict(
+        G=h // hkv,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        FP32_MATH=fp32_math,
+        num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+        num_stages=2,
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    query_lens_host: Optional[list] = None,
+    seq_lens_host: Optional[list] = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
+    context and to its own new tokens, causally. Only ``max(query_lens_host)`` is read on the
+    host (to size the grid); without it, it is computed from ``cu_seqlens_q`` (one sync)."""
+    t, h, d = query.shape
+    _, block_size, hkv, _ = key_cache.shape
+    assert h % hkv == 0, "query heads must be a multiple of KV heads"
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    out = torch.empty_like(query)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if t == 0 or num_seqs == 0:
+        return out
+    if query_lens_host is not None:
+        max_q = max(query_lens_host) if len(query_lens_host) else 0
+    else:
+        max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_q == 0:
+        return out
+    query = _last_dim_contiguous(query)
+    block_tables = block_tables.contiguous()
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    seq_lens = seq_lens.contiguous()
+    window = int(sliding_window) if sliding_window else 0
+    cap = float(softcap) if softcap else 0.0
+    cfg = prefill_config(
+        h, hkv, d, block_size, window, cap, _fp32_math(key_cache), block_m, block_n
+    )
+    grid = (triton.cdiv(max_q * cfg["G"], cfg["BLOCK_M"]), num_seqs, hkv)
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        float(scale),
+        cap,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        **cfg,
+    )
+    return out
+
+
+def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int) -> AttentionPlan:
+    """``AttentionOps.plan``: nothing to work out; the kernels skip slot -1 themselves."""
+    return AttentionPlan(None, meta.slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Dispatch a ragged step: decode-only batches take the decode kernel (CUDA-graph safe),
+    anything else (prefill, chunked prefill, mixed batches) the prefill kernel."""
+    if meta.decode_only:
+        return paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )
+    return paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.cu_seqlens_q,
+        meta.seq_lens,
+        scale,
+        sliding_window,
+        softcap,
+        meta.query_lens_host,
+        meta.seq_lens_host,
+    )
+
+
+def store_step_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """The kernel skips slot -1 itself: nothing to work out per step."""
+    store_kv(key, value, key_cache, value_cache, meta.slot_mapping)

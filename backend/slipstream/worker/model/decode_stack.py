@@ -1,0 +1,127 @@
+"""Every decoder layer of a decode step in one compiled call (``ops/cpu_decode_stack.cpp``).
+
+The lean forward (``lean_forward``) runs a layer as ~25 operator calls and module hops from
+Python; with int8 weights at a few rows that Python is ~4 ms of a ~12 ms step, beside ~6 ms of
+streaming weights. The compiled stack makes the same calls, on the same tensors, in the same
+order, from C++: the hidden state it hands back is bit for bit the Python loop's. It serves
+the layers whose products are the compiled reduced kernels (``quantization=int8`` and bf16
+panels) and norms the compiled RMSNorm, on steps where every row is a decode-kernel row
+(``AttentionPlan.decode_step``) and every row's logits are kept; other steps, models and
+formats run the Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from slipstream.worker import kernels
+from slipstream.worker.attention.metadata import DecodeStep
+from slipstream.worker.layers.norm import kernel_norm
+from slipstream.worker.layers.reduced_linear import WeightPlan
+
+_NONE = torch.empty(0)  # an absent optional tensor (the native lists hold no None)
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as the lean forward runs it, in the stack's terms."""
+
+    norm_in: torch.nn.Module
+    norm_post: torch.nn.Module
+    qkv: WeightPlan
+    qkv_sizes: Sequence[int]
+    o: WeightPlan
+    gate_up: WeightPlan
+    down: WeightPlan
+    scaling: float
+    window: Optional[int]
+
+
+def _product(plan: WeightPlan) -> Optional[tuple[list[torch.Tensor], list[int]]]:
+    """The product's tensors and ints for ``add_layer``; None where it is not a compiled
+    int8 or bf16-panel product."""
+    bias = _NONE if plan.bias is None else plan.bias
+    q8 = plan.q8
+    if q8 is not None and plan.kernel:
+        outliers = [_NONE, _NONE]
+        if q8.outliers is not None and q8.outlier_w is not None:
+            outliers = [q8.outliers, q8.outlier_w]
+        return [q8.packed, q8.scales, bias, *outliers], [1, q8.out_features, 0]
+    panels = plan.panels
+    if panels is not None:
+        tensors = [panels.packed, _NONE, bias, _NONE, _NONE]
+        return tensors, [0, panels.out_features, int(plan.bf16_out)]
+    return None
+
+
+def _layer_args(
+    layer: StackLayer,
+) -> Optional[tuple[list[torch.Tensor], list[int], list[float]]]:
+    """``add_layer``'s arguments for ``layer`` (the order ``cpu_decode_stack.cpp`` reads)."""
+    norm_in, norm_post = kernel_norm(layer.norm_in), kernel_norm(layer.norm_post)
+    sizes = list(layer.qkv_sizes)
+    if norm_in is None or norm_post is None or len(sizes) != 3 or sizes[1] != sizes[2]:
+        return None
+    tensors, ints = [norm_in[0], norm_post[0]], []
+    for plan in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        product = _product(plan)
+        if product is None:
+            return None
+        tensors += product[0]
+        ints += product[1]
+    ints += [sizes[0], sizes[1], int(layer.window or 0)]
+    return tensors, ints, [norm_in[1], norm_post[1], float(layer.scaling)]
+
+
+class DecodeStack:
+    """``run(hidden [T, H], cos, sin, key_caches, value_caches, rows)`` -> hidden after the
+    last layer (updated in place)."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    @classmethod
+    def build(
+        cls, layers: Sequence[StackLayer], heads: int, kv_heads: int, head_dim: int
+    ) -> Optional["DecodeStack"]:
+        """The stack for ``layers``, or None where one of them is not the kind it runs (or
+        the compiled kernels are not loaded)."""
+        if not layers or not kernels.load():
+            return None
+        args = [_layer_args(layer) for layer in layers]
+        if any(a is None for a in args):
+            return None
+        native = torch.classes.slipstream_cpu.DecodeStack(heads, kv_heads, head_dim)
+        for a in args:
+            assert a is not None  # excluded above
+            native.add_layer(*a)
+        return cls(native)
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        rows: DecodeStep,
+    ) -> torch.Tensor:
+        store_rows = _NONE if rows.store_rows is None else rows.store_rows
+        d = rows.decode
+        torch.ops.slipstream_cpu.decode_stack_run(
+            self.native,
+            hidden,
+            cos,
+            sin,
+            key_caches,
+            value_caches,
+            store_rows,
+            rows.store_slots,
+            d.tables,
+            d.seq_lens,
+            d.rows,
+        )
+        return hidden
