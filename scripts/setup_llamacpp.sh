@@ -41,7 +41,7 @@ fi
 Q41="$OUT/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q80="$OUT/SmolLM2-135M-Instruct.Q8_0.gguf"
 if [ ! -f "$Q41" ]; then
-  cp "$("$PY" -c 'from slipstream.worker.model.loader import default_gguf_path as p; print(p())')" "$Q41"
+  cp "$("$PY" -c 'from slipstream.worker.model.gguf import default_gguf_path as p; print(p())')" "$Q41"
 fi
 if [ ! -f "$Q80" ]; then
   "$OUT/bin/llama-quantize" --allow-requantize "$Q41" "$Q80" Q8_0
