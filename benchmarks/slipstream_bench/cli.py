@@ -37,6 +37,18 @@ def _variants(items) -> dict:
 
 
 def _rates(text: str) -> tuple:
+    if text.strip().startswith("auto"):  # auto[:START[:STEP]]
+        parts = text.strip().split(":")[1:]
+        try:
+            start, step = (
+                (float(parts[0]) if parts else 1.0),
+                (float(parts[1]) if len(parts) > 1 else 1.0),
+            )
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--rates auto[:START[:STEP]], got {text!r}")
+        if start <= 0 or step <= 0:
+            raise argparse.ArgumentTypeError("--rates auto: START and STEP must be positive")
+        return ("auto", start, step)
     try:
         rates = tuple(float(r) for r in text.split(",") if r.strip())
     except ValueError:
@@ -44,6 +56,10 @@ def _rates(text: str) -> tuple:
     if not rates or any(r <= 0 for r in rates):
         raise argparse.ArgumentTypeError("--rates must be positive (requests/s) or inf")
     return rates
+
+
+def _auto(rates: tuple) -> bool:
+    return bool(rates) and rates[0] == "auto"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +107,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=_rates,
         default=(),
         help="a sweep: comma list of Poisson rates (requests/s; 'inf' = a burst), "
-        "every mode at each; prints SLO attainment per rate and goodput",
+        "every mode at each; prints SLO attainment per rate and goodput. 'auto[:START[:STEP]]' "
+        "(default 1:1): from START up by STEP until every mode falls below the SLO attainment "
+        "(a mode that fell below stops running)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="at most this many requests in flight (a closed loop; 1: one request at a time, "
+        "as a single user sends them); default 0: each request at its arrival time",
     )
     s = p.add_argument_group("decoding (greedy unless --temperature > 0)")
     s.add_argument("--temperature", type=float, default=0.0)
@@ -227,7 +252,10 @@ def options(args: argparse.Namespace):
             for m in args.variant_modes.split(",")
             if m.strip().partition(":")[0] in ("inprocess", "continuous")
         ),
-        rates=args.rates,
+        rates=args.rates[1:2] if _auto(args.rates) else args.rates,
+        sweep_until_all_fail=_auto(args.rates),
+        sweep_step=args.rates[2] if _auto(args.rates) else 1.0,
+        max_in_flight=args.max_concurrency,
         sampling=SamplingMix(
             args.temperature,
             args.top_p,

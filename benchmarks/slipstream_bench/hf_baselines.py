@@ -199,7 +199,7 @@ def _cb_run(
             eos_token_id=-1,
         )
 
-    send_on_schedule(offsets, send)
+    send_on_schedule(offsets, send, records=records)
     done.wait()
     for rec in records:
         if not rec.token_times and rec.error is None:

@@ -84,6 +84,7 @@ class _Poller(threading.Thread):
                     break
                 moved = True
                 rec.add_tokens(time.perf_counter(), len(out.token_ids))
+                rec.text += out.text
                 self.progress.update(len(out.token_ids))
                 if out.finished:
                     if out.finish_reason == "error" or out.error:
@@ -117,7 +118,7 @@ def run_requests(
         poller.add(loop.submit(req.prompt, exact_params(req.max_tokens, req.sampling)), rec)
 
     try:
-        send_on_schedule(offsets, send)
+        send_on_schedule(offsets, send, records=records)
         if not poller.finished.wait(timeout):
             raise TimeoutError(f"{label}: requests unfinished after {timeout} s")
     finally:

@@ -1,6 +1,7 @@
-"""llama.cpp's ``llama-server`` as a benchmark peer, on the default model's Q8_0 and Q4_1 GGUF.
+"""llama.cpp's ``llama-server`` as a benchmark peer, on the default model's GGUF: the shipped
+Q4_1 and its Q8_0, BF16 and F32 requantizations.
 
-``scripts/setup_llamacpp.sh`` builds it (~40 minutes on 2 cores; not in CI) and writes
+``scripts/setup_llamacpp.sh`` builds it (~6 minutes on 2 cores; not in CI) and writes
 ``<peers>/llamacpp/llamacpp.json``; without that file the modes are skipped. The server gets
 one slot per request of the workload (continuous batching across slots), the benchmark's
 threads, and each request streams from ``/completion`` with ``n_predict`` tokens, EOS ignored,
@@ -24,8 +25,15 @@ from slipstream_bench.driver import Progress, send_on_schedule
 from slipstream_bench.metrics import RequestRecord, records_to_json, summarize
 from slipstream_bench.workload import Workload
 
-MODES = {"llamacpp_q8_0": "q8_0", "llamacpp_q4_1": "q4_1"}
-SETUP_HINT = "run scripts/setup_llamacpp.sh (~40 min on 2 cores)"
+# mode -> the GGUF's type; BF16 and F32 are requantized from the shipped Q4_1: the same values
+# Slipstream serves as bf16 and fp32
+MODES = {
+    "llamacpp_q8_0": "q8_0",
+    "llamacpp_q4_1": "q4_1",
+    "llamacpp_bf16": "bf16",
+    "llamacpp_f32": "f32",
+}
+SETUP_HINT = "run scripts/setup_llamacpp.sh (~6 min on 2 cores)"
 
 
 class PeerUnavailable(RuntimeError):
@@ -144,6 +152,7 @@ def _stream(url: str, prompt: str, record: RequestRecord, bar: Progress) -> None
                 event = json.loads(line[6:])
                 if event.get("content") or event.get("tokens"):
                     record.add_tokens(time.perf_counter(), 1)
+                    record.text += event.get("content") or ""
                     bar.update(1)
                 if event.get("stop"):
                     break
@@ -186,7 +195,7 @@ def run(
             worker.start()
             workers.append(worker)
 
-        send_on_schedule(offsets, send)
+        send_on_schedule(offsets, send, records=records)
         for worker in workers:
             worker.join()
     bar.close()

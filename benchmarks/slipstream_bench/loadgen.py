@@ -78,6 +78,9 @@ class _Collector:
         count = result.as_numpy("num_output_tokens")
         n = int(count.reshape(-1)[0]) if count is not None and count.size else 0
         rec.add_tokens(now, n)
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            rec.text += text.reshape(-1)[0].decode("utf-8", "replace")
         self.progress.update(n)
         if response.parameters["triton_final_response"].bool_param:
             self._finish_one()
@@ -136,7 +139,7 @@ def run_triton(
         )
 
     try:
-        send_on_schedule(offsets, send)
+        send_on_schedule(offsets, send, records=list(records.values()))
         if not collector.done.wait(timeout):
             raise TimeoutError(
                 f"{label}: {collector.pending} requests unfinished after {timeout} s"

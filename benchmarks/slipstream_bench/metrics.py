@@ -22,6 +22,13 @@ class RequestRecord:
     send_time: float = 0.0
     token_times: list = field(default_factory=list)  # one entry per output token
     error: Optional[str] = None
+    text: str = ""  # the output as streamed (greedy outputs of two systems are compared)
+
+    @property
+    def finished(self) -> bool:
+        """Its last token arrived (lengths are exact: ``min_tokens`` = ``max_tokens``) or it
+        failed."""
+        return self.error is not None or len(self.token_times) >= self.max_tokens
 
     def add_tokens(self, when: float, count: int) -> None:
         # A response carrying k tokens delivers all k at once: k entries of the same time.
@@ -115,6 +122,7 @@ def records_to_json(records: Sequence[RequestRecord]) -> list:
             "send_s": round(r.send_time - start, 6),
             "token_s": [round(t - start, 6) for t in r.token_times],
             "error": r.error,
+            "text": r.text,
         }
         for r in records
     ]
@@ -129,6 +137,7 @@ def records_from_json(items: Sequence[dict]) -> list:
             d["send_s"],
             list(d["token_s"]),
             d.get("error"),
+            d.get("text", ""),
         )
         for d in items
     ]

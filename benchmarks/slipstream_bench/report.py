@@ -270,3 +270,17 @@ def slo_table(results: dict) -> str:
             + more
         )
     return "\n".join(lines)
+
+
+def agreement_table(rows: list) -> str:
+    """Greedy outputs of matched weight formats (``agreement.greedy_agreement``)."""
+    lines = [
+        "| format | Slipstream | llama.cpp | requests | identical | mean common prefix |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} | {r['slipstream']} | {r['peer']} | {r['requests']} | "
+            f"{r['identical']:.0%} | {r['mean_prefix_share']:.0%} |"
+        )
+    return "\n".join(lines)

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from slipstream_bench import plots, report, server_run, timeline
+from slipstream_bench.agreement import greedy_agreement
+from slipstream_bench.driver import Arrivals
 from slipstream_bench.goodput import Slo, goodput, slo_summary
 from slipstream_bench.workload import (
     SamplingMix,
@@ -39,7 +41,7 @@ PEER_MODES = ("vllm_triton", "vllm_triton_bf16", "vllm_offline")
 EXTRA_MODES = ("vllm_offline_eager", "vllm_offline_bf16")
 # llama.cpp's llama-server on the default model's GGUF (slipstream_bench.llamacpp_peer);
 # skipped unless scripts/setup_llamacpp.sh has built it
-LLAMACPP_MODES = ("llamacpp_q8_0", "llamacpp_q4_1")
+LLAMACPP_MODES = ("llamacpp_q8_0", "llamacpp_q4_1", "llamacpp_bf16", "llamacpp_f32")
 DEFAULT_MODES = (
     SERVER_MODES
     + ("inprocess", "hf_static", "hf_continuous")
@@ -74,6 +76,12 @@ class BenchOptions:
     variants: dict = field(default_factory=dict)  # name -> extra settings: inprocess[name] runs
     variant_modes: tuple = ("inprocess",)  # which modes each variant runs as (and continuous)
     rates: tuple = ()  # a sweep of Poisson rates (requests/s); empty: ``rate`` alone
+    # an automatic sweep (``--rates auto``): from ``rates[0]`` up by ``sweep_step`` until every
+    # mode keeps fewer than the SLO's share of requests inside it
+    sweep_until_all_fail: bool = False
+    sweep_step: float = 1.0
+    max_rate: float = 64.0  # an automatic sweep stops here whatever happens
+    max_in_flight: int = 0  # > 0: a closed loop (1: one request at a time)
     sampling: SamplingMix = field(default_factory=SamplingMix)  # greedy unless set
     prefix_caching: Optional[bool] = None  # None: as each engine ships it (both on)
     slo: Slo = field(default_factory=Slo)
@@ -230,6 +238,8 @@ class _Shared:
     peer: Optional[object] = None  # the vLLM peer, looked up on first use
     peer_missing: Optional[str] = None  # why it is skipped
     tag: str = ""  # the rate, in the files of a sweep's runs
+    # modes an automatic sweep no longer runs: they already fell below the SLO at a lower rate
+    retired: set = field(default_factory=set)
 
     def vllm_peer(self):
         """The installed vLLM peer, or None (the reason in ``peer_missing``, said once)."""
@@ -410,6 +420,9 @@ def run_llamacpp(mode: str, sh: _Shared) -> dict:
         peer = llamacpp_peer.load_peer(sh.opts.peers_dir or default_peers_dir())
     except llamacpp_peer.PeerUnavailable as exc:
         return {"label": mode, "kind": "peer", "skipped": str(exc), "summary": {}}
+    if llamacpp_peer.MODES[mode] not in peer.gguf:
+        why = f"no {llamacpp_peer.MODES[mode].upper()} GGUF; {llamacpp_peer.SETUP_HINT}"
+        return {"label": mode, "kind": "peer", "skipped": why, "summary": {}}
     if sh.opts.model not in ("default", "", None):
         return {
             "label": mode,
@@ -464,9 +477,9 @@ def run_rounds(sh: _Shared) -> list:
         + PEER_MODES
         + EXTRA_MODES
         + LLAMACPP_MODES
-        if m in sh.opts.modes
+        if m in sh.opts.modes and m not in sh.retired
     ]
-    order += list(variants)
+    order += [v for v in variants if v not in sh.retired]
     runs = []
     for r in range(sh.opts.repeat):
         for mode in order if r % 2 == 0 else order[::-1]:
@@ -556,7 +569,7 @@ def run_batching(opts: BenchOptions) -> dict:
     t0 = time.perf_counter()
     machine_at_start = machine()
     sh = _Shared(opts, workload, [], warm, out_dir)
-    sweep = [run_rate(sh, rate) for rate in opts.all_rates]
+    sweep = run_sweep(sh)
     runs, offsets = sweep[0]["runs"], sweep[0]["arrivals_s"]
     roof = None
     if "roofline" in opts.modes:
@@ -585,6 +598,8 @@ def run_batching(opts: BenchOptions) -> dict:
     if len(sweep) > 1:
         results["sweep"] = [{"rate": _rate_value(p["rate"]), "runs": p["runs"]} for p in sweep]
     results["goodput"] = goodputs(sweep, opts.slo)
+    if not workload.sampled:
+        results["greedy_agreement"] = greedy_agreement(runs)
     results["machine"]["load_average_1m_at_end"] = load_average()
     results["targets"] = report.judged(results)
     return finish(results, out_dir)
@@ -594,12 +609,36 @@ def _rate_value(rate: float):
     return "inf" if math.isinf(rate) else rate
 
 
+def run_sweep(sh: _Shared) -> list:
+    """Every rate of ``--rates``; or, for an automatic sweep, rates from the first one up by
+    ``sweep_step`` until every mode keeps fewer than the SLO's share of requests inside it
+    (a mode that fell below stops running: its goodput is known)."""
+    opts = sh.opts
+    if not opts.sweep_until_all_fail:
+        return [run_rate(sh, rate) for rate in opts.all_rates]
+    sweep: list = []
+    rate = opts.all_rates[0]
+    while rate <= opts.max_rate:
+        point = run_rate(sh, rate)
+        sweep.append(point)
+        for run in point["runs"]:
+            if run.get("slo") is None or _attainment(run) < opts.slo.attainment:
+                sh.retired.add(run["label"])
+        if not point["runs"] or all(run["label"] in sh.retired for run in point["runs"]):
+            break
+        rate = round(rate + opts.sweep_step, 6)
+    return sweep
+
+
 def run_rate(sh: _Shared, rate: float) -> dict:
     """Every mode (``repeat`` rounds) on the workload sent at ``rate``; each run gets its
     SLO attainment, and the representative round per mode is chosen by it for arrivals over
     time (by tokens/s for a burst)."""
-    sh.offsets = arrival_times(len(sh.workload), rate, sh.opts.seed)
-    sh.tag = "" if len(sh.opts.all_rates) == 1 else f"_rate{rate:g}"
+    sh.offsets = Arrivals(
+        arrival_times(len(sh.workload), rate, sh.opts.seed), sh.opts.max_in_flight
+    )
+    sweeping = len(sh.opts.all_rates) > 1 or sh.opts.sweep_until_all_fail
+    sh.tag = f"_rate{rate:g}" if sweeping else ""
     if sh.tag:
         log(f"==== rate {rate:g} requests/s")
     rounds = run_rounds(sh)
@@ -654,6 +693,8 @@ def finish(results: dict, out_dir: Path) -> dict:
         log("\n" + report.slo_table(results))
     if results.get("targets"):
         log(report.targets_text(results))
+    if results.get("greedy_agreement"):
+        log("\n" + report.agreement_table(results["greedy_agreement"]))
     log(
         f"\nresults: {path} (summary.json: without per-request data)\n"
         f"plots:   {', '.join(results['plots'])}"
