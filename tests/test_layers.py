@@ -62,3 +62,55 @@ def test_layer_checker_sees_a_forbidden_import(tmp_path):
 
 def test_engine_package_imports_no_server_or_benchmark():
     assert _violations("engine", FORBIDDEN_FOR_LOWER_LAYERS) == []
+
+
+def _private_uses(package: Path) -> list:
+    """``from m import _name`` and ``m._name`` across the package's modules: a private name
+    used outside the module that defines it."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    found = []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in modules:
+                        aliases[alias.asname or alias.name] = full
+                    elif _private(alias.name) and node.module.startswith("slipstream"):
+                        found.append(f"{name}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules:
+                        aliases[alias.asname or alias.name] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in aliases:
+                    found.append(f"{name}: {aliases[owner.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_is_used_outside_its_module():
+    assert _private_uses(PACKAGE) == []
+
+
+def test_the_private_name_check_sees_an_import_and_an_attribute(tmp_path):
+    package = tmp_path / "slipstream"
+    package.mkdir()
+    (package / "a.py").write_text("def _helper():\n    pass\n")
+    (package / "b.py").write_text("from slipstream.a import _helper\n")
+    (package / "c.py").write_text("from slipstream import a\n\na._helper()\n")
+    assert _private_uses(package) == [
+        "slipstream.b: from slipstream.a import _helper",
+        "slipstream.c: slipstream.a._helper",
+    ]

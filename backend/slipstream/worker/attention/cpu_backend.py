@@ -165,7 +165,7 @@ def _torch_plan(
 def _torch_chunks(plan: _Plan, meta: AttentionMetadata, group: int, block_size: int) -> list:
     if plan.torch_chunks is None:
         plan.torch_chunks = [
-            torch_backend._prefill_chunk(
+            torch_backend.prefill_chunk(
                 plan.starts[i],
                 meta.query_lens_host[i],
                 meta.seq_lens_host[i],
@@ -237,7 +237,7 @@ def paged_attention(
     for chunk in _torch_chunks(
         plan, meta, query.shape[1] // key_cache.shape[2], key_cache.shape[1]
     ):
-        torch_backend._run_prefill(
+        torch_backend.run_prefill(
             query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out
         )
     return out

@@ -158,7 +158,7 @@ def _decode_groups(
     return out
 
 
-def _prefill_chunk(
+def prefill_chunk(
     start: int, q_len: int, seq_len: int, table: torch.Tensor, group: int, block_size: int
 ) -> _PrefillChunk:
     device = table.device
@@ -207,7 +207,7 @@ def build_plan(meta: AttentionMetadata, key_cache: torch.Tensor, group: int) -> 
             rows=[starts[i] for i in dec],
         )
     prefill = [
-        _prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i : i + 1], group, block_size)
+        prefill_chunk(starts[i], n, seq_lens[i], meta.block_tables[i : i + 1], group, block_size)
         for i, n in enumerate(q_lens)
         if n > 1
     ]
@@ -352,7 +352,7 @@ def _run_decode(
             )
 
 
-def _run_prefill(
+def run_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -418,10 +418,10 @@ def paged_prefill_attention(
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
-        chunk = _prefill_chunk(
+        chunk = prefill_chunk(
             start, q_len, seq_len, block_tables[i : i + 1], group, key_cache.shape[1]
         )
-        _run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
+        run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
         start += q_len
     return out
 
@@ -456,7 +456,7 @@ def run_plan(
         query, key_cache, value_cache, step_plan.decode, scale, sliding_window, softcap, out
     )
     for chunk in step_plan.prefill:
-        _run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
+        run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
     return out
 
 
