@@ -10,7 +10,6 @@ import tempfile
 import pytest
 
 from slipstream.server.launch.cli import main as cli_main
-from slipstream.worker.model.loader import load_tokenizer
 from slipstream_bench import timeline
 from slipstream_bench.metrics import RequestRecord, percentile, summarize
 from slipstream_bench.workload import (
@@ -20,12 +19,7 @@ from slipstream_bench.workload import (
     sample_lengths,
     shared_prefix_workload,
 )
-from support import tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(tiny_model_dir("llama"))
+from support import ROOT, tiny_model_dir
 
 
 def test_workload_lengths_are_exact_and_round_trip(tokenizer, tmp_path):
@@ -245,9 +239,8 @@ def test_variants_parse_into_named_settings():
 
 def _setup_peers_module():
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "setup_peers.py"
+    path = ROOT / "scripts" / "setup_peers.py"
     spec = importlib.util.spec_from_file_location("setup_peers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -9,15 +9,6 @@ import pytest
 from router_bench import conversations, report, routers
 from router_bench.client import TurnRecord
 from router_bench.replicas import Replica
-from support import tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
-
 
 SPEC = conversations.WorkloadSpec(
     num_systems=2, system_tokens=60, num_users=5, turns=3, user_tokens=8, user_rate=2.0

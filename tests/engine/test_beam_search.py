@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from slipstream import SamplingParams
+from engine_support import make_engine
 from support import reference_model, tiny_model_dir
-from test_engine_features import make_engine
 
 PROMPT = [random.Random(11).randrange(100, 40000) for _ in range(50)]
 EOS = 2  # the tiny model's

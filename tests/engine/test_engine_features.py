@@ -7,23 +7,8 @@ import random
 import pytest
 
 from slipstream import EngineConfig, SamplingParams
-from slipstream.engine import LLMEngine
+from engine_support import GREEDY, make_engine
 from support import hf_greedy, random_workload, tiny_model_dir
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def make_engine(arch="llama", **overrides) -> LLMEngine:
-    settings = dict(
-        model=str(tiny_model_dir(arch)),
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        max_model_len=512,
-        num_gpu_blocks_override=400,
-    )
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
 
 
 def test_prefix_cache_reuses_blocks_and_matches_reference():
@@ -215,7 +200,6 @@ def test_max_model_len_caps_generation():
     ],
 )
 def test_invalid_engine_config(bad):
-    from slipstream import EngineConfig
 
     with pytest.raises(ValueError):
         EngineConfig(**bad)

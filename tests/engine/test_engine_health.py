@@ -14,7 +14,7 @@ from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.engine import merge_output
 from slipstream.engine.loop import EngineDeadError, EngineLoop, HealthState
 from slipstream.engine.supervisor import EngineSupervisor
-from test_engine_loop import GREEDY, config  # the same tiny engine
+from engine_support import GREEDY, config
 
 
 def collect(stream, timeout=60):
@@ -23,12 +23,6 @@ def collect(stream, timeout=60):
     while not stream.finished:
         merge_output(total, stream.get(timeout=max(deadline - time.monotonic(), 0.01)))
     return total
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with EngineLoop(config()) as running:
-        yield running
 
 
 def test_text_prompt_is_refused_through_its_stream_after_tokenizing(loop):

@@ -8,32 +8,11 @@ import weakref
 
 import pytest
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.core.request import RequestOutput
 from slipstream.engine import LLMEngine, merge_output
 from slipstream.engine.loop import EngineLoop, OverloadedError
-from support import tiny_model_dir
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def config(**overrides):
-    settings = dict(
-        model=str(tiny_model_dir("llama")),
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        max_model_len=256,
-        num_gpu_blocks_override=300,
-    )
-    settings.update(overrides)
-    return EngineConfig(**settings)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with EngineLoop(config()) as running:
-        yield running
+from engine_support import GREEDY, config
 
 
 def test_threads_get_exactly_their_own_outputs(loop):

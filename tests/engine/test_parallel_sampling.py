@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from slipstream import SamplingParams
+from engine_support import GREEDY, make_engine
 from support import hf_greedy, reference_model, tiny_model_dir
-from test_engine_features import GREEDY, make_engine
 
 PROMPT = [random.Random(11).randrange(100, 40000) for _ in range(50)]  # 12 blocks of 4 + 2
 

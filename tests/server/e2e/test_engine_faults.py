@@ -14,10 +14,9 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop, HealthState  # noqa: E402
+from engine_support import GREEDY, config  # noqa: E402
 from fault_support import faulty_server  # noqa: E402
-from test_engine_loop import GREEDY, config  # noqa: E402
-from test_server import OVERRIDES, REPO, run_stream, text_inputs, tiny_model  # noqa: E402,F401
-from test_server_lifecycle import wait_gone  # noqa: E402
+from server_support import OVERRIDES, REPO, run_stream, text_inputs, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
@@ -53,7 +52,7 @@ def wait_exit(server, timeout):
 
 
 @pytest.mark.slow
-def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp_path):  # noqa: F811
+def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp_path):
     """Before: every client waited for ever and the model stayed READY."""
     server, fault = faulty_server(
         REPO, tiny_model, tmp_path, {**OVERRIDES, "step_timeout_s": 2}, exit_timeout=5
@@ -94,7 +93,7 @@ def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp
 
 
 @pytest.mark.slow
-def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_model, tmp_path):  # noqa: F811
+def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_model, tmp_path):
     """Default restarts. Before: the engine was restarted inside the stub and the model
     stayed READY, accepting work it could not do."""
     server, fault = faulty_server(
@@ -115,7 +114,7 @@ def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_mo
 
 
 @pytest.mark.slow
-def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(tiny_model, tmp_path):  # noqa: F811
+def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(tiny_model, tmp_path):
     server, fault = faulty_server(
         REPO,
         tiny_model,

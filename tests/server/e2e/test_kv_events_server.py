@@ -19,8 +19,8 @@ from slipstream.engine import LLMEngine
 from slipstream.kv_events import wire
 from slipstream.kv_events.publisher import END_SEQ
 from slipstream.server.launch.launcher import TritonServer, render_model_repository
+from server_support import MODEL, OVERRIDES, REPO
 from support import http_generate, need_tritonserver
-from test_server import MODEL, OVERRIDES, REPO, tiny_model  # noqa: F401 - tiny_model: fixture
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"

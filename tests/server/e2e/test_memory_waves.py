@@ -5,14 +5,15 @@ tritonserver leave no per-request Python objects behind in the stub, and its hea
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tritonclient.grpc")
 
+from support import ROOT  # noqa: E402
+
 # benchmarks/memory_waves.py is a script beside the benchmark packages, not an installed module
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import memory_waves  # noqa: E402
 
 pytestmark = pytest.mark.skipif(

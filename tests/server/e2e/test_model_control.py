@@ -6,7 +6,6 @@ import json
 import os
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -18,19 +17,12 @@ from slipstream.server.launch.launcher import (  # noqa: E402
     TritonServer,
     render_model_repository,
 )
-from test_server import (  # noqa: E402
-    OVERRIDES,
-    REPO,
-    run_stream,
-    text_inputs,
-    texts,
-    tiny_model,  # noqa: E402,F401 - a fixture
-)
+from server_support import OVERRIDES, REPO, run_stream, text_inputs, texts  # noqa: E402
+from support import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
 )
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def post(server, path, body=b"", headers=None):
@@ -47,7 +39,7 @@ def post(server, path, body=b"", headers=None):
 @pytest.mark.slow
 def test_unauthenticated_load_and_unload_are_refused_and_the_launcher_still_stops_cleanly(
     tiny_model, tmp_path
-):  # noqa: F811
+):
     """Before: POST .../unload answered 200 and the model went not ready for everyone, and a
     load with a config override pointing at /etc was accepted."""
     repo = render_model_repository(REPO, tmp_path / "repo", {"model": str(tiny_model), **OVERRIDES})

@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from slipstream.engine import OVERLOADED, OverloadedError  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from slipstream.server.stub.model_config import DEFAULT_MAX_QUEUE_SIZE, load_settings  # noqa: E402
-from test_server import OVERRIDES, REPO, http_post, tiny_model  # noqa: E402,F401
+from server_support import OVERRIDES, REPO, http_post  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
@@ -60,7 +60,7 @@ def grpc_inputs(sampling):
 
 
 @pytest.mark.slow
-def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, tmp_path):  # noqa: F811
+def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, tmp_path):
     """One request runs, one waits (max_num_seqs 1, max_queue_size 1): the next is refused at
     once. Before: "retry later" with no hint of when; HTTP 400 on every endpoint."""
     src = tmp_path / "src"

@@ -15,15 +15,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from slipstream.server.stub.deadlines import request_deadline  # noqa: E402
-from test_server import (  # noqa: E402
-    OVERRIDES,
-    REPO,
-    http_post,
-    metrics,
-    text_inputs,
-    tiny_model,  # noqa: F401 - tiny_model is a fixture
-    wait_metric,
-)
+from server_support import OVERRIDES, REPO, http_post, metrics, text_inputs, wait_metric  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
@@ -42,7 +34,7 @@ def test_the_earliest_limit_wins():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):  # noqa: F811
+def server(tiny_model, tmp_path_factory):
     repo = render_model_repository(
         REPO,
         tmp_path_factory.mktemp("deadline") / "repo",

@@ -13,16 +13,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
-from test_server import (  # noqa: E402
-    OVERRIDES,
-    PROMPTS,
-    REPO,
-    StreamClient,
-    metrics,
-    text_inputs,  # tiny_model is a fixture
-    texts,
-    tiny_model,
-)
+from server_support import OVERRIDES, PROMPTS, REPO, StreamClient, metrics, text_inputs, texts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"

@@ -15,17 +15,16 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
-from test_server import (  # noqa: E402
+from server_support import (  # noqa: E402
     MAX_MODEL_LEN,
     MODEL,
     OVERRIDES,
     REPO,
     StreamClient,
-    http_post,  # tiny_model: a fixture
+    http_post,
     run_stream,
     text_inputs,
     texts,
-    tiny_model,
     wait_metric,
 )
 

@@ -3,7 +3,6 @@
 Each test owns its server, since each ends it. What every one checks at the end: no client
 left hanging, no process of the server's group and no shared-memory region left behind."""
 
-import glob
 import http.client
 import json
 import os
@@ -25,14 +24,7 @@ from slipstream.server.launch.launcher import (  # noqa: E402
     render_model_repository,
     stub_pids,
 )
-from test_server import (  # noqa: E402
-    OVERRIDES,
-    REPO,
-    run_stream,
-    text_inputs,
-    texts,
-    tiny_model,  # tiny_model is a fixture
-)
+from server_support import OVERRIDES, REPO, leftovers, run_stream, text_inputs, texts, wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
@@ -41,14 +33,6 @@ pytestmark = pytest.mark.skipif(
 # Streams that must outlast a 3 s exit timeout or a killed stub: near the tiny model's 1,024
 # positions (at 480 tokens, ten of them finished inside 3 s once the engine got faster).
 LONG = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
-
-
-def leftovers(shm_prefix):
-    """Processes (stubs, watchdogs) and shared-memory regions of one server still around."""
-    procs = subprocess.run(
-        ["pgrep", "-f", shm_prefix], capture_output=True, text=True
-    ).stdout.split()
-    return procs, glob.glob(f"/dev/shm/{shm_prefix}*")
 
 
 def kill_leftovers(shm_prefix):
@@ -62,13 +46,6 @@ def kill_leftovers(shm_prefix):
             pass
     for region in regions:
         os.unlink(region)
-
-
-def wait_gone(shm_prefix, timeout=10):
-    deadline = time.monotonic() + timeout
-    while any(leftovers(shm_prefix)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return leftovers(shm_prefix)
 
 
 class Clients:

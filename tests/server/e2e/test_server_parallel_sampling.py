@@ -11,18 +11,8 @@ import torch
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+from server_support import StreamClient, metrics, run_stream, text_inputs, wait_metric  # noqa: E402
 from support import reference_model  # noqa: E402
-from test_server import (  # noqa: E402,F401
-    StreamClient,
-    metrics,
-    reference,
-    repo,
-    run_stream,
-    server,
-    text_inputs,
-    tiny_model,
-    wait_metric,
-)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"

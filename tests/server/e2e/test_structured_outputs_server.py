@@ -17,18 +17,7 @@ from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.launch.launcher import read_parameters  # noqa: E402
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
-from test_server import (  # noqa: E402,F401
-    MODEL,
-    PROMPTS,
-    StreamClient,
-    http_post,
-    repo,
-    run_stream,
-    server,
-    text_inputs,
-    texts,
-    tiny_model,
-)
+from server_support import MODEL, PROMPTS, StreamClient, http_post, run_stream, text_inputs, texts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"

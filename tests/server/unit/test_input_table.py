@@ -3,7 +3,6 @@ declares, what the parser reads and what README.md lists."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +10,9 @@ import pytest
 from slipstream.server.stub import model_config
 from slipstream.server.stub.input_table import INPUTS, Reading, TritonType
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
+from support import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 NUMPY = {
     TritonType.BOOL: np.bool_,
     TritonType.INT32: np.int32,

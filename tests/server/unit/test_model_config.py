@@ -8,6 +8,7 @@ import pytest
 from slipstream import EngineConfig
 from slipstream.server.stub.engine_args import resolve_model, translate
 from slipstream.server.stub.model_config import load_settings
+from support import ROOT
 
 SAMPLE = {"model": "facebook/opt-125m", "gpu_memory_utilization": 0.5, "enforce_eager": True}
 
@@ -240,28 +241,25 @@ def test_max_logprobs_from_model_json(tmp_path):
 
 def test_shipped_sample_repository_checks_out():
     """samples/model_repository: vllm_backend's sample with the backend renamed."""
-    from pathlib import Path
 
     from slipstream.server.launch.repository import check_models, find_models
 
-    repo = Path(__file__).resolve().parents[1] / "samples" / "model_repository"
+    repo = ROOT / "samples" / "model_repository"
     models = find_models(repo)
     assert [(m.name, m.backend) for m in models] == [("vllm_model", "slipstream")]
     settings = check_models(models)["vllm_model"]
     assert settings.engine["model"] == "default" and settings.report_metrics
     assert (
-        find_models(Path(__file__).resolve().parents[1] / "model_repository")[0].name
-        == "slipstream"
+        find_models(ROOT / "model_repository")[0].name == "slipstream"
     )  # the Python-backend layout is found by its model.py
 
 
 def test_install_backend_writes_the_backend_under_each_name(tmp_path, capsys):
-    from pathlib import Path
 
     from slipstream.server.launch.cli import main
 
     assert main(["install-backend", "--backend-directory", str(tmp_path), "--alias", "vllm"]) == 0
-    source = Path(__file__).resolve().parents[1] / "triton_backends" / "slipstream" / "model.py"
+    source = ROOT / "triton_backends" / "slipstream" / "model.py"
     for name in ("slipstream", "vllm"):
         assert (tmp_path / name / "model.py").read_text() == source.read_text()
     assert "installed" in capsys.readouterr().out
@@ -274,12 +272,11 @@ def test_a_model_py_written_before_the_server_rooms_is_still_found_and_loads_the
     import importlib
     import shutil
     import sys
-    from pathlib import Path
     from unittest import mock
 
     from slipstream.server.launch.repository import find_models
 
-    shipped = Path(__file__).resolve().parents[1] / "model_repository" / "slipstream"
+    shipped = ROOT / "model_repository" / "slipstream"
     model = tmp_path / "old" / "slipstream"
     shutil.copytree(shipped, model)
     old = model / "1" / "model.py"

@@ -1,7 +1,6 @@
 """The Triton request parser and repository rendering, without a server."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ from slipstream.server.stub.request_parser import (
     parse_request,
 )
 from slipstream.server.stub.responses import build_outputs, logprobs_entries, output_names
+from support import ROOT
 
-REPO = Path(__file__).resolve().parents[1] / "model_repository"
+REPO = ROOT / "model_repository"
 
 
 def s(text):

@@ -16,9 +16,7 @@ from slipstream.server.launch.launcher import (
     read_parameters,
     render_model_repository,
 )
-from support import need_tritonserver
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT, need_tritonserver
 
 
 def write_repo(root: Path) -> Path:

@@ -15,6 +15,7 @@ from slipstream.server.trtllm.inputs import (
     trtllm_queue_full,
 )
 from slipstream.server.trtllm.outputs import TrtllmResponses, merge_rows
+from support import ROOT
 
 
 def s(*texts):
@@ -287,11 +288,10 @@ def test_vllm_layout_keeps_vllms_outputs_unless_trtllm_is_asked_for():
 def test_shipped_trtllm_samples_check_out(sample):
     """samples/trtllm_*: one model named `ensemble` (TRT-LLM clients' default), the backend
     named slipstream, TRT-LLM compatibility and metric families."""
-    from pathlib import Path
 
     from slipstream.server.launch.repository import check_models, find_models
 
-    models = find_models(Path(__file__).resolve().parents[1] / "samples" / sample)
+    models = find_models(ROOT / "samples" / sample)
     assert [(m.name, m.backend) for m in models] == [("ensemble", "slipstream")]
     settings = check_models(models)["ensemble"]
     assert settings.compatibility == "trtllm" and "trtllm" in settings.metric_families
@@ -301,11 +301,10 @@ def test_shipped_trtllm_samples_check_out(sample):
 def test_shipped_llmapi_sample_checks_out():
     """samples/trtllm_llmapi_model_repository: one model named `tensorrt_llm` (the LLM-API
     model's name) with the llmapi interface: its inputs, and its STRING outputs only."""
-    from pathlib import Path
 
     from slipstream.server.launch.repository import check_models, find_models
 
-    sample = Path(__file__).resolve().parents[1] / "samples" / "trtllm_llmapi_model_repository"
+    sample = ROOT / "samples" / "trtllm_llmapi_model_repository"
     models = find_models(sample)
     assert [(m.name, m.backend) for m in models] == [("tensorrt_llm", "slipstream")]
     assert check_models(models)["tensorrt_llm"].interface == "llmapi"

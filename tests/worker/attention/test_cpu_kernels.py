@@ -6,7 +6,7 @@ import torch
 
 from slipstream.worker import kernels
 from slipstream.worker.attention import cpu_backend, torch_backend
-from test_torch_ops import _reference, mixed_step, paged_cache
+from attention_support import mixed_step, paged_cache, reference_attention
 
 pytestmark = pytest.mark.skipif(
     not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
@@ -74,7 +74,7 @@ def test_bf16_caches_give_what_the_same_values_in_fp32_give():
         torch.testing.assert_close(got[decode], rounded[decode], rtol=1e-5, atol=1e-6)
     else:
         assert torch.equal(got[decode], want[decode])
-    reference = _reference(q, kb.float(), vb.float(), tables, q_lens, seq_lens, 0.125)
+    reference = reference_attention(q, kb.float(), vb.float(), tables, q_lens, seq_lens, 0.125)
     torch.testing.assert_close(got, reference, rtol=1e-2, atol=1e-2)
 
 
@@ -87,7 +87,7 @@ def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefil
     for kw in ({}, {"sliding_window": 7}, {"softcap": 3.0}):
         q = torch.randn(sum(q_lens), h, d)
         got = cpu_backend.paged_attention(q, kc, vc, meta, 0.4, **kw)
-        want = _reference(
+        want = reference_attention(
             q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
         )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(kw))
@@ -110,7 +110,7 @@ def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
     meta.verify_host = [True, True, False, False, True]
     q = torch.randn(sum(q_lens), h, d)
     got = cpu_backend.paged_attention(q, kc, vc, meta, 0.4, **kw)
-    want = _reference(
+    want = reference_attention(
         q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -148,7 +148,7 @@ def test_prefill_kernel_equals_the_reference(d, window):
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     q = torch.randn(sum(q_lens), h, d)
     got = cpu_backend.paged_attention(q, kc, vc, meta, d**-0.5, sliding_window=window)
-    want = _reference(q, kc, vc, tables, q_lens, seq_lens, d**-0.5, window)
+    want = reference_attention(q, kc, vc, tables, q_lens, seq_lens, d**-0.5, window)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert meta.plan.torch_chunks is None  # all on the kernel
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write vllm_kv_events.json: block hashes and encoded KV event batches made by vLLM's own
-code, for tests/test_kv_events.py (CI has no vLLM; this runs once, in the peer venv):
+code, for tests/kv_events/test_kv_events.py (CI has no vLLM; this runs once, in the peer venv):
 
-    ~/.cache/slipstream/peers/venv/bin/python tests/data/kv_events/make_vllm_fixtures.py
+    ~/.cache/slipstream/peers/venv/bin/python tests/kv_events/data/kv_events/make_vllm_fixtures.py
 
 Everything comes from vLLM: ``hash_block_tokens`` / ``sha256_cbor`` / ``init_none_hash``
 for the hashes, a real ``BlockPool`` with KV events on and ``Request`` objects (LoRA and
