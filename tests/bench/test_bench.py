@@ -87,6 +87,7 @@ def _server_available() -> bool:
         return False
 
 
+@pytest.mark.server
 def test_bench_quick_run_writes_results_and_plots(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"  # where the runs render their model repositories
     scratch.mkdir()

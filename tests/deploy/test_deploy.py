@@ -2,7 +2,7 @@
 objects validate against the Kubernetes schema (CRDs: their structure is checked here), the
 probes, timeouts and autoscaler agree with each other and with the image, linters pass.
 
-tests/test_deploy_server.py starts the container's command on a real tritonserver.
+tests/deploy/test_deploy_server.py starts the container's command on a real tritonserver.
 """
 
 import copy
@@ -139,7 +139,7 @@ def test_readiness_probe_checks_the_model_named_in_the_container_env(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_tritonserver_options_pass_through_the_manifest_env(overlay):
     """SLIPSTREAM_SERVER_ARGS (Triton's Helm chart's serverArgs): serve.sh passes each as
-    --server-arg (tests/test_serve_options.py runs it)."""
+    --server-arg (tests/server/unit/test_serve_options.py runs it)."""
     assert "SLIPSTREAM_SERVER_ARGS" in plain_env(container(overlay))
     assert "--server-arg=$option" in (DEPLOY / "serve.sh").read_text()
 

@@ -1,6 +1,6 @@
 """deploy/inference-gateway and deploy/router, without a cluster: both render with
 `kubectl kustomize`; built-in kinds validate against the Kubernetes schema, the custom ones
-(InferencePool, HTTPRoute) against their CRDs' schemas (tests/data/crds, strict: an unknown
+(InferencePool, HTTPRoute) against their CRDs' schemas (tests/deploy/data/crds, strict: an unknown
 field fails as the API server's strict field validation would); and the pieces point at each
 other: pool -> Slipstream pods' OpenAI port and the endpoint picker, route -> pool, picker ->
 Slipstream's metric names and metrics port, router -> the pods by label."""

@@ -40,6 +40,7 @@ from deploy_support import (
 from support import need_tritonserver
 
 pytestmark = [
+    pytest.mark.server,
     pytest.mark.slow,
     pytest.mark.skipif(
         os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",

@@ -1,5 +1,5 @@
 """KV cache events in vLLM's format, checked against vLLM's own code: block hashes and
-encoded batches in tests/data/kv_events/vllm_kv_events.json were made by vLLM 0.32
+encoded batches in tests/kv_events/data/kv_events/vllm_kv_events.json were made by vLLM 0.32
 (make_vllm_fixtures.py beside them). The engine's events must encode to the same bytes,
 the publisher must speak vLLM's ZMQ protocol (sequence numbers, replay) and never stall a
 step; the real-server test is in test_kv_events_server.py."""

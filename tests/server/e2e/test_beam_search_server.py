@@ -14,7 +14,7 @@ from slipstream.worker.model.gguf import default_model_dir  # noqa: E402
 from support import need_tritonserver, reference_model  # noqa: E402
 from trtllm_support import SAMPLES, prepare_inputs, prepare_tensor  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
 

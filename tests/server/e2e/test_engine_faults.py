@@ -51,6 +51,7 @@ def wait_exit(server, timeout):
         return None
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp_path):
     """Before: every client waited for ever and the model stayed READY."""
@@ -92,6 +93,7 @@ def test_a_hung_step_fails_its_requests_and_the_server_goes_away(tiny_model, tmp
     assert wait_gone(server.shm_prefix) == ([], [])
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_model, tmp_path):
     """Default restarts. Before: the engine was restarted inside the stub and the model
@@ -113,6 +115,7 @@ def test_an_engine_failing_every_step_goes_not_ready_after_the_threshold(tiny_mo
     assert wait_gone(server.shm_prefix) == ([], [])
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_with_the_vllm_health_check_a_failing_engine_unloads_the_model(tiny_model, tmp_path):
     server, fault = faulty_server(

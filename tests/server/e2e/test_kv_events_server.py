@@ -75,6 +75,7 @@ def test_engine_sends_all_blocks_cleared_at_start_then_prompt_blocks(tiny_model)
     assert engine.reset_prefix_cache() and events == [core.AllBlocksCleared()]
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_triton_publishes_vllm_kv_events_to_a_zmq_subscriber(tiny_model, tmp_path):
     need_tritonserver()

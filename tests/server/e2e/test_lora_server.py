@@ -27,6 +27,7 @@ from vllm_backend_support import (  # noqa: E402
 )
 
 pytestmark = [
+    pytest.mark.server,
     pytest.mark.slow,
     pytest.mark.skipif(
         os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",

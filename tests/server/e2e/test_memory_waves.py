@@ -16,9 +16,13 @@ from support import ROOT  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import memory_waves  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 CONCURRENCY = 40
 
 

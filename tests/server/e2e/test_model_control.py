@@ -36,6 +36,7 @@ def post(server, path, body=b"", headers=None):
         return e.code, e.read().decode()
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_unauthenticated_load_and_unload_are_refused_and_the_launcher_still_stops_cleanly(
     tiny_model, tmp_path

@@ -59,6 +59,7 @@ def grpc_inputs(sampling):
     return inputs
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, tmp_path):
     """One request runs, one waits (max_num_seqs 1, max_queue_size 1): the next is refused at

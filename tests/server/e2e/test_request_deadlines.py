@@ -46,6 +46,7 @@ def server(tiny_model, tmp_path_factory):
         yield srv
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_max_request_seconds_ends_a_long_generate_with_a_clear_error(server):
     """Before: a 1000-token request ran to its end however long that took."""
@@ -59,6 +60,7 @@ def test_max_request_seconds_ends_a_long_generate_with_a_clear_error(server):
     wait_metric(server, "slipstream_kv_blocks_used", lambda v: v == 0)
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_the_requests_own_timeout_is_honoured_over_http_and_grpc(server):
     status, body = http_post(
@@ -88,6 +90,7 @@ def test_the_requests_own_timeout_is_honoured_over_http_and_grpc(server):
         client.close()
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_a_dropped_non_streaming_generate_stops_at_max_request_seconds(server):
     """The drop itself is invisible to the model (Triton 2.51); the limit bounds the waste.

@@ -15,9 +15,13 @@ from slipstream.engine.loop import EngineLoop  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
 from server_support import OVERRIDES, PROMPTS, REPO, StreamClient, metrics, text_inputs, texts  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 LONG = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
 FEATURES = {

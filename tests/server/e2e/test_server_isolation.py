@@ -28,9 +28,13 @@ from server_support import (  # noqa: E402
     wait_metric,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 GOOD_PROMPT = "Paged attention stores keys and values in blocks"
 GOOD = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
@@ -157,7 +161,7 @@ def test_hostile_request_does_not_slow_a_greedy_stream(server, solo):
 
 def test_a_failed_start_names_the_model_load_error(tmp_path):
     """What a refused setting (here max_model_len above the model's positions, refused by the
-    engine at load: tests/test_request_validation.py) looks like to whoever started Triton:
+    engine at load: tests/engine/test_request_validation.py) looks like to whoever started Triton:
     the model's own error, read from Triton's log, not only the log's tail."""
     log = tmp_path / "triton.log"
     log.write_text(

@@ -26,9 +26,13 @@ from slipstream.server.launch.launcher import (  # noqa: E402
 )
 from server_support import OVERRIDES, REPO, leftovers, run_stream, text_inputs, texts, wait_gone  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 # Streams that must outlast a 3 s exit timeout or a killed stub: near the tiny model's 1,024
 # positions (at 480 tokens, ten of them finished inside 3 s once the engine got faster).

@@ -14,9 +14,13 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from server_support import StreamClient, metrics, run_stream, text_inputs, wait_metric  # noqa: E402
 from support import reference_model  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 OUTPUTS = dict(

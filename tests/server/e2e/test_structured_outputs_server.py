@@ -19,9 +19,13 @@ from slipstream.server.launch.launcher import read_parameters  # noqa: E402
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from server_support import MODEL, PROMPTS, StreamClient, http_post, run_stream, text_inputs, texts  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 SCHEMA = {
     "type": "object",

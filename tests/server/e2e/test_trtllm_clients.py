@@ -36,6 +36,8 @@ from server_support import http_post  # noqa: E402
 from support import ROOT, need_tritonserver, reference_model, tiny_model_dir  # noqa: E402
 from trtllm_support import SAMPLES, prepare_inputs, prepare_tensor  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 ENGINE = {"kv_cache_memory_bytes": 8 * 1024 * 1024, "max_model_len": 1024, "max_num_seqs": 32}
 SERVER = {"metrics_interval_ms": 50}
 PER_MODEL = {"ensemble_queue": {"max_num_seqs": 1, "max_queue_size": 1}}

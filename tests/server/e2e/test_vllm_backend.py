@@ -41,9 +41,13 @@ from vllm_backend_support import (  # noqa: E402
     write_model,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1", reason="SLIPSTREAM_SKIP_SERVER_TESTS=1"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1",
+        reason="SLIPSTREAM_SKIP_SERVER_TESTS=1",
+    ),
+]
 
 PROMPTS = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
 MODEL = "vllm_opt"

@@ -105,6 +105,7 @@ def test_serve_sh_turns_slipstream_server_args_into_server_arg_options(tmp_path)
     assert "max_num_seqs=2" in sets  # the caller's own serve options still arrive
 
 
+@pytest.mark.server
 @pytest.mark.slow
 def test_serve_passes_server_args_to_the_real_tritonserver_and_answers_a_prompt(tmp_path):
     """ISO 8601 log lines prove Triton got the option; --prompt streams over gRPC (the

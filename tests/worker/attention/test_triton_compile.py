@@ -1,10 +1,10 @@
 """Compile every Triton kernel for sm_90 (H100) without a GPU.
 
-The interpreter (tests/test_triton_kernels.py) accepts things the real compiler rejects (16-bit
-``tl.dot`` shapes, dtype mismatches, unsupported ops), so the GPU code path (16-bit dots with
-fp32 accumulation) is checked here by a full ``triton.compile`` down to a cubin (Triton's
-wheel bundles ``ptxas``). ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, and the
-test session sets it, so the compile runs in a child process with it unset.
+The interpreter (test_triton_kernels.py, beside this file) accepts things the real compiler
+rejects (16-bit ``tl.dot`` shapes, dtype mismatches, unsupported ops), so the GPU code path
+(16-bit dots with fp32 accumulation) is checked here by a full ``triton.compile`` down to a
+cubin (Triton's wheel bundles ``ptxas``). ``TRITON_INTERPRET`` is read when ``@triton.jit``
+decorates, and the test session sets it, so the compile runs in a child process with it unset.
 """
 
 import os
