@@ -18,7 +18,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_a_cpu_process_loads_the_model_code_without_triton():
     proc = _run(
         "import sys, torch\n"
-        "from slipstream.worker.model.loader import keep_gpu_compiler_out\n"
+        "from slipstream.worker.device import keep_gpu_compiler_out\n"
         "assert keep_gpu_compiler_out(torch.device('cpu'))\n"
         "import transformers.models.llama.modeling_llama\n"
         "assert sys.modules['triton'] is None, 'triton was loaded'\n"
@@ -35,7 +35,7 @@ def test_nothing_is_kept_out_for_cuda_or_once_triton_is_loaded():
     pytest.importorskip("triton")
     proc = _run(
         "import torch, triton\n"
-        "from slipstream.worker.model.loader import keep_gpu_compiler_out\n"
+        "from slipstream.worker.device import keep_gpu_compiler_out\n"
         "assert not keep_gpu_compiler_out(torch.device('cuda'))\n"
         "assert not keep_gpu_compiler_out(torch.device('cpu'))  # already loaded\n"
         "import sys; assert sys.modules['triton'] is triton\n"
