@@ -45,5 +45,5 @@ EXPOSE 8000 8001 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["sh", "-c", "curl -fsS -o /dev/null http://127.0.0.1:${SLIPSTREAM_HTTP_PORT:-8000}/v2/health/ready"]
 # NVIDIA's entrypoint (CUDA compatibility checks), then the one command the Kubernetes
-# manifests and tests/test_deploy_server.py run too.
+# manifests and tests/deploy/test_deploy_server.py run too.
 ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/slipstream/deploy/serve.sh"]

@@ -1,13 +1,16 @@
 # Slipstream: `make demo` (install, start Triton on the default model, stream one answer, exit),
-# `make serve` (same, keeps serving on 8000/8001/8002), `make test`, `make lint`, `make install`.
+# `make serve` (same, keeps serving on 8000/8001/8002), `make test` (the fast tier, then the
+# tests that start a real tritonserver; `make test-fast` / `make test-server` run one of them),
+# `make lint`, `make install`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_PROMPT ?= What is the capital of France?
 SERVE_ARGS ?=
 PYTEST_ARGS ?= -q
+PYTEST = $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-.PHONY: install demo serve test lint
+.PHONY: install demo serve test test-fast test-server lint
 
 install:
 	PYTHON="$(PYTHON)" VENV="$(VENV)" bash scripts/install.sh
@@ -19,8 +22,17 @@ demo: install
 serve: install
 	$(BIN)/slipstream serve --prompt "$(DEMO_PROMPT)" $(SERVE_ARGS)
 
+# Two tiers: `server` marks every test that starts a tritonserver or `slipstream serve`
+# (tests/server_guard.py fails an unmarked one that does), so `not server` starts none.
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PYTEST) -m "not server"
+	$(PYTEST) -m server
+
+test-fast: install
+	$(PYTEST) -m "not server"
+
+test-server: install
+	$(PYTEST) -m server
 
 lint: install
 	$(BIN)/ruff check .

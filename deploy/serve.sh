@@ -1,6 +1,6 @@
 #!/bin/sh
 # The container's command: the Dockerfile's ENTRYPOINT, which the Kubernetes Deployment runs
-# (its `args` are appended) and tests/test_deploy_server.py starts. Ports and timeouts come
+# (its `args` are appended) and tests/deploy/test_deploy_server.py starts. Ports and timeouts come
 # from the environment, so the image, the manifests and the test pass the same arguments and
 # only the values differ (the test picks free ports). Extra arguments are `slipstream serve`
 # options, e.g. `--set max_num_seqs=128`. The OpenAI-compatible API listens on

@@ -1,11 +1,11 @@
 """Extract the Prometheus queries of a Grafana dashboard JSON (every panel target's ``expr``
-and every templating query), for tests/data/vllm_grafana_queries.json:
+and every templating query), for tests/server/e2e/data/vllm_grafana_queries.json:
 
     python scripts/grafana_queries.py grafana.json --source URL \
-        > tests/data/vllm_grafana_queries.json
+        > tests/server/e2e/data/vllm_grafana_queries.json
 
-The test (tests/test_openai_api.py, metrics contract) checks that each series these queries
-select exists in Slipstream's metrics with the labels they filter on.
+The test (tests/server/e2e/test_openai_api.py, metrics contract) checks that each series these
+queries select exists in Slipstream's metrics with the labels they filter on.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python scripts/request_inputs_table.py          # rewrite README.md's table
     python scripts/request_inputs_table.py --check  # exit 1 when README.md is stale
 
-``tests/test_input_table.py`` runs the check.
+``tests/server/unit/test_input_table.py`` runs the check.
 """
 
 from __future__ import annotations

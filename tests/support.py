@@ -16,6 +16,8 @@ import torch
 from slipstream.cache_dir import cache_root
 from slipstream.testing import make_tiny_model_dir
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
 
 @functools.lru_cache(maxsize=None)
 def tiny_model_dir(arch: str = "llama") -> Path:

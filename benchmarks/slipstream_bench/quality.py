@@ -15,7 +15,8 @@ its lean forward, prepared layers, compiled kernels and KV cache in the dtype it
 (bf16 with reduced weights), so the figures are those of what a server with that setting
 answers. The text's log-probabilities are the full rows the engine computes for
 ``prompt_logprobs``; the greedy tokens are ``LLMEngine.generate``'s.
-``slipstream bench --scenario quality`` prints them; ``tests/test_quality_gate.py`` asserts them.
+``slipstream bench --scenario quality`` prints them;
+``tests/worker/layers/test_quality_gate.py`` asserts them.
 """
 
 from __future__ import annotations
