@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slipstream.server.launch.launcher import TritonInstall, TritonServer, gpu_present
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.triton_install import TritonInstall, gpu_present
 from slipstream.server.stub.metrics import GAUGES, PREFIX
 from deploy_support import (
     ADAPTER_VALUES,

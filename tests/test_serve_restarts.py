@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from slipstream.server.launch.cli import _serve_until_stopped, _start_first
-from slipstream.server.launch.launcher import TritonServerError
+from slipstream.server.launch.triton_install import TritonServerError
 
 
 class ScriptedServer:

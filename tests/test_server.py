@@ -25,13 +25,11 @@ import torch  # noqa: E402
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launch.launcher import (  # noqa: E402
-    TritonServer,
-    find_tritonserver,
-    read_parameters,
-    render_model_repository,
-    stub_pids,
-)
+from slipstream.server.launch.config_pbtxt import read_parameters  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer, stub_pids  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
+from slipstream.server.launch.scrape import scrape  # noqa: E402
+from slipstream.server.launch.triton_install import find_tritonserver  # noqa: E402
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from slipstream.testing import make_tiny_model_dir  # noqa: E402
 
@@ -246,15 +244,12 @@ def sse_events(server, body, timeout=120):
 
 
 def metrics(server):
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("slipstream_"):
-            name, value = line.rsplit(" ", 1)
-            values[
-                name.split("{")[0] + ("" if "le=" not in name else name[name.index("le=") :])
-            ] = float(value)
-    return values
+    """slipstream_* values by name (a bucket's name carries its le: ``..._bucket{le="0.1"}``)."""
+    return {
+        s.name + (f'{{le="{s.labels["le"]}"}}' if "le" in s.labels else ""): float(s.value)
+        for s in scrape(server.metrics_url)
+        if s.name.startswith("slipstream_")
+    }
 
 
 def wait_metric(server, name, predicate, timeout=15):
@@ -509,7 +504,7 @@ def test_metrics(server):
         count = m[f"slipstream_{name}_count"]
         assert count >= 2
         assert 0 < m[f"slipstream_{name}_sum"] / count < 60
-        assert m[f"slipstream_{name}_bucket" + 'le="+Inf"}'] == count
+        assert m[f"slipstream_{name}_bucket" + '{le="+Inf"}'] == count
     ttft = m["slipstream_time_to_first_token_seconds_sum"]
     e2e = m["slipstream_e2e_request_latency_seconds_sum"]
     assert ttft <= e2e

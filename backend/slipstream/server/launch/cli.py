@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from slipstream.server.launch.launcher import (
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
-    TritonServer,
-    TritonServerError,
     render_model_repository,
 )
+from slipstream.server.launch.triton_install import TritonServerError
 
 if TYPE_CHECKING:
     from slipstream.server.openai.frontend import OpenAIFrontend
@@ -531,7 +531,7 @@ def add_install_backend_args(p: argparse.ArgumentParser) -> None:
 def run_install_backend(args: argparse.Namespace) -> int:
     """Write <dir>/slipstream/model.py (and one per alias): what a Triton installation needs
     for ``backend: "slipstream"`` models, besides this package importable by its Python."""
-    from slipstream.server.launch.launcher import BACKEND_NAME, backend_model_py
+    from slipstream.server.launch.triton_install import BACKEND_NAME, backend_model_py
 
     for name in [BACKEND_NAME, *args.alias]:
         target = Path(args.backend_directory) / name
