@@ -6,7 +6,7 @@ import json
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.stub.engine_args import resolve_model, translate
+from slipstream.server.stub.engine_arg_reader import resolve_model, translate
 from slipstream.server.stub.model_config import load_settings
 
 SAMPLE = {"model": "facebook/opt-125m", "gpu_memory_utilization": 0.5, "enforce_eager": True}

@@ -10,7 +10,7 @@ Triton would refuse (a misspelled field) is refused here with protobuf's message
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from google.protobuf import text_format
 
@@ -47,11 +47,26 @@ def format_value(value: object) -> str:
     return str(value)
 
 
-def set_parameters(config_pbtxt: str, overrides: Mapping[str, object], header: str = "") -> str:
-    """The config with ``parameters`` entries replaced or added, written back in protobuf's
-    text format (comments do not survive the rewrite: ``header`` is written as one, on top)."""
+def set_parameters(
+    config_pbtxt: str,
+    overrides: Mapping[str, object],
+    header: str = "",
+    remove: Iterable[str] = (),
+) -> str:
+    """The config with ``parameters`` entries replaced or added (and those named in ``remove``
+    taken out), written back in protobuf's text format (comments do not survive the rewrite:
+    ``header`` is written as one, on top)."""
     config = parse(config_pbtxt)
+    for key in remove:
+        config.parameters.pop(key, None)
     for key, value in overrides.items():
         config.parameters[key].string_value = format_value(value)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + text_format.MessageToString(config)
+
+
+def set_name(config_pbtxt: str, name: str) -> str:
+    """The config with its model ``name`` replaced (Triton checks it against the directory)."""
+    config = parse(config_pbtxt)
+    config.name = name
+    return text_format.MessageToString(config)

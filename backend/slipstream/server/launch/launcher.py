@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from slipstream.server.launch.repository import DEFAULT_MODEL_NAME, DEFAULT_MODEL_REPOSITORY
 from slipstream.server.launch.repository_api import MODEL_CONTROL_HEADER, RepositoryAPI
@@ -136,6 +136,8 @@ class TritonServer:
         self.log = ServerLog(log_file(log_path))
         self.process: Optional[subprocess.Popen] = None
         self.install: Optional[TritonInstall] = None
+        # called while waiting for the server to be ready (slipstream serve reports progress)
+        self.on_wait: Optional[Callable[[], None]] = None
 
     # endpoints
     @property
@@ -258,6 +260,8 @@ class TritonServer:
                     f"tritonserver exited with code {code} before it was ready{reasons}\nlog "
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
+            if self.on_wait is not None:
+                self.on_wait()
             if self.is_ready():
                 return
             if time.monotonic() > deadline:

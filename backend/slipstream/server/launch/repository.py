@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from slipstream.server.launch.config_pbtxt import parse, read_parameters, set_parameters
+from slipstream.server.launch.config_pbtxt import parse, read_parameters, set_name, set_parameters
 from slipstream.server.launch.triton_install import BACKEND_NAME, REPO_ROOT
+from slipstream.server.stub.engine_args import aliases_in
 from slipstream.server.stub.model_config import ModelSettings, load_settings
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -106,13 +107,8 @@ def render_model_repository(
         if models is not None and config.parent.name not in models:
             continue
         if overrides:
-            config.write_text(
-                set_parameters(
-                    config.read_text(),
-                    overrides,
-                    header=rendered_from(src / config.parent.name, overrides),
-                )
-            )
+            text = override_parameters(config.read_text(), overrides, src / config.parent.name)
+            config.write_text(text)
     return dst
 
 
@@ -132,6 +128,25 @@ def _mirror(src: Path, dst: Path) -> None:
                 (dst / rel / name).symlink_to(source.resolve())
 
 
-def rendered_from(src: Path, overrides: Mapping[str, object]) -> str:
-    """The comment a rendered config.pbtxt starts with (its source's comments are not kept)."""
-    return f"Rendered from {src / 'config.pbtxt'}; parameters set: {', '.join(overrides)}"
+def override_parameters(text: str, overrides: Mapping[str, object], source: Path) -> str:
+    """A config.pbtxt with ``overrides`` set. A setting overridden under one of its names (vLLM's
+    ``enforce_eager``, Slipstream's ``enable_cuda_graphs``) replaces the config's parameter under
+    the other, so that the two never contradict each other."""
+    present = read_parameters(text)
+    replaced = sorted({alias for key in overrides for alias in aliases_in(present, key)})
+    replaced = [name for name in replaced if name not in overrides]
+    header = f"Rendered from {source / 'config.pbtxt'}; parameters set: {', '.join(overrides)}"
+    if replaced:
+        header += f"; replaced: {', '.join(replaced)}"
+    return set_parameters(text, overrides, header=header, remove=replaced)
+
+
+def rename_model(repo: Path, old: str, new: str) -> None:
+    """Rename model ``old`` of a (rendered) repository to ``new``: its directory and the name
+    its config.pbtxt gives."""
+    if not new or "/" in new or new.startswith(".") or (Path(repo) / new).exists():
+        raise ValueError(f"{new!r} cannot name a model directory of {repo}")
+    target = Path(repo) / new
+    (Path(repo) / old).rename(target)
+    config = target / "config.pbtxt"
+    config.write_text(set_name(config.read_text(), new))
