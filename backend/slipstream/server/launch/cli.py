@@ -575,6 +575,31 @@ def run_install_backend(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- build-kernels
+def add_build_kernels_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "The kernels go to $SLIPSTREAM_CACHE/kernels/<key> (default ~/.cache/slipstream); the "
+        "key covers the sources, torch, the compiler and this CPU's flags (-march=native), so "
+        "a build made at docker build serves nodes with the same CPU, and a cache kept on a "
+        "volume builds once per kind of CPU."
+    )
+
+
+def run_build_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) the CPU kernels, so that a server started later loads them at once."""
+    from slipstream.worker.kernels import build
+
+    report_phases_of_this_process(StartupReport())
+    started = time.monotonic()
+    if not build.load():
+        print(f"CPU kernels unavailable: {build.unavailable_reason()}", file=sys.stderr)
+        return 1
+    cxx = build.compiler()
+    assert cxx is not None  # load() found one
+    print(f"CPU kernels ready in {build.build_dir(cxx)} ({time.monotonic() - started:.1f} s)")
+    return 0
+
+
 # --------------------------------------------------------------------------- the table
 Command = Union[tuple, str]
 COMMANDS: dict = {
@@ -587,6 +612,11 @@ COMMANDS: dict = {
         "install the slipstream Python-based backend into a Triton backend directory",
         add_install_backend_args,
         run_install_backend,
+    ),
+    "build-kernels": (
+        "compile the CPU kernels into the cache now (docker build), not at the first start",
+        add_build_kernels_args,
+        run_build_kernels,
     ),
     "bench": "slipstream_bench.cli",
 }
