@@ -36,8 +36,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd -g 1000 slipstream \
     && useradd -u 1000 -g 1000 -m -d /home/slipstream -s /usr/sbin/nologin slipstream
-# A CPU build of torch found first where PyTorch's CPU index cannot be reached (see install.sh)
+# The build machine's pip settings, where it needs them: wheels found first (a CPU build of
+# torch where PyTorch's CPU index cannot be reached, see install.sh) and a TLS proxy's CA bundle.
 ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=deploy/constraints.txt \
     SLIPSTREAM_CACHE=/opt/slipstream/cache HOME=/home/slipstream \
     PATH=/opt/slipstream/venv/bin:$PATH

@@ -12,7 +12,7 @@ PYTEST_ARGS ?= -q
 SERVE_EXTRAS := serve
 DEV_EXTRAS := serve,test,dev,deploy,bench,kernels
 
-.PHONY: install install-dev demo serve test lint
+.PHONY: install install-dev demo serve test lint image-test
 
 install:
 	PYTHON="$(PYTHON)" VENV="$(VENV)" EXTRAS="$(SERVE_EXTRAS)" bash scripts/install.sh
@@ -34,3 +34,7 @@ lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The CPU image built and run with podman (apt-get install podman debootstrap runc; root).
+image-test: install-dev
+	SLIPSTREAM_IMAGE_TESTS=1 $(BIN)/python -m pytest -m image -rs tests/deploy/test_cpu_image.py

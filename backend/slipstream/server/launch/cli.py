@@ -432,6 +432,12 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
         from slipstream.worker.model.gguf import default_model_dir
 
         default_model_dir()
+    if any(_runs_on_cpu(e) for e in engines.values()):
+        # Compile the CPU kernels (once per machine) here, before Triton starts, as the model
+        # is converted: the start-up timeout then covers only the model's load.
+        from slipstream.worker import kernels
+
+        kernels.load()
     return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model])
 
 
@@ -441,6 +447,12 @@ def report_phases_of_this_process(report: StartupReport) -> None:
     logger.addHandler(report.handler())
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def _runs_on_cpu(engine: dict) -> bool:
+    from slipstream.worker.device import resolve_device
+
+    return resolve_device(str(engine.get("device") or "auto")).type == "cpu"
 
 
 def _rename_the_model(repo: Path, aliases: list[str], name: str) -> None:
