@@ -200,6 +200,25 @@ def vllm_arguments() -> list[str]:
     return out
 
 
+# The environment the package reads (a test checks each is read somewhere in the code).
+ENVIRONMENT = {
+    "SLIPSTREAM_CACHE": "where the converted default model, the compiled CPU kernels and the "
+    "assembled Triton backend directory go (default `$XDG_CACHE_HOME/slipstream`, else "
+    "`~/.cache/slipstream`). Keep it on a volume and a new pod neither converts nor compiles "
+    "again (the kernels are keyed by the CPU's flags: each kind of CPU compiles once)",
+    "SLIPSTREAM_CPU_KERNELS": "`0` turns the compiled CPU kernels off (the torch path runs)",
+    "SLIPSTREAM_TRITONSERVER": "the `tritonserver` binary to run (default: `PATH`, then the "
+    "`nvidia-pytriton` wheel's)",
+    "SLIPSTREAM_MODEL_REPOSITORY": "`slipstream serve --model-repository`'s default",
+    "SLIPSTREAM_OPENAI_PORT": "`slipstream serve --port`'s default (the OpenAI API)",
+}
+
+
+def environment() -> list[str]:
+    out = ["## Environment", "", "| variable | meaning |", "| --- | --- |"]
+    return out + [f"| `{name}` | {cell(text)} |" for name, text in ENVIRONMENT.items()]
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -214,11 +233,13 @@ def render() -> str:
         "- [`slipstream serve`](#slipstream-serve)",
         "- [Config parameters](#config-parameters)",
         "- [vLLM's engine arguments](#vllms-engine-arguments)",
+        "- [Environment](#environment)",
         "",
     ]
     lines += serve_options()
     lines += ["", "## Config parameters", ""]
     lines += engine_parameters() + [""] + server_parameters() + [""] + vllm_arguments()
+    lines += [""] + environment()
     return "\n".join(lines) + "\n"
 
 

@@ -47,3 +47,9 @@ def test_every_setting_and_serve_option_is_in_the_reference():
         assert f"| `{name}` |" in doc, name
     for flag in ("`--set`", "`--port`, `--openai-port`", "`--served-model-name`", "`--prompt`"):
         assert flag in doc
+
+
+def test_every_environment_variable_listed_is_read_by_the_code():
+    code = "\n".join(p.read_text() for p in (ROOT / "backend").rglob("*.py"))
+    for name in generator().ENVIRONMENT:
+        assert f'"{name}"' in code, name

@@ -82,6 +82,7 @@ examples:
 Engine flags are vLLM's engine arguments; --set NAME=VALUE takes the same names (and
 Slipstream's own setting names). Every setting: docs/configuration.md.
 """
+PHASE_HANDLER = "slipstream serve: start-up phases"
 # Triton's ports when not given (an OpenAI port given on one of them moves it to a free one).
 TRITON_PORTS = {"http_port": 8000, "grpc_port": 8001, "metrics_port": 8002}
 
@@ -444,7 +445,11 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
 def report_phases_of_this_process(report: StartupReport) -> None:
     """Phases serve runs itself (converting the default model) are shown as the server's are."""
     logger = logging.getLogger("slipstream")
-    logger.addHandler(report.handler())
+    for old in [h for h in logger.handlers if h.get_name() == PHASE_HANDLER]:
+        logger.removeHandler(old)  # an earlier serve in this process (tests)
+    handler = report.handler()
+    handler.set_name(PHASE_HANDLER)
+    logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
 
