@@ -7,7 +7,8 @@ PID 1 within its exit timeout.
 
 Skipped where podman or debootstrap is missing (``apt-get install podman debootstrap runc``),
 without root (debootstrap needs it), and in CI unless ``SLIPSTREAM_IMAGE_TESTS=1`` (a build
-takes tens of minutes on two cores): ``make image-test`` runs it. The ``image`` marker
+takes tens of minutes on two cores): ``make image-test`` runs it; ``SLIPSTREAM_TEST_IMAGE``
+names an image built already instead. The ``image`` marker
 selects it (``-m image``) or leaves it out (``-m 'not image'``).
 Podman runs with the runc runtime, host networking and no default ulimits (crun and setrlimit
 are refused on these machines: shared/README.md)."""
@@ -102,9 +103,15 @@ def pip_passthrough() -> list[str]:
 
 @pytest.fixture(scope="module")
 def image():
+    """The image, built from this tree (or SLIPSTREAM_TEST_IMAGE, one built already)."""
     podman = need_podman()
     work = Path(tempfile.mkdtemp(prefix="slipstream-image-"))
     env, log = podman_env(work), work / "build.log"
+    given = os.environ.get("SLIPSTREAM_TEST_IMAGE")
+    if given:
+        yield podman, env, given
+        shutil.rmtree(work, ignore_errors=True)
+        return
     if subprocess.run([podman, "image", "exists", BASE], env=env).returncode != 0:
         rootfs = work / "rootfs"
         run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs)], env, log, 3600)
@@ -112,18 +119,19 @@ def image():
         subprocess.run([podman, "import", "-", BASE], stdin=tar.stdout, env=env, check=True)
         tar.wait()
         shutil.rmtree(rootfs, ignore_errors=True)
-    build = [podman, "build", "--runtime", "runc", "--network", "host", "--target", "cpu"]
+    build = [podman, "build", "--format", "docker", "--runtime", "runc", "--network", "host"]
+    build += ["--target", "cpu"]
     build += ["--build-arg", f"CPU_BASE={BASE}", "-t", IMAGE]
     build += pip_passthrough()
     started = time.monotonic()
     run([*build, str(ROOT)], env, log, BUILD_TIMEOUT_S)
     print(f"\nCPU image built in {time.monotonic() - started:.0f} s (log {log})")
-    yield podman, env
+    yield podman, env, IMAGE
     shutil.rmtree(work, ignore_errors=True)
 
 
 class Container:
-    def __init__(self, podman: str, env: dict) -> None:
+    def __init__(self, podman: str, env: dict, image: str) -> None:
         self.podman, self.env = podman, env
         self.name = f"slipstream-test-{os.getpid()}"
         self.ports = {p: free_port() for p in ("http", "grpc", "metrics", "openai")}
@@ -133,7 +141,7 @@ class Container:
         cmd += ["--name", self.name]
         for key, value in settings.items():
             cmd += ["-e", f"{key}={value}"]
-        subprocess.run([*cmd, IMAGE], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run([*cmd, image], env=env, check=True, capture_output=True, timeout=120)
 
     def podman_out(self, *args: str) -> str:
         done = subprocess.run(
@@ -162,8 +170,7 @@ class Container:
 
 @pytest.fixture(scope="module")
 def box(image):
-    podman, env = image
-    c = Container(podman, env)
+    c = Container(*image)
     try:
         started = time.monotonic()
         while c.get("http", "/v2/health/ready") != 200:

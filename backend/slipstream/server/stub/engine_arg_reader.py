@@ -85,7 +85,9 @@ def _apply(
     elif argument.effect is Effect.SERVER:
         _server_option(result, key, value, spelling)
     elif argument.effect is Effect.REMOVED:
-        log.warning("%s: %s=%r is accepted and has no effect: %s", key, key, value, argument.help)
+        log.warning(
+            "engine argument %s=%r is accepted and has no effect: %s", key, value, argument.help
+        )
 
 
 def _server_option(result: EngineArgs, key: str, value: Any, spelling: Spelling) -> None:
