@@ -23,12 +23,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from slipstream.cache_dir import cache_root
-from slipstream.server.launch.launcher import (
-    DEFAULT_MODEL_REPOSITORY,
-    TritonServer,
-    render_model_repository,
-    stub_pids,
-)
+from slipstream.server.launch.launcher import TritonServer, stub_pids
+from slipstream.server.launch.repository import DEFAULT_MODEL_REPOSITORY, render_model_repository
 from slipstream.testing import make_tiny_model_dir
 
 SETTINGS = {

@@ -31,13 +31,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from slipstream.cache_dir import cache_root
-from slipstream.server.launch.launcher import (
-    DEFAULT_MODEL_REPOSITORY,
-    TritonServer,
-    free_port,
-    render_model_repository,
-    stub_pids,
-)
+from slipstream.server.launch.launcher import TritonServer, free_port, stub_pids
+from slipstream.server.launch.repository import DEFAULT_MODEL_REPOSITORY, render_model_repository
+from slipstream.server.launch.scrape import sample_value, scrape
 from slipstream.testing import make_tiny_model_dir
 
 SETTINGS = {
@@ -97,8 +93,9 @@ def stream(url, ins, timeout=120):
 
 
 def metric(server, name):
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    value = sample_value(scrape(server.metrics_url, timeout=5), name)
+    assert value is not None, f"{name} is not exported"
+    return value
 
 
 def blocks_used(server, settle=3.0):

@@ -127,8 +127,8 @@ def project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def dockerfile() -> list:
-    """The Dockerfile's instructions, in order."""
+def dockerfile_instructions() -> list:
+    """Every instruction of the Dockerfile, in order, continuation lines joined."""
     lines, joined = [], ""
     for raw in (ROOT / "Dockerfile").read_text().splitlines():
         line = raw.strip()
@@ -148,9 +148,33 @@ def dockerfile() -> list:
     return out
 
 
-def dockerfile_exec_form(keyword: str) -> list:
+def dockerfile(stage: str = "gpu") -> list:
+    """The instructions of one target of the Dockerfile (``gpu``, the default, or ``cpu``),
+    from its FROM on."""
+    found, current = [], None
+    for ins in dockerfile_instructions():
+        if ins.keyword == "FROM":
+            current = ins.args.split()[-1] if " AS " in ins.args.upper() else None
+        if current == stage:
+            found.append(ins)
+    assert found, f"no stage {stage} in the Dockerfile"
+    return found
+
+
+def dockerfile_base(stage: str = "gpu") -> str:
+    """The image a stage starts from, its build argument resolved to the default."""
+    base = dockerfile(stage)[0].args.split()[0]
+    defaults = dict(
+        i.args.split("=", 1)
+        for i in dockerfile_instructions()
+        if i.keyword == "ARG" and "=" in i.args
+    )
+    return defaults.get(base.strip("${}"), base) if base.startswith("$") else base
+
+
+def dockerfile_exec_form(keyword: str, stage: str = "gpu") -> list:
     """The JSON (exec form) argument list of ENTRYPOINT, or of HEALTHCHECK's CMD."""
-    found = [i for i in dockerfile() if i.keyword == keyword]
+    found = [i for i in dockerfile(stage) if i.keyword == keyword]
     assert len(found) == 1, f"expected one {keyword}"
     args = found[0].args
     if keyword == "HEALTHCHECK":
@@ -158,11 +182,11 @@ def dockerfile_exec_form(keyword: str) -> list:
     return json.loads(args)
 
 
-def image_path_to_repo(image_path: str) -> Path:
+def image_path_to_repo(image_path: str, stage: str = "gpu") -> Path:
     """Map a path inside the image to the repository file it was copied from (WORKDIR-relative
     COPY destinations)."""
-    workdir = next(i.args for i in dockerfile() if i.keyword == "WORKDIR")
-    for ins in dockerfile():
+    workdir = next(i.args for i in dockerfile(stage) if i.keyword == "WORKDIR")
+    for ins in dockerfile(stage):
         if ins.keyword != "COPY":
             continue
         *sources, dest = ins.args.split()

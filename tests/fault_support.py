@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slipstream.server.launch.launcher import TritonServer, render_model_repository
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.repository import render_model_repository
 
 FAULT_MODEL_PY = """
 import os

@@ -16,6 +16,7 @@ import urllib.request
 
 import numpy as np
 
+from slipstream.server.launch.scrape import scrape
 from support import ROOT
 
 REPO = ROOT / "model_repository"
@@ -159,15 +160,12 @@ def http_post(server, path, body, timeout=120):
 
 
 def metrics(server):
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("slipstream_"):
-            name, value = line.rsplit(" ", 1)
-            values[
-                name.split("{")[0] + ("" if "le=" not in name else name[name.index("le=") :])
-            ] = float(value)
-    return values
+    """slipstream_* values by name (a bucket's name carries its le: ``..._bucket{le="0.1"}``)."""
+    return {
+        s.name + (f'{{le="{s.labels["le"]}"}}' if "le" in s.labels else ""): float(s.value)
+        for s in scrape(server.metrics_url)
+        if s.name.startswith("slipstream_")
+    }
 
 
 def wait_metric(server, name, predicate, timeout=15):

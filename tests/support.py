@@ -111,7 +111,7 @@ def random_workload(
 def need_tritonserver() -> None:
     """Skip a real-server test where no tritonserver is installed, except in CI, where the
     [server] extra is part of `make install` and its absence is a failure."""
-    from slipstream.server.launch.launcher import find_tritonserver
+    from slipstream.server.launch.triton_install import find_tritonserver
 
     try:
         find_tritonserver()

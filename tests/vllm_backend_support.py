@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import queue
-import re
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +14,7 @@ import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 
+from slipstream.server.launch.scrape import scrape
 from support import reference_model, tiny_model_dir
 
 # The sample model.json's settings (its model swapped for the tiny llama), plus a small KV pool.
@@ -175,14 +174,9 @@ def parse_vllm_metrics(metrics_url: str, model: str) -> dict:
     """vllm_backend's ``parse_vllm_metrics`` for one model's series: the last value seen per
     name (so ``<histogram>_bucket`` is its +Inf bucket), labels dropped but ``finished_reason``
     (``vllm:request_success_total{finished_reason="length"}``)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     values = {}
-    for name, labels, value in re.findall(
-        r"^(vllm:[^ {]+)(?:{(.*)})? ([0-9.e+-]+)$", text, re.MULTILINE
-    ):
-        if f'model="{model}"' in labels:
-            reason = re.search(r'finished_reason="([^"]*)"', labels)
-            values[name + (f'{{finished_reason="{reason.group(1)}"}}' if reason else "")] = float(
-                value
-            )
+    for s in scrape(metrics_url):
+        if s.name.startswith("vllm:") and s.labels.get("model") == model:
+            reason = s.labels.get("finished_reason")
+            values[s.name + (f'{{finished_reason="{reason}"}}' if reason else "")] = float(s.value)
     return values

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from slipstream.server.launch.launcher import (
-    DEFAULT_MODEL_REPOSITORY,
-    TritonServer,
-    read_parameters,
-    render_model_repository,
-)
+from slipstream.server.launch.config_pbtxt import read_parameters
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.repository import DEFAULT_MODEL_REPOSITORY, render_model_repository
+from slipstream.server.launch.scrape import scrape as scrape_samples
 from slipstream.server.stub.model_config import SERVER_PARAMETERS, split_parameters
 from slipstream_bench import loadgen, timeline
 from slipstream_bench.metrics import records_to_json, summarize
@@ -48,13 +45,11 @@ def rendered_settings(overrides: Mapping[str, object]) -> dict:
 
 def scrape(metrics_url: str) -> dict:
     """slipstream_* values of the metrics endpoint (labels dropped; one model served)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("slipstream_") and "_bucket" not in line.split(" ")[0]:
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
-    return values
+    return {
+        s.name: float(s.value)
+        for s in scrape_samples(metrics_url)
+        if s.name.startswith("slipstream_") and not s.name.endswith("_bucket")
+    }
 
 
 def settled(

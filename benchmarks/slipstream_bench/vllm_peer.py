@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from slipstream.server.launch.launcher import TritonServer, find_tritonserver
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.triton_install import find_tritonserver
 from slipstream_bench import loadgen
 from slipstream_bench.metrics import RequestRecord, records_to_json, summarize
 from slipstream_bench.workload import Workload, scaled

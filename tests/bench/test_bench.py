@@ -78,7 +78,7 @@ def test_sampled_rows_of_a_chunked_prefill():
 def _server_available() -> bool:
     if os.environ.get("SLIPSTREAM_SKIP_SERVER_TESTS") == "1":
         return False
-    from slipstream.server.launch.launcher import find_tritonserver
+    from slipstream.server.launch.triton_install import find_tritonserver
 
     try:
         find_tritonserver()

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from slipstream.server.launch.launcher import free_port
+from slipstream.server.launch.scrape import family_types, parse_samples
 from deploy_support import (
     DASHBOARD,
     ROOT,
@@ -148,17 +149,11 @@ def pod(spec):
         proc.stop()
 
 
-def metric_families(proc: ContainerProcess) -> set:
+def series_names(proc: ContainerProcess) -> set:
+    """Every series a query may name: the families and their samples (a histogram's
+    _bucket/_sum/_count, a counter's _total)."""
     text = urllib.request.urlopen(proc.url("metrics", "/metrics"), timeout=10).read().decode()
-    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
-
-
-def series_family(name: str, families: set) -> str:
-    """The family of a series name: a histogram's _bucket/_sum/_count belong to it."""
-    for suffix in ("_bucket", "_sum", "_count"):
-        if name.endswith(suffix) and name[: -len(suffix)] in families:
-            return name[: -len(suffix)]
-    return name
+    return set(family_types(text)) | {s.name for s in parse_samples(text)}
 
 
 def stream(proc: ContainerProcess, max_tokens: int, result: dict) -> None:
@@ -271,7 +266,7 @@ def test_triton_log_goes_to_the_container_log(pod):
 
 
 def test_metrics_port_serves_the_autoscaler_and_dashboard_metrics(pod):
-    families = metric_families(pod)
+    families = series_names(pod)
     hpa = find(render(f"overlays/{OVERLAY}"), "HorizontalPodAutoscaler")
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in families
     dashboard = json.loads(DASHBOARD.read_text())
@@ -279,11 +274,7 @@ def test_metrics_port_serves_the_autoscaler_and_dashboard_metrics(pod):
     queries += [
         v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
     ]
-    named = {
-        series_family(n, families)
-        for q in queries
-        for n in re.findall(r"\b(?:slipstream|nv)_[a-z0-9_]+", q)
-    }
+    named = {n for q in queries for n in re.findall(r"\b(?:slipstream|nv)_[a-z0-9_]+", q)}
     assert named and named <= families, sorted(named - families)
 
 

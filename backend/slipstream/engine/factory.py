@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from slipstream.core.config import EngineConfig
+from slipstream.startup_log import Phase, phase
 from slipstream.worker.device import DeviceSettings
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.layers.linear import drop_stock_weights
@@ -71,12 +72,14 @@ class ModelFactory:
         path: Optional[Path] = None
         if model is None:
             path = loader.resolve_model_path(self.config.model)
-            model = loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
+            with phase(Phase.WEIGHT_LOAD, model=str(path)):
+                model = loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(path, self.config.tokenizer)
         config = self.config = fit_max_model_len(self.config, model.config)
         if s.device.type == "cpu":
-            prepare_cpu_model(model, s.weight_format, config.cpu_linear)
+            with phase(Phase.PACKING, weights=s.weight_format):
+                prepare_cpu_model(model, s.weight_format, config.cpu_linear)
         lora = None
         if config.enable_lora:  # after packing: adapters wrap the packed linears
             lora = load_lora_layers(
@@ -100,14 +103,9 @@ class ModelFactory:
                 f"KV budget holds {num_blocks} blocks of {geometry.bytes_per_block} bytes; raise "
                 "kv_cache_memory_bytes"
             )
-        log.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
-            num_blocks,
-            geometry.block_size,
-            num_blocks * geometry.bytes_per_block / 2**20,
-            geometry.bytes_per_token,
-        )
-        return KVCache(geometry, num_blocks, self.settings.device)
+        mib = round(num_blocks * geometry.bytes_per_block / 2**20, 1)
+        with phase(Phase.KV_ALLOCATION, blocks=num_blocks, block_size=geometry.block_size, mib=mib):
+            return KVCache(geometry, num_blocks, self.settings.device)
 
     def build_runner(
         self,

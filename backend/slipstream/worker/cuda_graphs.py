@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+
+from slipstream.startup_log import Phase, PhaseProgress, phase
 
 logger = logging.getLogger(__name__)
 
@@ -172,24 +174,29 @@ class DecodeGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=self.device)
         try:
-            for size in reversed(self.sizes):
-                args = inputs.view(size)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(self.warmup_iters):
-                        self.forward(*args)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.forward(*args)
-                self.graphs[size] = graph
-                self.outputs[size] = out
+            with phase(Phase.GRAPH_CAPTURE, total=len(self.sizes)) as progress:
+                self._capture_all(inputs, pool, side, progress)
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # e.g. a host sync inside forward
             logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
             self.graphs.clear()
             self.outputs.clear()
             self.enabled = False
+
+    def _capture_all(self, inputs: Any, pool: Any, side: Any, progress: PhaseProgress) -> None:
+        for done, size in enumerate(reversed(self.sizes), 1):
+            args = inputs.view(size)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_iters):
+                    self.forward(*args)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(*args)
+            self.graphs[size] = graph
+            self.outputs[size] = out
+            progress.step(done)
 
     def bucket(self, n: int, width: int) -> Optional[int]:
         """The graph that would run a batch of ``n`` rows x ``width`` blocks, or None."""

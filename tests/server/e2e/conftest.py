@@ -7,11 +7,9 @@ import pytest
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine.loop import EngineLoop
-from slipstream.server.launch.launcher import (
-    TritonServer,
-    read_parameters,
-    render_model_repository,
-)
+from slipstream.server.launch.config_pbtxt import read_parameters
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.repository import render_model_repository
 from slipstream.server.stub.model_config import split_parameters
 from slipstream.testing import make_tiny_model_dir
 from server_support import GREEDY, MODEL, OVERRIDES, PROMPTS, REPO

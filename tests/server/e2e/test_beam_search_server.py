@@ -9,7 +9,8 @@ import torch
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from slipstream.worker.model.gguf import default_model_dir  # noqa: E402
 from support import need_tritonserver, reference_model  # noqa: E402
 from trtllm_support import SAMPLES, prepare_inputs, prepare_tensor  # noqa: E402

@@ -18,7 +18,8 @@ from slipstream.core.sampling_params import SamplingParams
 from slipstream.engine import LLMEngine
 from slipstream.kv_events import wire
 from slipstream.kv_events.publisher import END_SEQ
-from slipstream.server.launch.launcher import TritonServer, render_model_repository
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.repository import render_model_repository
 from server_support import MODEL, OVERRIDES, REPO
 from support import http_generate, need_tritonserver
 

@@ -6,16 +6,15 @@ model's greedy decoding, each request run alone, while the server batches them t
 
 import json
 import os
-import re
 import shutil
 import time
-import urllib.request
 
 import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.scrape import matching, scrape  # noqa: E402
 from lora_support import adapter_dir, merged_greedy  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
 from vllm_backend_support import (  # noqa: E402
@@ -142,9 +141,9 @@ def test_unknown_lora_gets_vllm_backends_error_over_grpc_and_http(server):
 def current_lora_info(server) -> str:
     """The labels of the newest vllm:lora_requests_info series (its value is when it was
     current, which is how vLLM's readers pick it)."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    series = re.findall(r"^vllm:lora_requests_info{([^}]*)} ([0-9.e+]+)$", text, re.MULTILINE)
-    return max(series, key=lambda s: float(s[1]))[0]
+    series = matching(scrape(server.metrics_url), "vllm:lora_requests_info")
+    newest = max(series, key=lambda s: s.value)
+    return ",".join(f'{k}="{v}"' for k, v in sorted(newest.labels.items()))
 
 
 def test_lora_requests_info_reports_max_lora_and_the_running_adapter(server):

@@ -12,11 +12,9 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from slipstream.server.launch.launcher import (  # noqa: E402
-    MODEL_CONTROL_HEADER,
-    TritonServer,
-    render_model_repository,
-)
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
+from slipstream.server.launch.repository_api import MODEL_CONTROL_HEADER  # noqa: E402
 from server_support import OVERRIDES, REPO, run_stream, text_inputs, texts  # noqa: E402
 from support import ROOT  # noqa: E402
 

@@ -15,7 +15,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.engine import OVERLOADED, OverloadedError  # noqa: E402
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from slipstream.server.stub.model_config import DEFAULT_MAX_QUEUE_SIZE, load_settings  # noqa: E402
 from server_support import OVERRIDES, REPO, http_post  # noqa: E402
 

@@ -13,7 +13,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from slipstream.server.stub.deadlines import request_deadline  # noqa: E402
 from server_support import OVERRIDES, REPO, http_post, metrics, text_inputs, wait_metric  # noqa: E402
 

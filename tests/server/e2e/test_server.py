@@ -23,11 +23,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 import torch  # noqa: E402
 
-from slipstream.server.launch.launcher import (  # noqa: E402
-    TritonServer,
-    render_model_repository,
-    stub_pids,
-)
+from slipstream.server.launch.launcher import TritonServer, stub_pids  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from server_support import (  # noqa: E402
     GREEDY,
     MAX_MODEL_LEN,
@@ -317,7 +314,7 @@ def test_metrics(server):
         count = m[f"slipstream_{name}_count"]
         assert count >= 2
         assert 0 < m[f"slipstream_{name}_sum"] / count < 60
-        assert m[f"slipstream_{name}_bucket" + 'le="+Inf"}'] == count
+        assert m[f"slipstream_{name}_bucket" + '{le="+Inf"}'] == count
     ttft = m["slipstream_time_to_first_token_seconds_sum"]
     e2e = m["slipstream_e2e_request_latency_seconds_sum"]
     assert ttft <= e2e

@@ -12,7 +12,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from server_support import OVERRIDES, PROMPTS, REPO, StreamClient, metrics, text_inputs, texts  # noqa: E402
 
 pytestmark = [

@@ -14,7 +14,8 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from server_support import (  # noqa: E402
     MAX_MODEL_LEN,
     MODEL,
@@ -171,7 +172,7 @@ def test_a_failed_start_names_the_model_load_error(tmp_path):
         '\\n  model_loader.py(141): fit_max_model_len"\n'
     )
     server = TritonServer(REPO, http_port=1, grpc_port=1, metrics_port=1, log_path=log)
-    assert server.load_errors() == [
+    assert server.log.load_errors() == [
         (
             "slipstream",
             "ValueError: max_model_len 512 is larger than "

@@ -17,13 +17,10 @@ import pytest
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from slipstream.server.launch.launcher import (  # noqa: E402
-    TritonServer,
-    TritonServerError,
-    free_port,
-    render_model_repository,
-    stub_pids,
-)
+from slipstream.server.launch.launcher import TritonServer, free_port, stub_pids  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
+from slipstream.server.launch.scrape import sample_value, scrape  # noqa: E402
+from slipstream.server.launch.triton_install import TritonServerError  # noqa: E402
 from server_support import OVERRIDES, REPO, leftovers, run_stream, text_inputs, texts, wait_gone  # noqa: E402
 
 pytestmark = [
@@ -100,13 +97,8 @@ class Clients:
 def wait_streaming(server, n, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-        running = [
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith("slipstream_requests_running")
-        ]
-        if running and running[0] >= n:
+        running = sample_value(scrape(server.metrics_url, timeout=5), "slipstream_requests_running")
+        if running is not None and running >= n:
             return
         time.sleep(0.1)
     raise AssertionError(f"{n} requests never ran together")

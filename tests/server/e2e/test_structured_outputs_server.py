@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launch.launcher import read_parameters  # noqa: E402
+from slipstream.server.launch.config_pbtxt import read_parameters  # noqa: E402
 from slipstream.server.stub.model_config import split_parameters  # noqa: E402
 from server_support import MODEL, PROMPTS, StreamClient, http_post, run_stream, text_inputs, texts  # noqa: E402
 

@@ -31,7 +31,9 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream import EngineConfig, SamplingParams  # noqa: E402
 from slipstream.engine.loop import EngineLoop  # noqa: E402
-from slipstream.server.launch.launcher import TritonServer, render_model_repository  # noqa: E402
+from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.repository import render_model_repository  # noqa: E402
+from slipstream.server.launch.scrape import parse_samples, sample_value  # noqa: E402
 from server_support import http_post  # noqa: E402
 from support import ROOT, need_tritonserver, reference_model, tiny_model_dir  # noqa: E402
 from trtllm_support import SAMPLES, prepare_inputs, prepare_tensor  # noqa: E402
@@ -132,10 +134,7 @@ def metrics_text(server):
 
 
 def metric(text, name, **labels):
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return sample_value(parse_samples(text), name, **labels)
 
 
 # ------------------------------------------------------------------- end_to_end_grpc_client.py
@@ -833,10 +832,9 @@ def test_trtllm_metric_families(server, reference):
     assert not isinstance(results[0], Exception), results
     after = _settled_metrics(server, before, 1)
     keys = set()
-    for line in after.splitlines():
-        if line.startswith("nv_trt_llm") and 'model="ensemble"' in line:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-            keys.add(next(f"{k}={v}" for k, v in labels.items() if k not in ("model", "version")))
+    for s in parse_samples(after):
+        if s.name.startswith("nv_trt_llm") and s.labels.get("model") == "ensemble":
+            keys.update(f"{k}={v}" for k, v in s.labels.items() if k not in ("model", "version"))
     assert keys == {
         "request_type=active",
         "request_type=max",

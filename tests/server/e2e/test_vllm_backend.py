@@ -26,6 +26,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
+from slipstream.server.launch.scrape import matching, scrape  # noqa: E402
 from support import http_generate, need_tritonserver  # noqa: E402
 from vllm_backend_support import (  # noqa: E402
     FAILING_HEALTH_MODEL_PY,
@@ -443,16 +444,8 @@ def test_vllm_metrics_disabled(server, model):
 def test_vllm_metrics_on_by_default(server):
     """Under backend "slipstream" the vLLM series are exported without REPORT_CUSTOM_METRICS,
     labelled model_name as vLLM labels them, so the inference gateway reads them."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     vllm_infer_twice(server, MODEL)
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    labels = [
-        s.labels
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "vllm:num_requests_waiting"
-    ]
+    labels = [s.labels for s in matching(scrape(server.metrics_url), "vllm:num_requests_waiting")]
     assert {"model": MODEL, "model_name": MODEL, "version": "1"} in labels
 
 
@@ -806,6 +799,8 @@ def test_exported_metric_names_follow_prometheus_conventions(server):
     KV pool size was once a gauge called slipstream_kv_blocks_total)."""
     vllm_infer_twice(server, "vllm_metrics")
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    # The # TYPE lines as written: prometheus_client's parser names a counter's samples
+    # <name>_total whatever the exposition said, which would hide the fault looked for here.
     kinds = dict(re.findall(r"^# TYPE ((?:slipstream_|vllm:)\S+) (\w+)$", text, re.MULTILINE))
     assert {
         "slipstream_kv_blocks_capacity",

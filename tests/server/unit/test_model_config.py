@@ -6,7 +6,7 @@ import json
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.stub.engine_args import resolve_model, translate
+from slipstream.server.stub.engine_arg_reader import resolve_model, translate
 from slipstream.server.stub.model_config import load_settings
 from support import ROOT
 

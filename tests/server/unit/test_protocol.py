@@ -6,11 +6,8 @@ import numpy as np
 import pytest
 
 from slipstream import EngineConfig
-from slipstream.server.launch.launcher import (
-    read_parameters,
-    render_model_repository,
-    set_parameters,
-)
+from slipstream.server.launch.config_pbtxt import read_parameters, set_parameters
+from slipstream.server.launch.repository import render_model_repository
 from slipstream.server.stub.model_config import split_parameters
 from slipstream.server.stub.request_parser import (
     BadRequestError,

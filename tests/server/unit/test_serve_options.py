@@ -11,11 +11,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.server.launch.cli import OWNED_SERVER_OPTIONS, server_args
-from slipstream.server.launch.launcher import (
-    LINK_FROM_BYTES,
-    read_parameters,
-    render_model_repository,
-)
+from slipstream.server.launch.config_pbtxt import read_parameters
+from slipstream.server.launch.repository import LINK_FROM_BYTES, render_model_repository
 from support import ROOT, need_tritonserver
 
 

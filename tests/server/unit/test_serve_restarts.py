@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from slipstream.server.launch.cli import _serve_until_stopped, _start_first
-from slipstream.server.launch.launcher import TritonServerError
+from slipstream.server.launch.cli import serve_until_stopped, start_first
+from slipstream.server.launch.triton_install import TritonServerError
 
 
 class ScriptedServer:
@@ -50,7 +50,7 @@ class ScriptedServer:
 def test_a_restart_that_dies_before_ready_is_retried_within_the_budget():
     server = ScriptedServer(["fail", "ok", "fail"])
     server.process = subprocess.Popen([sys.executable, "-c", "pass"])  # the first server dies
-    assert _serve_until_stopped(server, max_restarts=4) == 1  # gives up only at the budget
+    assert serve_until_stopped(server, max_restarts=4) == 1  # gives up only at the budget
     assert server.start_calls == 4  # fail, ok (ready again), fail, fail: each one retried
     assert server.kills >= 4
 
@@ -67,9 +67,9 @@ class FirstStart(ScriptedServer):
 
 
 def test_a_first_start_that_died_after_coming_up_goes_to_the_restart_loop():
-    assert _start_first(FirstStart(came_up=True)) is False
+    assert start_first(FirstStart(came_up=True)) is False
 
 
 def test_a_first_start_that_never_came_up_is_an_error_not_a_restart():
     with pytest.raises(TritonServerError):
-        _start_first(FirstStart(came_up=False))
+        start_first(FirstStart(came_up=False))

@@ -208,7 +208,7 @@ def test_engine_serves_with_reduced_weights_and_fp32_activations(settings, weigh
 
 def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
     from slipstream import EngineConfig
-    from slipstream.server.stub.engine_args import translate
+    from slipstream.server.stub.engine_arg_reader import translate
     from slipstream.worker.device import resolve_weight_format
 
     with pytest.raises(ValueError, match="CPU only"):

@@ -9,24 +9,31 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import logging
 import os
-import queue
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from slipstream.server.launch.launcher import (
+from slipstream import __version__
+from slipstream.core.config import EngineConfig
+from slipstream.server.launch.engine_flags import add_engine_flags, engine_overrides
+from slipstream.server.launch.launcher import TritonServer
+from slipstream.server.launch.prompt_client import stream_prompt
+from slipstream.server.launch.repository import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_REPOSITORY,
-    TritonServer,
-    TritonServerError,
+    check_models,
+    find_models,
+    rename_model,
     render_model_repository,
 )
+from slipstream.server.launch.startup_report import StartupReport
+from slipstream.server.launch.triton_install import TritonServerError
 
 if TYPE_CHECKING:
     from slipstream.server.openai.frontend import OpenAIFrontend
@@ -51,99 +58,6 @@ OWNED_SERVER_OPTIONS = (
 )
 
 
-# --------------------------------------------------------------------------- streaming client
-@dataclass
-class _StreamedAnswer:
-    """What the responses of one streamed prompt added up to so far."""
-
-    start: float  # time.monotonic() when the request went out
-    parts: list[str] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    num_output_tokens: int = 0
-    ttft_s: Optional[float] = None
-
-    def take(self, result, on_text: Optional[Callable[[str], None]]) -> bool:
-        """Add one response; True when it was the final one."""
-        text = result.as_numpy("text_output")
-        if text is not None and text.size:
-            piece = text.reshape(-1)[0].decode("utf-8")
-            if piece and self.ttft_s is None:
-                self.ttft_s = time.monotonic() - self.start
-            self.parts.append(piece)
-            if on_text:
-                on_text(piece)
-        reason = result.as_numpy("finish_reason")
-        if reason is not None and reason.size and reason.reshape(-1)[0]:
-            self.finish_reason = reason.reshape(-1)[0].decode()
-        count = result.as_numpy("num_output_tokens")
-        if count is not None and count.size:
-            self.num_output_tokens += int(count.reshape(-1)[0])
-        return result.get_response().parameters["triton_final_response"].bool_param
-
-    def summary(self) -> dict:
-        return {
-            "text": "".join(self.parts),
-            "finish_reason": self.finish_reason,
-            "ttft_s": self.ttft_s,
-            "seconds": time.monotonic() - self.start,
-            "num_output_tokens": self.num_output_tokens,
-        }
-
-
-def _prompt_inputs(prompt: str, max_tokens: int, temperature: float, chat: bool) -> list:
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
-    sampling = json.dumps({"max_tokens": max_tokens, "temperature": temperature}).encode()
-    return [
-        tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
-        tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters", np.array([sampling], dtype=np.object_), "BYTES"),
-        tensor("apply_chat_template", np.array([chat]), "BOOL"),
-        tensor("return_finish_reason", np.array([True]), "BOOL"),
-        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
-    ]
-
-
-def stream_prompt(
-    grpc_url: str,
-    prompt: str,
-    *,
-    model: str = DEFAULT_MODEL_NAME,
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    chat: bool = True,
-    on_text: Optional[Callable[[str], None]] = None,
-    timeout: float = 600.0,
-) -> dict:
-    """Stream one answer over gRPC; returns {"text", "finish_reason", "ttft_s", "seconds",
-    "num_output_tokens"}. Raises RuntimeError with the server's message on an error."""
-    import tritonclient.grpc as grpcclient
-
-    inputs = _prompt_inputs(prompt, max_tokens, temperature, chat)
-    responses: "queue.Queue" = queue.Queue()
-    client = grpcclient.InferenceServerClient(grpc_url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    answer = _StreamedAnswer(start=time.monotonic())
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=timeout)
-            if error is not None:
-                raise RuntimeError(f"server error: {error}")
-            if answer.take(result, on_text):
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    return answer.summary()
-
-
 # --------------------------------------------------------------------------- serve
 def parse_sets(items: Optional[list[str]]) -> dict[str, str]:
     """`--set KEY=VALUE` items as a dict (also the bench's --set and --variant)."""
@@ -156,49 +70,86 @@ def parse_sets(items: Optional[list[str]]) -> dict[str, str]:
     return out
 
 
+SERVE_EXAMPLES = """\
+examples:
+  slipstream serve                       # the embedded SmolLM2-135M-Instruct on CPU
+  slipstream serve /models/Qwen2.5-0.5B-Instruct --max-model-len 4096 --port 9000
+  slipstream serve --dtype bfloat16 --quantization int8 --max-num-seqs 32
+  slipstream serve --lora-modules sql=/adapters/sql --served-model-name base
+  slipstream serve --model-repository samples/model_repository
+  slipstream serve --set tpot_target_ms=50 --prompt "Hello" --exit-after-prompt
+
+Engine flags are vLLM's engine arguments; --set NAME=VALUE takes the same names (and
+Slipstream's own setting names). Every setting: docs/configuration.md.
+"""
+PHASE_HANDLER = "slipstream serve: start-up phases"
+# Triton's ports when not given (an OpenAI port given on one of them moves it to a free one).
+TRITON_PORTS = {"http_port": 8000, "grpc_port": 8001, "metrics_port": 8002}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default in its help (where it has one the help does not already say), and
+    the examples laid out as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        help_text = action.help or ""
+        if "(default" in help_text or action.default in (None, False, [], argparse.SUPPRESS):
+            return help_text
+        return f"{help_text} (default: {action.default})"
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = HelpFormatter
+    p.epilog = SERVE_EXAMPLES
     p.add_argument(
-        "--model",
-        help="'default' (embedded SmolLM2-135M-Instruct) or a Hugging Face "
-        "model directory; same as --set model=...",
+        "model_positional",
+        nargs="?",
+        metavar="MODEL",
+        help="'default' (the embedded SmolLM2-135M-Instruct) or a Hugging Face model "
+        "directory; the same as --model / --set model=...",
     )
+    p.add_argument("--model", help="the model, as the positional MODEL")
+    add_engine_flags(
+        p.add_argument_group("engine (vLLM's engine arguments)"), shipped_engine_config()
+    )
+    add_server_flags(p.add_argument_group("server"))
+    add_openai_flags(p.add_argument_group("OpenAI-compatible API"))
+    add_prompt_flags(p.add_argument_group("a prompt once ready"))
+
+
+def shipped_engine_config() -> Optional[EngineConfig]:
+    """The engine configuration of the shipped model (what flags left out mean), or None when
+    it cannot be read (a broken install: help still works)."""
+    try:
+        settings = check_models(find_models(DEFAULT_MODEL_REPOSITORY))[DEFAULT_MODEL_NAME]
+        return EngineConfig.from_dict(settings.engine)
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+
+
+def add_server_flags(p) -> None:
     p.add_argument(
         "--model-repository",
         default=os.environ.get("SLIPSTREAM_MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)),
-        help="Triton model repository to serve (copied with the overrides applied)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
-    p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
-    p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
-    openai_port = os.environ.get("SLIPSTREAM_OPENAI_PORT")
-    p.add_argument(
-        "--openai-port",
-        type=int,
-        default=int(openai_port) if openai_port else None,
-        help="also serve the OpenAI-compatible API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health) on this port, through Triton; "
-        "0 = any free port (printed); off by default "
-        "(env SLIPSTREAM_OPENAI_PORT)",
+        help="Triton model repository to serve, rendered with the overrides applied "
+        "(default: env SLIPSTREAM_MODEL_REPOSITORY, else model_repository/ of the project)",
     )
     p.add_argument(
         "--set",
         action="append",
-        metavar="KEY=VALUE",
+        metavar="NAME=VALUE",
         default=[],
-        help="override a config.pbtxt parameter (engine setting), repeatable",
+        help="set a config.pbtxt parameter of every model, repeatable: an engine argument by "
+        "vLLM's name (enforce_eager=true) or Slipstream's own (enable_cuda_graphs=false), "
+        "or a server setting (default_max_tokens=64)",
     )
-    p.add_argument("--prompt", help="once ready, stream the answer to this prompt over gRPC")
-    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens for --prompt")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--http-port", type=int, help="Triton's HTTP port (8000; 0 = any free port)")
+    p.add_argument("--grpc-port", type=int, help="Triton's gRPC port (8001; 0 = any free port)")
+    p.add_argument("--metrics-port", type=int, help="Triton's metrics (8002; 0 = any free port)")
     p.add_argument(
-        "--raw-prompt",
-        action="store_true",
-        help="send --prompt as is, without the model's chat template",
+        "--startup-timeout", type=float, default=600.0, help="seconds the model has to load"
     )
-    p.add_argument(
-        "--exit-after-prompt", action="store_true", help="stop the server after answering --prompt"
-    )
-    p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument(
         "--exit-timeout",
         type=float,
@@ -241,6 +192,62 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "default: only the launcher, with a random key, may use it (loading a "
         "Python-backend model runs its code; an unload takes the model away)",
     )
+
+
+def add_openai_flags(p) -> None:
+    openai_port = os.environ.get("SLIPSTREAM_OPENAI_PORT")
+    p.add_argument(
+        "--port",
+        "--openai-port",
+        dest="openai_port",
+        type=int,
+        default=int(openai_port) if openai_port else None,
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics) on this port, through Triton; 0 = any free port "
+        "(printed); off when not given (env SLIPSTREAM_OPENAI_PORT)",
+    )
+
+
+def add_prompt_flags(p) -> None:
+    p.add_argument("--prompt", help="once ready, stream the answer to this prompt over gRPC")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens for --prompt")
+    p.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="send --prompt as is, without the model's chat template",
+    )
+    p.add_argument(
+        "--exit-after-prompt", action="store_true", help="stop the server after answering --prompt"
+    )
+
+
+def triton_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Triton's ports: as given, else 8000/8001/8002, except that one the OpenAI port takes
+    (``--port 8000``, as vLLM users type it) becomes a free one."""
+    ports = {}
+    for name, default in TRITON_PORTS.items():
+        given = getattr(args, name)
+        if given is not None:
+            if given and given == args.openai_port:
+                raise SystemExit(f"--{name.replace('_', '-')} {given} is also the OpenAI port")
+            ports[name] = given
+        else:
+            ports[name] = 0 if default == args.openai_port else default
+    return ports
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The config parameters this command line sets: the model, the engine flags, then --set
+    (the last word: a --set after a flag wins)."""
+    overrides = {}
+    models = {m for m in (args.model_positional, args.model) if m}
+    if len(models) > 1:
+        raise SystemExit(f"two models given: {' and '.join(sorted(models))}")
+    if models:
+        overrides["model"] = models.pop()
+    overrides.update(engine_overrides(args))
+    overrides.update(parse_sets(args.set))
+    return overrides
 
 
 def server_args(values: list[str]) -> list[str]:
@@ -289,7 +296,7 @@ def _validate(repo: Path, aliases=()) -> dict:
 RESTART_WINDOW_S = 600.0
 
 
-def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
+def serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
     """Watch tritonserver; when it dies, clean up after it and start it again (at most
     ``max_restarts`` times in ``RESTART_WINDOW_S``). Returns the exit code once it gives up."""
     restarts: list = []
@@ -330,7 +337,7 @@ def _serve_until_stopped(server: TritonServer, max_restarts: int) -> int:
         print(f"ready again in {time.monotonic() - t0:.1f} s", flush=True)
 
 
-def _start_first(server: TritonServer) -> bool:
+def start_first(server: TritonServer) -> bool:
     """Start tritonserver: True once it is ready, False when it came up and then died before
     we saw it ready (a stub killed in that window), which the restart loop handles like any
     crash. A server that never came up (a bad setting, a model that fails to load) raises:
@@ -365,14 +372,17 @@ class _Session:
 
 def run_serve(args: argparse.Namespace) -> int:
     extra_args = server_args(args.server_arg)
+    report = StartupReport()
+    report_phases_of_this_process(report)
+    ports = triton_ports(args)
     plan = _plan_serve(args)
     session = _Session(
         TritonServer(
             plan.repo,
             host=args.host,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
+            http_port=ports["http_port"],
+            grpc_port=ports["grpc_port"],
+            metrics_port=ports["metrics_port"],
             startup_timeout=args.startup_timeout,
             log_path=args.log_file,
             log_verbose=args.log_verbose,
@@ -383,6 +393,7 @@ def run_serve(args: argparse.Namespace) -> int:
             extra_args=extra_args,
         )
     )
+    session.server.on_wait = lambda: report.poll(session.server.log)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:
@@ -407,21 +418,61 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _plan_serve(args: argparse.Namespace) -> _ServePlan:
-    overrides = parse_sets(args.set)
-    if args.model:
-        overrides["model"] = args.model
+    overrides = serve_overrides(args)
+    served_name = overrides.pop("served_model_name", None)
     work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
     repo = render_model_repository(args.model_repository, work / "model_repository", overrides)
     aliases = ["vllm"] if args.vllm_alias else []
+    if served_name:
+        _rename_the_model(repo, aliases, served_name)
     engines = _validate(repo, aliases)
     names = list(engines)
     prompt_model = DEFAULT_MODEL_NAME if DEFAULT_MODEL_NAME in engines else names[0]
     if any(e.get("model", "default") in ("", "default") for e in engines.values()):
-        # convert the GGUF once, here, with a progress bar
+        # convert the GGUF once, here, with a progress bar (and its phase reported)
         from slipstream.worker.model.gguf import default_model_dir
 
         default_model_dir()
+    if any(_runs_on_cpu(e) for e in engines.values()):
+        # Compile the CPU kernels (once per machine) here, before Triton starts, as the model
+        # is converted: the start-up timeout then covers only the model's load.
+        from slipstream.worker import kernels
+
+        kernels.load()
     return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model])
+
+
+def report_phases_of_this_process(report: StartupReport) -> None:
+    """Phases serve runs itself (converting the default model) are shown as the server's are."""
+    logger = logging.getLogger("slipstream")
+    for old in [h for h in logger.handlers if h.get_name() == PHASE_HANDLER]:
+        logger.removeHandler(old)  # an earlier serve in this process (tests)
+    handler = report.handler()
+    handler.set_name(PHASE_HANDLER)
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def _runs_on_cpu(engine: dict) -> bool:
+    from slipstream.worker.device import resolve_device
+
+    return resolve_device(str(engine.get("device") or "auto")).type == "cpu"
+
+
+def _rename_the_model(repo: Path, aliases: list[str], name: str) -> None:
+    """--served-model-name: Triton names a model by its directory, so the one Slipstream model
+    of the rendered repository is renamed (clients, the OpenAI API's model list and the
+    metrics' model label then say ``name``)."""
+    models = find_models(repo, aliases)
+    if len(models) != 1:
+        raise SystemExit(
+            f"--served-model-name names one model; {repo} holds {len(models)} Slipstream models"
+        )
+    try:
+        rename_model(repo, models[0].name, name)
+    except ValueError as e:
+        raise SystemExit(f"--served-model-name: {e}")
 
 
 def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int:
@@ -433,8 +484,8 @@ def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int
         flush=True,
     )
     t0 = time.monotonic()
-    if not _start_first(server):
-        return _serve_until_stopped(server, args.max_restarts)
+    if not start_first(server):
+        return serve_until_stopped(server, args.max_restarts)
     print(
         f"ready in {time.monotonic() - t0:.1f} s\n"
         f"  models   {', '.join(plan.names)}\n"
@@ -451,7 +502,7 @@ def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int
         if args.exit_after_prompt:
             return 0
     print("serving; Ctrl-C to stop", flush=True)
-    return _serve_until_stopped(server, args.max_restarts)
+    return serve_until_stopped(server, args.max_restarts)
 
 
 def _echo(text: str) -> None:
@@ -531,13 +582,38 @@ def add_install_backend_args(p: argparse.ArgumentParser) -> None:
 def run_install_backend(args: argparse.Namespace) -> int:
     """Write <dir>/slipstream/model.py (and one per alias): what a Triton installation needs
     for ``backend: "slipstream"`` models, besides this package importable by its Python."""
-    from slipstream.server.launch.launcher import BACKEND_NAME, backend_model_py
+    from slipstream.server.launch.triton_install import BACKEND_NAME, backend_model_py
 
     for name in [BACKEND_NAME, *args.alias]:
         target = Path(args.backend_directory) / name
         target.mkdir(parents=True, exist_ok=True)
         (target / "model.py").write_text(backend_model_py())
         print(f"installed {target / 'model.py'}")
+    return 0
+
+
+# --------------------------------------------------------------------------- build-kernels
+def add_build_kernels_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "The kernels go to $SLIPSTREAM_CACHE/kernels/<key> (default ~/.cache/slipstream); the "
+        "key covers the sources, torch, the compiler and this CPU's flags (-march=native), so "
+        "a build made at docker build serves nodes with the same CPU, and a cache kept on a "
+        "volume builds once per kind of CPU."
+    )
+
+
+def run_build_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) the CPU kernels, so that a server started later loads them at once."""
+    from slipstream.worker.kernels import build
+
+    report_phases_of_this_process(StartupReport())
+    started = time.monotonic()
+    if not build.load():
+        print(f"CPU kernels unavailable: {build.unavailable_reason()}", file=sys.stderr)
+        return 1
+    cxx = build.compiler()
+    assert cxx is not None  # load() found one
+    print(f"CPU kernels ready in {build.build_dir(cxx)} ({time.monotonic() - started:.1f} s)")
     return 0
 
 
@@ -553,6 +629,11 @@ COMMANDS: dict = {
         "install the slipstream Python-based backend into a Triton backend directory",
         add_install_backend_args,
         run_install_backend,
+    ),
+    "build-kernels": (
+        "compile the CPU kernels into the cache now (docker build), not at the first start",
+        add_build_kernels_args,
+        run_build_kernels,
     ),
     "bench": "slipstream_bench.cli",
 }
@@ -571,6 +652,7 @@ def _resolve(entry: Command) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, entry in COMMANDS.items():

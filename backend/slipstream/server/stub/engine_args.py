@@ -1,317 +1,333 @@
-"""``1/model.json`` of a Triton vLLM-backend model: vLLM's engine arguments as Slipstream settings.
+"""vLLM's engine arguments, declared once: each one's name (the ``1/model.json`` key, the
+``--set`` key and config.pbtxt parameter, the ``slipstream serve --flag``), its type, its help,
+and what Slipstream does with it. ``model.json``, config parameters, the command line and the
+generated reference (docs/configuration.md) all read ``ENGINE_ARGUMENTS``.
 
-Triton's vLLM backend feeds ``model.json`` to vLLM's ``AsyncEngineArgs``; an unknown key fails
-the load there, and so it does here. Every key is one of:
+Every argument is one of:
 
-* mapped onto an ``EngineConfig`` setting (``max_num_seqs`` ...), possibly converted
-  (``enforce_eager`` -> ``enable_cuda_graphs``, ``swap_space`` GiB -> bytes ...);
-* a server option (``disable_log_stats`` turns the custom metrics off, ``max_logprobs``);
-* accepted only at the value that means "nothing to do" here (``tensor_parallel_size: 1``,
-  ``quantization: null`` ...): any other value is refused, since this
-  engine could not honour it;
-* without effect on serving and accepted as such (``served_model_name``, log switches).
+* ``SETS``: it decides ``EngineConfig`` settings, under the same name (``max_num_seqs``) or
+  converted (``enforce_eager`` -> ``enable_cuda_graphs``, ``swap_space`` GiB -> bytes ...);
+* ``ONLY_AT``: accepted only at the value that means "nothing to do" here
+  (``tensor_parallel_size: 1`` ...): any other value is refused, since this engine could not
+  honour it;
+* ``SERVER``: a server option of the model (``disable_log_stats`` turns the custom metrics
+  off, ``max_logprobs``, ``kv_events_config``);
+* ``NO_EFFECT``: accepted, without effect on what a Triton model serves (log switches);
+* ``REMOVED``: removed from vLLM since; accepted with a warning (old model.json files).
+
+Slipstream's own setting names (``enable_cuda_graphs``, ``policy`` ...) stay valid config
+parameters: each vLLM name is an alias of the settings it decides, and two names deciding
+one setting in the same place are refused. Triton's vLLM backend feeds ``model.json`` to
+vLLM's ``AsyncEngineArgs``, where an unknown key fails the load: so it does here.
 
 Pure Python: the tests and ``slipstream serve`` check a repository without starting Triton.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
-from slipstream.core.boolean_text import JSON_FLAG, parse_bool
-
-MODEL_JSON = "model.json"
-log = logging.getLogger("slipstream")
-# Keys vLLM once accepted and has since removed; old model.json files (vllm_backend's own
-# multi-LoRA CI model among them) still carry them. Accepted with a warning: no effect here.
-REMOVED_IN_VLLM = {
-    "lora_extra_vocab_size": "LoRA adapters here never add vocabulary (vLLM dropped the "
-    "argument as well)",
-}
-
-
-@dataclass
-class EngineArgs:
-    """What one model.json asks of Slipstream."""
-
-    engine: dict = field(default_factory=dict)  # EngineConfig settings (name -> value)
-    disable_log_stats: bool = False
-    max_logprobs: Optional[int] = None
-    kv_events_config: Any = None  # vLLM's KVEventsConfig fields (a JSON object or its text)
+from slipstream.core.config import KV_CACHE_DTYPES, PREEMPTION_MODES, EngineConfig
+from slipstream.server.stub.engine_arg_values import (
+    GIB,
+    POLICIES,
+    SPECULATIVE_KEYS,
+    Converter,
+    convert_adapters,
+    convert_dtype,
+    convert_hash_algo,
+    convert_kv_cache_dtype,
+    convert_quantization,
+    convert_scheduling_policy,
+    convert_speculative_config,
+    convert_swap_space,
+    shown_speculative_config,
+    switch,
+)
 
 
-def _same(name: str) -> Callable[[Any], dict]:
-    return lambda value: {name: value}
+class Effect(enum.Enum):
+    SETS = "sets"
+    ONLY_AT = "only at"
+    SERVER = "server option"
+    NO_EFFECT = "no effect"
+    REMOVED = "removed from vLLM"
 
 
-def _dtype(value: Any) -> dict:
-    names = {
-        "auto": "auto",
-        "float32": "float32",
-        "float": "float32",
-        "float16": "float16",
-        "half": "float16",
-        "bfloat16": "bfloat16",
-    }
-    if str(value) not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)}, got {value!r}")
-    return {"dtype": names[str(value)]}
+class ArgType(enum.Enum):
+    INT = "int"
+    FLOAT = "float"
+    STR = "str"
+    BOOL = "bool"
+    JSON = "json"  # a JSON object (or its text)
+    ADAPTERS = "name=path"  # LoRA adapters: a JSON object, or name=path pairs on the command line
 
 
-def _quantization(value: Any) -> dict:
-    """vLLM's ``quantization`` names a checkpoint's scheme; here ``int8`` (weight-only, per-row
-    scales, made at load) is the one scheme, and null / "" none."""
-    if value in (None, "", "none"):
-        return {"quantization": None}
-    if value != "int8":
-        raise ValueError(
-            f"quantization={value!r} is not supported (weights load unquantized, "
-            "or with 'int8' quantized at load: weight-only, per-row scales, CPU)"
-        )
-    return {"quantization": "int8"}
+@dataclass(frozen=True)
+class EngineArgument:
+    name: str  # vLLM's name; the flag is --name-with-dashes
+    type: ArgType
+    effect: Effect
+    help: str
+    settings: tuple[str, ...] = ()  # the EngineConfig fields it decides (SETS)
+    # value -> settings; None: the value goes to settings[0] as it is (EngineConfig checks it)
+    convert: Optional[Converter] = None
+    only: Any = None  # ONLY_AT: the one value accepted
+    choices: tuple[str, ...] = ()
+    # what the argument is in a built config (the default a flag's help shows); None: the
+    # value of settings[0]
+    shown: Optional[Callable[[EngineConfig], Any]] = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_in(self, config: EngineConfig) -> Any:
+        """Its value in ``config`` (None where one cannot be told)."""
+        if self.effect is Effect.ONLY_AT:
+            return self.only
+        if self.shown is not None:
+            return self.shown(config)
+        return getattr(config, self.settings[0]) if self.settings else None
 
 
-def _kv_cache_dtype(value: Any) -> dict:
-    names = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16"}
-    if str(value) not in names:
-        raise ValueError(
-            f"kv_cache_dtype={value!r} is not supported (the KV cache uses the "
-            f"model's dtype, or one of {sorted(names)})"
-        )
-    return {"kv_cache_dtype": names[str(value)]}
+def _same(name: str, type: ArgType, help: str, **extra: Any) -> EngineArgument:
+    """An argument that is the EngineConfig setting of the same name."""
+    return EngineArgument(name, type, Effect.SETS, help, settings=(name,), **extra)
 
 
-def _flag(value: Any, name: str) -> bool:
-    parsed = parse_bool(str(value), JSON_FLAG)
-    if parsed is None:
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-    return parsed
+def _only(name: str, type: ArgType, only: Any, why: str) -> EngineArgument:
+    return EngineArgument(name, type, Effect.ONLY_AT, why, only=only)
 
 
-def _scheduling_policy(value: Any) -> dict:
-    policies = {"fcfs": "fifo", "priority": "priority"}
-    if value not in policies:
-        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {value!r}")
-    return {"policy": policies[value]}
-
-
-def _hash_algo(value: Any) -> dict:
-    # vLLM's sha256 (pickle) and xxhash digests depend on its own pickling: not reproduced.
-    if value not in HASH_ALGOS:
-        raise ValueError(
-            f"prefix_caching_hash_algo={value!r} is not supported, only "
-            f"{' and '.join(HASH_ALGOS)} are"
-        )
-    return {"prefix_caching_hash_algo": value}
-
-
-def _speculative_config(value: Any) -> dict:
-    if isinstance(value, str):
-        value = json.loads(value)
-    if not isinstance(value, dict):
-        raise ValueError("speculative_config must be an object")
-    known = {
-        "method",
+T, E = ArgType, Effect  # short names for the table
+ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
+    # --- the model
+    _same(
         "model",
-        "num_speculative_tokens",
-        "prompt_lookup_max",
-        "prompt_lookup_min",
-        "disable_by_batch_size",
-    }
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(
-            f"speculative_config: unsupported keys {unknown} (supported: {sorted(known)})"
-        )
-    method = value.get("method") or ("draft" if value.get("model") else None)
-    if method in ("ngram", "[ngram]"):
-        method = "ngram"
-    elif method in ("draft_model", "draft"):
-        method = "draft"
-    else:
-        raise ValueError(
-            f"speculative_config: method must be 'ngram' or a draft 'model', got "
-            f"{value.get('method')!r}"
-        )
-    out = {"speculative_method": method}
-    renames = {
-        "model": "speculative_model",
-        "num_speculative_tokens": "num_speculative_tokens",
-        "prompt_lookup_max": "ngram_prompt_lookup_max",
-        "prompt_lookup_min": "ngram_prompt_lookup_min",
-        "disable_by_batch_size": "speculative_disable_by_batch_size",
-    }
-    out.update({renames[k]: v for k, v in value.items() if k in renames})
-    return out
+        T.STR,
+        "'default' (the embedded SmolLM2-135M-Instruct) or a Hugging Face model "
+        "directory (absolute, or relative to the model's directory); nothing is downloaded",
+    ),
+    _same("tokenizer", T.STR, "tokenizer directory (default: the model's own)"),
+    EngineArgument(
+        "dtype",
+        T.STR,
+        E.SETS,
+        "weights and activations: auto (float32 on CPU, "
+        "bfloat16 on CUDA), float32, float16, bfloat16; on CPU bfloat16 holds the "
+        "linear layers' weights in bf16",
+        settings=("dtype",),
+        convert=convert_dtype,
+        choices=("auto", "float32", "float", "float16", "half", "bfloat16"),
+    ),
+    EngineArgument(
+        "quantization",
+        T.STR,
+        E.SETS,
+        "int8: every linear layer quantized at load (CPU); none: unquantized",
+        settings=("quantization",),
+        convert=convert_quantization,
+        choices=("none", "int8"),
+    ),
+    _same("seed", T.INT, "the engine's random seed (a request's own seed wins)"),
+    _same("device", T.STR, "auto (CUDA when available), cpu, cuda, cuda:N"),
+    # --- memory
+    EngineArgument(
+        "kv_cache_dtype",
+        T.STR,
+        E.SETS,
+        "KV cache: auto (the model's dtype), float32, bfloat16",
+        settings=("kv_cache_dtype",),
+        convert=convert_kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+    ),
+    _same("block_size", T.INT, "tokens per KV cache block"),
+    _same(
+        "gpu_memory_utilization",
+        T.FLOAT,
+        "CUDA: fraction of the GPU's free memory the KV cache "
+        "takes (instead of kv_cache_memory_bytes)",
+    ),
+    _same("kv_cache_memory_bytes", T.INT, "bytes of the KV cache pool"),
+    _same("num_gpu_blocks_override", T.INT, "exact number of KV cache blocks"),
+    EngineArgument(
+        "swap_space",
+        T.FLOAT,
+        E.SETS,
+        "GiB of CPU memory for preempted requests' KV blocks (preemption_mode swap/auto)",
+        settings=("swap_space_bytes",),
+        convert=convert_swap_space,
+        shown=lambda c: c.swap_space_bytes / GIB,
+    ),
+    # --- scheduling
+    _same(
+        "max_model_len",
+        T.INT,
+        "longest prompt + output; unset: the model's position limit",
+    ),
+    _same("max_num_seqs", T.INT, "most requests in one engine step"),
+    _same("max_num_batched_tokens", T.INT, "token budget of one engine step"),
+    EngineArgument(
+        "enable_chunked_prefill",
+        T.BOOL,
+        E.SETS,
+        "split long prompts across steps",
+        settings=("enable_chunked_prefill",),
+        convert=switch("enable_chunked_prefill", "enable_chunked_prefill"),
+    ),
+    EngineArgument(
+        "enable_prefix_caching",
+        T.BOOL,
+        E.SETS,
+        "reuse the KV blocks of shared prompt prefixes",
+        settings=("enable_prefix_caching",),
+        convert=switch("enable_prefix_caching", "enable_prefix_caching"),
+    ),
+    EngineArgument(
+        "prefix_caching_hash_algo",
+        T.STR,
+        E.SETS,
+        "how full blocks are named: "
+        "builtin (fastest) or sha256_cbor (vLLM's, what KV events carry)",
+        settings=("prefix_caching_hash_algo",),
+        convert=convert_hash_algo,
+        choices=HASH_ALGOS,
+    ),
+    EngineArgument(
+        "scheduling_policy",
+        T.STR,
+        E.SETS,
+        "fcfs, or priority (a request's priority, lower first)",
+        settings=("policy",),
+        convert=convert_scheduling_policy,
+        choices=tuple(POLICIES),
+        shown=lambda c: {v: k for k, v in POLICIES.items()}.get(c.policy, c.policy),
+    ),
+    _same(
+        "preemption_mode",
+        T.STR,
+        "when KV blocks run out: recompute, swap or auto",
+        choices=PREEMPTION_MODES,
+    ),
+    EngineArgument(
+        "enforce_eager",
+        T.BOOL,
+        E.SETS,
+        "CUDA: no CUDA graphs (every step runs eagerly)",
+        settings=("enable_cuda_graphs",),
+        convert=switch("enforce_eager", "enable_cuda_graphs", invert=True),
+        shown=lambda c: not c.enable_cuda_graphs,
+    ),
+    EngineArgument(
+        "speculative_config",
+        T.JSON,
+        E.SETS,
+        "speculative decoding, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or a draft "model"',
+        settings=("speculative_method", *SPECULATIVE_KEYS.values()),
+        convert=convert_speculative_config,
+        shown=shown_speculative_config,
+    ),
+    # --- LoRA
+    EngineArgument(
+        "enable_lora",
+        T.BOOL,
+        E.SETS,
+        "serve LoRA adapters per request",
+        settings=("enable_lora",),
+        convert=switch("enable_lora", "enable_lora"),
+    ),
+    EngineArgument(
+        "lora_modules",
+        T.ADAPTERS,
+        E.SETS,
+        "LoRA adapters: name=path pairs (a JSON object in model.json or --set)",
+        settings=("lora_modules",),
+        convert=convert_adapters,
+        shown=lambda c: None,
+    ),
+    _same("max_loras", T.INT, "most distinct adapters among the requests of one step"),
+    _same("max_lora_rank", T.INT, "adapters of a higher rank are refused at load"),
+    # --- accepted only where they ask for nothing
+    _only(
+        "tensor_parallel_size",
+        T.INT,
+        1,
+        "one device per model: tensor parallelism is not built",
+    ),
+    _only("pipeline_parallel_size", T.INT, 1, "one device per model"),
+    _only(
+        "data_parallel_size",
+        T.INT,
+        1,
+        "one engine per model instance (Triton's instance_group and replicas scale out)",
+    ),
+    _only("enable_expert_parallel", T.BOOL, False, "one device per model"),
+    _only("trust_remote_code", T.BOOL, False, "only architectures built into transformers load"),
+    _only("tokenizer_mode", T.STR, "auto", "the model's Hugging Face tokenizer is used"),
+    _only("load_format", T.STR, "auto", "weights load with transformers' from_pretrained"),
+    _only("skip_tokenizer_init", T.BOOL, False, "requests are text and need the tokenizer"),
+    # --- server options
+    EngineArgument("disable_log_stats", T.BOOL, E.SERVER, "no custom metrics"),
+    EngineArgument(
+        "max_logprobs",
+        T.INT,
+        E.SERVER,
+        "most logprobs a request may ask for",
+        shown=lambda c: 20,
+    ),
+    EngineArgument(
+        "kv_events_config",
+        T.JSON,
+        E.SERVER,
+        "publish KV cache events as vLLM does (vLLM's KVEventsConfig fields)",
+    ),
+    # --- no effect on what a Triton model serves
+    EngineArgument(
+        "served_model_name",
+        T.STR,
+        E.NO_EFFECT,
+        "Triton names a model by its directory (slipstream serve --served-model-name renames it)",
+    ),
+    EngineArgument("disable_log_requests", T.BOOL, E.NO_EFFECT, "requests are not logged"),
+    EngineArgument("enable_log_requests", T.BOOL, E.NO_EFFECT, "requests are not logged"),
+    EngineArgument("distributed_executor_backend", T.STR, E.NO_EFFECT, "one process per model"),
+    EngineArgument("disable_custom_all_reduce", T.BOOL, E.NO_EFFECT, "no all-reduce"),
+    EngineArgument("max_seq_len_to_capture", T.INT, E.NO_EFFECT, "decode graphs cover any length"),
+    EngineArgument("max_cpu_loras", T.INT, E.NO_EFFECT, "adapters stay loaded"),
+    EngineArgument(
+        "lora_extra_vocab_size",
+        T.INT,
+        E.REMOVED,
+        "LoRA adapters here never add vocabulary (vLLM dropped the argument as well)",
+    ),
+)
+BY_NAME = {a.name: a for a in ENGINE_ARGUMENTS}
 
 
-# model.json key -> converter returning EngineConfig settings
-MAPPED: dict = {
-    "model": _same("model"),
-    "tokenizer": _same("tokenizer"),
-    "dtype": _dtype,
-    "quantization": _quantization,
-    "kv_cache_dtype": _kv_cache_dtype,
-    "seed": _same("seed"),
-    "device": _same("device"),
-    "block_size": _same("block_size"),
-    "max_model_len": _same("max_model_len"),
-    "max_num_seqs": _same("max_num_seqs"),
-    "max_num_batched_tokens": _same("max_num_batched_tokens"),
-    "prefix_caching_hash_algo": _hash_algo,
-    "enable_prefix_caching": lambda v: {"enable_prefix_caching": _flag(v, "enable_prefix_caching")},
-    "enable_chunked_prefill": lambda v: {
-        "enable_chunked_prefill": _flag(v, "enable_chunked_prefill")
-    },
-    "enforce_eager": lambda v: {"enable_cuda_graphs": not _flag(v, "enforce_eager")},
-    "gpu_memory_utilization": _same("gpu_memory_utilization"),
-    "kv_cache_memory_bytes": _same("kv_cache_memory_bytes"),
-    "num_gpu_blocks_override": _same("num_gpu_blocks_override"),
-    "swap_space": lambda v: {"swap_space_bytes": int(float(v) * 2**30)},  # GiB in vLLM
-    "preemption_mode": _same("preemption_mode"),
-    "scheduling_policy": _scheduling_policy,
-    "speculative_config": _speculative_config,
-    # the adapters themselves come from 1/multi_lora.json (server/stub/multi_lora.py)
-    "enable_lora": lambda v: {"enable_lora": _flag(v, "enable_lora")},
-    "max_loras": _same("max_loras"),
-    "max_lora_rank": _same("max_lora_rank"),
-}
-# Accepted only at these values: anything else asks for something this engine cannot do.
-FIXED: dict = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
-    "trust_remote_code": False,
-    "tokenizer_mode": "auto",
-    "load_format": "auto",
-    "skip_tokenizer_init": False,
-    "enable_expert_parallel": False,
-}
-WHY_FIXED = {
-    "tensor_parallel_size": "one device per model",
-    "pipeline_parallel_size": "one device per model",
-    "data_parallel_size": "one engine per model instance",
-    "trust_remote_code": "only architectures built into transformers load",
-    "tokenizer_mode": "the model's Hugging Face tokenizer is used",
-    "load_format": "weights load with transformers' from_pretrained",
-    "skip_tokenizer_init": "requests are text and need the tokenizer",
-    "enable_expert_parallel": "one device per model",
-}
-# No effect on what a Triton model serves: accepted (listed in the README).
-NO_EFFECT = {
-    "served_model_name",
-    "disable_log_requests",
-    "enable_log_requests",
-    "distributed_executor_backend",
-    "disable_custom_all_reduce",
-    "max_seq_len_to_capture",
-    "max_cpu_loras",
-}
-SERVER_OPTIONS = {"disable_log_stats", "max_logprobs", "kv_events_config"}
+def settings_of(name: str) -> frozenset[str]:
+    """The EngineConfig settings a parameter decides: an argument's, or a setting's own name."""
+    argument = BY_NAME.get(name)
+    return frozenset(argument.settings) if argument is not None else frozenset({name})
 
 
-def read_model_json(version_dir: Path) -> Optional[dict]:
-    """The engine arguments of ``<version_dir>/model.json``, or None if there is none."""
-    path = Path(version_dir) / MODEL_JSON
-    if not path.is_file():
-        return None
-    try:
-        args = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(args, dict):
-        raise ValueError(f"{path}: must hold a JSON object of vLLM engine arguments")
-    return args
+def aliases_in(names: Iterable[str], name: str) -> list[str]:
+    """The names among ``names``, other than ``name``, that decide a setting ``name`` decides."""
+    mine = settings_of(name)
+    return [n for n in names if n != name and settings_of(n) & mine]
 
 
-def translate(args: Mapping[str, Any]) -> EngineArgs:
-    """vLLM engine arguments -> ``EngineArgs``; ``ValueError`` names every key it refuses."""
-    result = EngineArgs()
-    problems = []
-    for key, value in args.items():
-        try:
-            _apply(result, key, value)
-        except (TypeError, ValueError) as e:
-            problems.append(str(e))
-    if problems:
-        raise ValueError("model.json: " + "; ".join(problems))
-    return result
-
-
-def _apply(result: EngineArgs, key: str, value: Any) -> None:
-    if key in MAPPED:
-        if value is not None:
-            result.engine.update(MAPPED[key](value))
-    elif key in FIXED:
-        if not _equal(value, FIXED[key]):
-            raise ValueError(
-                f"{key}={value!r} is not supported ({WHY_FIXED[key]}), only "
-                f"{json.dumps(FIXED[key])} is"
-            )
-    elif key == "disable_log_stats":
-        result.disable_log_stats = _flag(value, key)
-    elif key == "max_logprobs":
-        result.max_logprobs = int(value)
-    elif key in REMOVED_IN_VLLM:
-        log.warning(
-            "model.json: %s=%r is accepted and has no effect: %s", key, value, REMOVED_IN_VLLM[key]
-        )
-    elif key == "kv_events_config":
-        result.kv_events_config = value
-    elif key not in NO_EFFECT:
-        supported = sorted(set(MAPPED) | set(FIXED) | NO_EFFECT | SERVER_OPTIONS)
-        raise ValueError(
-            f"unknown or unsupported engine argument {key!r} (supported: {', '.join(supported)})"
-        )
-
-
-def _equal(value: Any, fixed: Any) -> bool:
-    if fixed is None:
-        return value in (None, "", "none", "None")
-    if isinstance(fixed, bool):
-        return str(value).strip().lower() == str(fixed).lower()
-    if isinstance(fixed, int):
-        try:
-            return int(value) == fixed
-        except (TypeError, ValueError):
-            return False
-    return str(value) == str(fixed)
-
-
-def resolve_model(name: str, search_dirs: list) -> str:
-    """Where a ``model`` / ``tokenizer`` value points: ``default``; an absolute directory; a
-    directory relative to one of ``search_dirs`` (the model's directory, its version
-    directory, the working directory, which is what vLLM resolves against); or a Hugging Face
-    id already in the local cache. Nothing is downloaded: anything else is a load error
-    naming what was tried."""
-    if name in ("", "default"):
-        return name
-    path = Path(name).expanduser()
-    candidates = [path] if path.is_absolute() else [Path(d) / path for d in search_dirs]
-    for candidate in candidates:
-        if candidate.is_dir():
-            return str(candidate.resolve())
-    cached = _hub_cache(name)
-    if cached is not None:
-        return cached
-    tried = ", ".join(str(c) for c in candidates)
-    raise ValueError(
-        f"model {name!r} not found: not a directory ({tried}) nor a Hugging Face "
-        "model in the local cache; this backend does not download models"
-    )
-
-
-def _hub_cache(repo_id: str) -> Optional[str]:
-    if repo_id.count("/") != 1:
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id, local_files_only=True)
-    except Exception:  # not cached, not a valid id, or no huggingface_hub
-        return None
+def conflicts(names: Iterable[str]) -> list[str]:
+    """'a and b both set s' for every setting two of ``names`` decide."""
+    first: dict[str, str] = {}
+    found = []
+    for name in names:
+        for setting in sorted(settings_of(name)):
+            other = first.setdefault(setting, name)
+            if other != name:
+                found.append(f"{other} and {name} both set {setting}: give one")
+    return found

