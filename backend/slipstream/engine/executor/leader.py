@@ -7,7 +7,8 @@ engine thread. ``TensorParallelLeader.start``:
 1. serves the group's store on ``master_addr:master_port`` and binds its sockets;
 2. starts this machine's other ranks (``rank_processes``: the environment's Python, each
    pinned to its cores); other machines' ranks are started there (``headless``);
-3. waits for every rank's hello, then joins the torch.distributed group with them;
+3. waits for every rank's hello, then tells them all to join the torch.distributed group,
+   and joins it;
 4. pins the engine thread to rank 0's cores.
 
 The engine's factory then loads rank 0's share (``member``) while every other rank loads
@@ -105,6 +106,7 @@ class TensorParallelLeader:
                 if rank != 0:
                     leader.local.append(spawn_rank(rank, topology, cores[index]))
             leader._wait_for_hellos()
+            leader.sockets.send(leader.others, step_plan.encode(StepPlan.bare(PlanKind.JOIN)))
             leader.group = leader._join(settings.device)
             leader.member = LeaderMember(leader.group, leader.announce, leader.broken)
             if settings.device.type == "cpu":

@@ -1,4 +1,4 @@
-"""Starting and stopping a machine's rank processes (``rank_worker``): each with the
+"""Starting and stopping a machine's rank processes (``rank_main``): each with the
 environment's Python, this package first on its path, pinned to its cores."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 import slipstream
 from slipstream.worker.distributed.topology import Topology, format_cores
 
-RANK_MODULE = "slipstream.engine.executor.rank_worker"
+RANK_MODULE = "slipstream.engine.executor.rank_main"
 STOP_GRACE_S = 5.0  # a rank asked to stop gets this long before it is killed
 
 

@@ -6,7 +6,7 @@ the load there, and so it does here. Every key is one of:
 * mapped onto an ``EngineConfig`` setting (``max_num_seqs`` ...), possibly converted
   (``enforce_eager`` -> ``enable_cuda_graphs``, ``swap_space`` GiB -> bytes ...);
 * a server option (``disable_log_stats`` turns the custom metrics off, ``max_logprobs``);
-* accepted only at the value that means "nothing to do" here (``tensor_parallel_size: 1``,
+* accepted only at the value that means "nothing to do" here (``pipeline_parallel_size: 1``,
   ``quantization: null`` ...): any other value is refused, since this
   engine could not honour it;
 * without effect on serving and accepted as such (``served_model_name``, log switches).
@@ -180,10 +180,15 @@ MAPPED: dict = {
     "enable_lora": lambda v: {"enable_lora": _flag(v, "enable_lora")},
     "max_loras": _same("max_loras"),
     "max_lora_rank": _same("max_lora_rank"),
+    # tensor parallelism (engine/executor); vLLM's multi-node flags name rank 0's rendezvous
+    "tensor_parallel_size": _same("tensor_parallel_size"),
+    "nnodes": _same("nnodes"),
+    "master_addr": _same("master_addr"),
+    "master_port": _same("master_port"),
 }
 # Accepted only at these values: anything else asks for something this engine cannot do.
 FIXED: dict = {
-    "tensor_parallel_size": 1,
+    "node_rank": 0,
     "pipeline_parallel_size": 1,
     "data_parallel_size": 1,
     "trust_remote_code": False,
@@ -193,14 +198,15 @@ FIXED: dict = {
     "enable_expert_parallel": False,
 }
 WHY_FIXED = {
-    "tensor_parallel_size": "one device per model",
-    "pipeline_parallel_size": "one device per model",
+    "node_rank": "Triton serves on rank 0's machine; the others run `slipstream serve "
+    "--node-rank K` headless",
+    "pipeline_parallel_size": "the model is split by tensor parallelism only",
     "data_parallel_size": "one engine per model instance",
     "trust_remote_code": "only architectures built into transformers load",
     "tokenizer_mode": "the model's Hugging Face tokenizer is used",
     "load_format": "weights load with transformers' from_pretrained",
     "skip_tokenizer_init": "requests are text and need the tokenizer",
-    "enable_expert_parallel": "one device per model",
+    "enable_expert_parallel": "no mixture-of-experts model is served",
 }
 # No effect on what a Triton model serves: accepted (listed in the README).
 NO_EFFECT = {

@@ -2,9 +2,10 @@
 through torch.distributed).
 
 * plans, rank 0 -> each rank: a ROUTER bound by rank 0, one DEALER per rank. A rank says
-  hello once connected (so rank 0 knows it can be reached); then it reads step plans, and
-  pings that rank 0 sends while idle. A rank that hears nothing from rank 0 for
-  ``LEADER_SILENCE_S`` takes rank 0 for gone and exits.
+  hello once connected (so rank 0 knows it can be reached) and waits for rank 0's word that
+  every rank has (then they all join the process group); then it reads step plans, and the
+  pings rank 0 sends meanwhile. A rank that hears nothing from rank 0 for
+  ``LEADER_SILENCE_S`` takes rank 0 for gone (or for a group it came too late to) and exits.
 * reports, each rank -> rank 0: a PULL bound by rank 0, one PUSH per rank: heartbeats every
   ``HEARTBEAT_PERIOD_S``, "ready" once its model is loaded, and its error when it fails.
 

@@ -24,6 +24,7 @@ class PlanKind(enum.IntEnum):
     STEP = 1  # run this batch
     STOP = 2  # the group is shutting down: exit
     PING = 3  # rank 0 is alive (sent while it has no step to run)
+    JOIN = 4  # every rank has said hello: join the process group now
 
 
 class WireArray(msgspec.Struct, array_like=True):
