@@ -306,6 +306,8 @@ class TensorParallelLeader:
         if self._monitor.is_alive():
             self._monitor.join(2.0)
         self.sockets.close()
+        if self.group is not None:
+            self.group.close()
         self.group = self.member = None
         self.store = None
         if self._pinned is not None:

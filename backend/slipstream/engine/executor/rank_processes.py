@@ -17,7 +17,8 @@ import slipstream
 from slipstream.worker.distributed.topology import Topology, format_cores
 
 RANK_MODULE = "slipstream.engine.executor.rank_main"
-STOP_GRACE_S = 5.0  # a rank asked to stop gets this long before it is killed
+STOP_GRACE_S = 5.0  # a rank asked to stop gets this long to exit by itself
+TERMINATE_GRACE_S = 2.0  # then this long after SIGTERM, before SIGKILL
 
 
 def _is_python(path: object) -> bool:
@@ -104,15 +105,21 @@ def spawn_rank(rank: int, topology: Topology, cores: list[int]) -> RankProcess:
 
 
 def stop_ranks(ranks: list[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
-    """End every process in ``ranks``: those still running get SIGTERM, then SIGKILL after
-    ``grace_s``; each is reaped (no zombie is left)."""
-    for rank in ranks:
-        if rank.process.poll() is None:
-            rank.process.terminate()
+    """End every process in ``ranks``: each gets ``grace_s`` to exit by itself (it was told
+    to stop), then SIGTERM, then SIGKILL; each is reaped (no zombie is left). ``grace_s``
+    0: killed at once (a broken group's ranks, a hung one among them)."""
     deadline = time.monotonic() + grace_s
     for rank in ranks:
         try:
             rank.process.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+    running = [r for r in ranks if r.process.poll() is None]
+    for rank in running:
+        rank.process.kill() if grace_s <= 0 else rank.process.terminate()
+    for rank in running:
+        try:
+            rank.process.wait(TERMINATE_GRACE_S)
         except subprocess.TimeoutExpired:
             rank.process.kill()
             rank.process.wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ PLANS_KEY = "slipstream/plans"
 REPORTS_KEY = "slipstream/reports"
 # How long a rank waits for rank 0's store, and rank 0 for every rank to say hello.
 JOIN_TIMEOUT_S = 600.0
+OWN_STORE_TIMEOUT_S = 30.0  # rank 0 reaching its own store
 
 
 @dataclass(frozen=True)
@@ -34,20 +36,34 @@ class Meeting:
 def listen(topology: Topology) -> dist.TCPStore:
     """Rank 0's store; ``RuntimeError`` naming the address when it cannot serve there (a
     port taken, an address not of this machine)."""
+    where = f"master_addr:master_port {topology.master_addr}:{topology.master_port}"
     try:
-        return dist.TCPStore(
+        _check_own_address(topology.master_addr)
+        store = dist.TCPStore(
             topology.master_addr,
             topology.master_port,
             topology.world,
             True,
-            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=OWN_STORE_TIMEOUT_S),
             wait_for_workers=False,
         )
     except (RuntimeError, ValueError, OSError) as exc:
-        raise RuntimeError(
-            f"tensor parallelism: rank 0 cannot listen on master_addr:master_port "
-            f"{topology.master_addr}:{topology.master_port}: {exc}"
-        ) from None
+        raise RuntimeError(f"tensor parallelism: rank 0 cannot listen on {where}: {exc}") from None
+    store.set_timeout(datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    return store
+
+
+def _check_own_address(host: str) -> None:
+    """``OSError`` unless ``host`` names an address of this machine (rank 0 serves there:
+    the store's own client would otherwise wait its whole timeout to say so)."""
+    for family, kind, proto, _name, address in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+                return
+            except OSError as exc:
+                error = exc
+    raise OSError(f"{host} is not an address of this machine ({error})")
 
 
 def connect(addr: str, port: int, timeout_s: float = JOIN_TIMEOUT_S) -> dist.TCPStore:

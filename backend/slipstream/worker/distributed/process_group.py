@@ -74,6 +74,11 @@ class RankGroup:
             pg = dist.ProcessGroupGloo(store, rank, world, options)
         return cls(pg, rank, world, device)
 
+    def close(self) -> None:
+        """Let go of the process group (its sockets, and the store it holds: rank 0's port);
+        a collective after this raises. The model's hooks keep this object, not the group."""
+        self.pg = None
+
     def serving(self) -> None:
         """Loading is over: from now on a collective waits ``STEP_COLLECTIVE_TIMEOUT_S``."""
         self._timeout = datetime.timedelta(seconds=STEP_COLLECTIVE_TIMEOUT_S)
@@ -88,7 +93,7 @@ class RankGroup:
         options = dist.AllreduceOptions()
         options.reduceOp = _SUM
         options.timeout = self._timeout
-        self._run(lambda: self.pg.allreduce([tensor], options))
+        self._run(lambda pg: pg.allreduce([tensor], options))
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -99,9 +104,9 @@ class RankGroup:
         options.timeout = self._timeout
         if self.rank == 0:
             parts = [torch.empty_like(tensor) for _ in range(self.world)]
-            self._run(lambda: self.pg.gather([parts], [tensor], options))
+            self._run(lambda pg: pg.gather([parts], [tensor], options))
             return parts
-        self._run(lambda: self.pg.gather([], [tensor], options))
+        self._run(lambda pg: pg.gather([], [tensor], options))
         return None
 
     def min_int(self, value: int) -> int:
@@ -110,11 +115,14 @@ class RankGroup:
         options = dist.AllreduceOptions()
         options.reduceOp = _MIN
         options.timeout = self._timeout
-        self._run(lambda: self.pg.allreduce([tensor], options))
+        self._run(lambda pg: pg.allreduce([tensor], options))
         return int(tensor.item())
 
-    def _run(self, collective: Callable[[], dist.Work]) -> None:
+    def _run(self, collective: Callable[[Any], dist.Work]) -> None:
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError(f"rank {self.rank}'s tensor-parallel group is closed")
         start = time.perf_counter()
-        collective().wait()
+        collective(pg).wait()
         self.clock.seconds += time.perf_counter() - start
         self.clock.calls += 1
