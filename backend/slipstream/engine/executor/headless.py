@@ -20,6 +20,7 @@ from slipstream.worker.distributed.topology import Topology, rank_cores
 log = logging.getLogger("slipstream")
 
 RETRY_S = 2.0  # between two groups, and between attempts to reach rank 0
+STOP_NOW_S = 0.5  # a stopped machine's ranks get this long before SIGTERM
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class HeadlessNode:
             try:
                 while not stop.is_set() and any(r.process.poll() is None for r in ranks):
                     stop.wait(0.5)
-            finally:
-                stop_ranks(ranks)
+            finally:  # the ranks end by themselves with their group; a stop ends them now
+                stop_ranks(ranks, grace_s=STOP_NOW_S)
             for rank in ranks:
                 log.info("%s", rank.exit_reason())
             stop.wait(RETRY_S)
