@@ -40,13 +40,14 @@ def settings(**more) -> dict:
 def workload() -> tuple[list, list]:
     """Greedy prompts, chunked and prefix-shared, one scoring its prompt, one forking into
     two sampled sequences (copy-on-write of its last prompt block: a block copy every rank
-    makes)."""
-    prompts = PROMPTS + [SHARED + [11, 12, 13], SHARED + [21, 22], PROMPTS[1]]
+    makes), one beam search."""
+    prompts = PROMPTS + [SHARED + [11, 12, 13], SHARED + [21, 22], PROMPTS[1], PROMPTS[2]]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in OUTS]
     params += [
         SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, prompt_logprobs=2),
         SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=7, n=2, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=6, n=2, beam_width=3, temperature=0, ignore_eos=True),
     ]
     return prompts, params
 

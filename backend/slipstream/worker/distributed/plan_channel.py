@@ -24,7 +24,7 @@ import zmq
 
 HEARTBEAT_PERIOD_S = 0.5
 # a rank silent this long is hung (stopped, or cut off): the group is broken
-HEARTBEAT_TIMEOUT_S = 5.0
+HEARTBEAT_TIMEOUT_S = 10.0
 LEADER_SILENCE_S = 10.0  # a rank that hears nothing from rank 0 this long exits
 HELLO = b"hello"
 
