@@ -231,4 +231,4 @@ def test_the_supervisor_restarts_the_whole_group():
         assert out.num_output_tokens == 4
     finally:
         supervisor.shutdown()
-    assert second.poll() is not None
+    assert second.poll() == 0  # stopped by word before the engine thread ended

@@ -240,6 +240,16 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - a bug or a fatal error: nothing must hang
             log.critical("engine loop crashed:\n%s", traceback.format_exc())
             self._die(f"engine loop crashed: {type(exc).__name__}: {exc}")
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        """End the engine's other processes (a tensor-parallel group's ranks), from the loop
+        thread as it ends (they die with the thread that started them: they are stopped
+        first), or from ``shutdown`` when that thread is stuck in a step."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def _built_engine(self) -> EngineSurface:
@@ -272,9 +282,7 @@ class EngineLoop:
             if self._health.state is not HealthState.DEAD:
                 self._health = Health(HealthState.STOPPED)
         self._save_trace(alive)
-        close = getattr(self.engine, "close", None)
-        if close is not None:  # its other processes (a stuck step's peers among them)
-            close()
+        self._close_engine()  # a stuck step's peers among its processes
 
     def _save_trace(self, loop_alive: bool) -> None:
         if self.engine is None:
