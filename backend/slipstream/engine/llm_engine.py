@@ -95,9 +95,12 @@ class LLMEngine:
             self._build(config, settings, model, tokenizer, kv_event_sink)
         except BaseException as exc:
             parallel = self.parallel
+            cause = parallel.load_failure() if parallel and isinstance(exc, Exception) else None
             self.close()
-            if parallel is not None and isinstance(exc, Exception):
-                raise parallel.explain(exc) from exc
+            if cause is not None:  # another rank's failure: name it
+                raise RuntimeError(
+                    f"tensor_parallel_size={config.tensor_parallel_size}: {cause}"
+                ) from exc
             raise
 
     def _build(

@@ -183,11 +183,11 @@ class TensorParallelLeader:
         if self.group is not None:
             self.group.serving()
 
-    def explain(self, exc: BaseException) -> BaseException:
-        """What to raise for ``exc``, raised while the group loaded: the rank's failure
-        where one is known (a collective only says that a peer went away)."""
-        reason = self._cause(exc)
-        return RuntimeError(f"tensor_parallel_size={self.topology.world}: {reason}")
+    def load_failure(self) -> Optional[str]:
+        """Why the group failed while loading, where a rank's failure is known (waited for
+        briefly: a collective only says that a peer went away); None where rank 0 failed
+        on its own."""
+        return self._known_cause()
 
     # -- serving ---------------------------------------------------------------------------
     def announce(self, batch: StepBatch, copies: list[tuple[int, int]]) -> None:
@@ -202,12 +202,13 @@ class TensorParallelLeader:
 
     def broken(self, exc: BaseException) -> BaseException:
         """The group's failure for an exception out of rank 0's forward."""
-        self._fail(self._cause(exc))
+        cause = self._known_cause()
+        self._fail(cause or f"a step failed on rank 0: {type(exc).__name__}: {exc}")
         return self._group_failure()
 
-    def _cause(self, exc: BaseException) -> str:
-        """Why a collective failed: a rank's known failure, waited for briefly (a peer
-        that died is seen by the collective before the monitor sees the process end)."""
+    def _known_cause(self) -> Optional[str]:
+        """A rank's failure, waited for up to ``CAUSE_WAIT_S`` (a peer that died is seen by
+        a collective before the monitor sees its process end), or None."""
         deadline = time.monotonic() + CAUSE_WAIT_S
         while time.monotonic() < deadline:
             if self.failure is not None:
@@ -217,7 +218,7 @@ class TensorParallelLeader:
                 if reason is not None:
                     return reason
             time.sleep(0.05)
-        return f"a step failed on rank 0: {type(exc).__name__}: {exc}"
+        return None
 
     def fatal_error(self) -> Optional[str]:
         """What the engine says when the group has broken, or None while it serves."""
