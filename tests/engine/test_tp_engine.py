@@ -84,18 +84,19 @@ def score_gaps(got: list, want: list) -> list:
 
 
 @pytest.mark.parametrize(
-    "arch, more",
+    "arch, ranks, more",
     [
-        ("llama", {}),  # model/llama's module tree, the lean forward
-        ("llama", {"speculative_method": "ngram", "num_speculative_tokens": 3}),
-        ("qwen2", {"fast_forward": False}),  # transformers' forward, q/k/v biases
-        ("mistral", {}),  # one KV head, replicated on both ranks
+        ("llama", 2, {}),  # model/llama's module tree, the lean forward
+        ("llama", 2, {"speculative_method": "ngram", "num_speculative_tokens": 3}),
+        ("qwen2", 2, {"fast_forward": False}),  # transformers' forward, q/k/v biases
+        ("mistral", 2, {}),  # one KV head, replicated on both ranks
+        ("llama", 3, {}),  # 2 KV heads over 3 ranks: one shared by two, 1 + 1 + 2 query heads
     ],
-    ids=["lean", "ngram", "transformers-qwen2", "mistral"],
+    ids=["lean", "ngram", "transformers-qwen2", "mistral", "three-ranks"],
 )
-def test_two_ranks_generate_what_one_does(arch, more):
+def test_ranks_generate_what_one_does(arch, ranks, more):
     one = generate(EngineConfig(**settings(arch=arch, **more)))
-    two = generate(EngineConfig(**settings(arch=arch, tensor_parallel_size=2, **more)))
+    two = generate(EngineConfig(**settings(arch=arch, tensor_parallel_size=ranks, **more)))
     assert tokens(two) == tokens(one)
     assert max(score_gaps(prompt_scores(two), prompt_scores(one))) < 1e-4
 
