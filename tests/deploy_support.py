@@ -197,3 +197,29 @@ def image_path_to_repo(image_path: str, stage: str = "gpu") -> Path:
         if image_path.startswith(dest_abs + "/") and len(sources) == 1:
             return ROOT / sources[0] / image_path[len(dest_abs) + 1 :]
     raise AssertionError(f"{image_path} is not copied into the image")
+
+
+def strict(schema: dict) -> dict:
+    """Unknown fields are errors wherever the schema lists the fields (as a structural schema
+    prunes them, and strict field validation rejects them)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=None)
+def served_crd_schema(crd_file: Path, api_version: str) -> dict:
+    """The strict (``strict``) OpenAPI schema a CRD serves ``api_version`` (group/version)
+    with."""
+    version = api_version.split("/")[1]
+    crd = yaml.safe_load(crd_file.read_text())
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
+    return strict(served["schema"]["openAPIV3Schema"])

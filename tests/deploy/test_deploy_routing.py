@@ -13,7 +13,15 @@ import pytest
 import yaml
 
 from slipstream.server.stub.metrics import GAUGES, PREFIX
-from deploy_support import DEPLOY, find, plain_env, render, require_module, require_tool
+from deploy_support import (
+    DEPLOY,
+    find,
+    plain_env,
+    render,
+    require_module,
+    require_tool,
+    served_crd_schema,
+)
 
 WAYS = ("inference-gateway", "router")
 CRDS = Path(__file__).parent / "data" / "crds"
@@ -28,26 +36,8 @@ KUBERNETES_VERSIONS = ("1.29.0", None)
 
 
 def crd_schema(api_version: str, kind: str) -> dict:
-    group, version = api_version.split("/")
-    crd = yaml.safe_load((CRDS / CRD_FILES[(group, kind)]).read_text())
-    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]
-    return strict(served["schema"]["openAPIV3Schema"])
-
-
-def strict(schema: dict) -> dict:
-    """Unknown fields are errors wherever the schema lists the fields (as a structural schema
-    prunes them, and strict field validation rejects them)."""
-    if isinstance(schema, dict):
-        schema = {k: strict(v) for k, v in schema.items()}
-        if (
-            "properties" in schema
-            and "additionalProperties" not in schema
-            and not schema.get("x-kubernetes-preserve-unknown-fields")
-        ):
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        schema = [strict(v) for v in schema]
-    return schema
+    group, _ = api_version.split("/")
+    return served_crd_schema(CRDS / CRD_FILES[(group, kind)], api_version)
 
 
 def validate_custom(obj: dict) -> None:

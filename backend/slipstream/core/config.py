@@ -28,6 +28,8 @@ _POSITIVE = (
     "num_speculative_tokens",
     "max_loras",
     "max_lora_rank",
+    "tensor_parallel_size",
+    "nnodes",
 )
 # Settings with a closed set of values, in the order they are checked.
 _CHOICES: tuple[tuple[str, tuple[Optional[str], ...]], ...] = (
@@ -130,6 +132,19 @@ class EngineConfig:
     # ones swapped (None: max(2 blocks, max_num_batched_tokens / 4); core/swap_space.py).
     swap_min_tokens: Optional[int] = None
 
+    # Tensor parallelism (engine/executor): the model's heads, MLP and vocabulary split over
+    # this many ranks, one process each, torch.distributed between them (gloo on CPU, NCCL on
+    # CUDA); the scheduler and the sampler run on rank 0, in this process.
+    tensor_parallel_size: int = 1
+    # Machines the ranks span (tensor_parallel_size / nnodes ranks each); the others run
+    # `slipstream serve --node-rank K` headless (vLLM's --nnodes / --master-addr / -port).
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"  # rank 0's address as the other ranks reach it
+    master_port: int = 0  # rank 0's rendezvous port; 0: any free one (one machine only)
+    # CPU cores of each rank on this machine, vLLM's syntax: "0-31|32-63" (None: the cores
+    # this process may use, split evenly)
+    cpu_threads_bind: Optional[str] = None
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -145,6 +160,7 @@ class EngineConfig:
         self._validate_queue_and_memory()
         self._validate_speculation()
         self._validate_lora()
+        self._validate_parallel()
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -203,6 +219,40 @@ class EngineConfig:
             raise ValueError("lora_modules must map adapter names to PEFT directories")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+
+    def _validate_parallel(self) -> None:
+        """What a tensor-parallel group can serve; a combination it cannot is named."""
+        tp = self.tensor_parallel_size
+        if tp % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must be a multiple of nnodes={self.nnodes} "
+                "(each machine runs the same number of ranks)"
+            )
+        _check_count("master_port", self.master_port, low=0)
+        if self.master_port > 65535:
+            raise ValueError(f"master_port must be a TCP port (0-65535), got {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs master_port: the other machines' ranks must know "
+                "where rank 0 listens"
+            )
+        if tp == 1:
+            return
+        refused = (
+            (
+                self.preemption_mode != "recompute",
+                f"preemption_mode={self.preemption_mode!r} (the swap pool would hold rank 0's "
+                "KV heads only); use 'recompute'",
+            ),
+            (self.enable_lora, "enable_lora (adapters are not sharded)"),
+            (
+                self.speculative_method == "draft",
+                "speculative_method='draft' (the draft model is not sharded); 'ngram' works",
+            ),
+        )
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"tensor_parallel_size={tp} cannot serve {what}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":

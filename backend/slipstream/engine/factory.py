@@ -12,8 +12,10 @@ from typing import Any, Optional
 import torch
 
 from slipstream.core.config import EngineConfig
+from slipstream.engine.executor.member import GroupMember
 from slipstream.startup_log import Phase, phase
 from slipstream.worker.device import DeviceSettings
+from slipstream.worker.distributed.sharding import shard_of
 from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
 from slipstream.worker.layers.linear import drop_stock_weights
 from slipstream.worker.layers.memory import release_freed_memory
@@ -35,7 +37,11 @@ def resolved_max_model_len(config: EngineConfig) -> int:
 
 
 def input_vocab_size(model: torch.nn.Module) -> int:
-    """How many token ids the model embeds (its input embeddings' rows)."""
+    """How many token ids the model embeds (its input embeddings' rows; a tensor-parallel
+    rank holds a share of them: the whole vocabulary's)."""
+    shard = shard_of(model)
+    if shard is not None:
+        return shard.vocab_size
     hf: Any = model  # a transformers model: torch types its methods as Tensor | Module
     return int(hf.get_input_embeddings().num_embeddings)
 
@@ -58,25 +64,45 @@ class ModelStack:
 
 
 class ModelFactory:
-    def __init__(self, config: EngineConfig, settings: DeviceSettings) -> None:
+    def __init__(
+        self, config: EngineConfig, settings: DeviceSettings, member: Optional[GroupMember] = None
+    ) -> None:
+        """``member``: the rank of a tensor-parallel group this process is (None: the model
+        is whole here)."""
         self.config = config
         self.settings = settings
+        self.member = member
 
     # -- the target model --------------------------------------------------------------------
     def load_target(
-        self, model: Optional[torch.nn.Module] = None, tokenizer: object = None
+        self,
+        model: Optional[torch.nn.Module] = None,
+        tokenizer: object = None,
+        load_tokenizer: bool = True,
     ) -> TargetModel:
-        """The served model (``model`` / ``tokenizer`` given: used as they are), its CPU
-        layers packed and its LoRA adapters loaded."""
+        """The served model (``model`` / ``tokenizer`` given: used as they are; a
+        tensor-parallel rank's share of it), its CPU layers packed and its LoRA adapters
+        loaded. ``load_tokenizer=False``: none (a rank other than 0 has no use for one)."""
         s = self.settings
         path: Optional[Path] = None
         if model is None:
             path = loader.resolve_model_path(self.config.model)
+            # a rank's share is cut on the host, then moved to its device
+            device = torch.device("cpu") if self.member is not None else s.device
+            lean = self.config.fast_forward and s.device.type == "cpu"
             with phase(Phase.WEIGHT_LOAD, model=str(path)):
-                model = loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
-        if tokenizer is None:
+                model = loader.load_model(path, s.dtype, device, lean=lean)
+        elif self.member is not None:
+            raise ValueError(
+                "tensor parallelism loads the model from its path on every rank: give the "
+                "engine a model path, not a model object"
+            )
+        if tokenizer is None and load_tokenizer:
             tokenizer = loader.load_tokenizer(path, self.config.tokenizer)
         config = self.config = fit_max_model_len(self.config, model.config)
+        if self.member is not None:  # before packing: every format runs on the share
+            self.member.shard(model)
+            model.to(s.device)
         if s.device.type == "cpu":
             with phase(Phase.PACKING, weights=s.weight_format):
                 prepare_cpu_model(model, s.weight_format, config.cpu_linear)
@@ -98,6 +124,8 @@ class ModelFactory:
                 c.kv_cache_memory_bytes, c.gpu_memory_utilization, self.settings.device
             )
             num_blocks = num_blocks_for_budget(geometry, budget)
+        if self.member is not None:  # one block table for every rank
+            num_blocks = self.member.agree_num_blocks(num_blocks)
         if num_blocks < 2:
             raise ValueError(
                 f"KV budget holds {num_blocks} blocks of {geometry.bytes_per_block} bytes; raise "
@@ -105,6 +133,8 @@ class ModelFactory:
             )
         mib = round(num_blocks * geometry.bytes_per_block / 2**20, 1)
         with phase(Phase.KV_ALLOCATION, blocks=num_blocks, block_size=geometry.block_size, mib=mib):
+            if self.member is not None:
+                return self.member.kv_cache(geometry, num_blocks, self.settings.device)
             return KVCache(geometry, num_blocks, self.settings.device)
 
     def build_runner(
@@ -115,13 +145,22 @@ class ModelFactory:
         lora: Optional[LoraLayers] = None,
     ) -> ModelRunner:
         c = self.config
-        runner = ModelRunner(
+        graphs = c.enable_cuda_graphs
+        if graphs and self.member is not None and self.settings.device.type == "cuda":
+            log.warning(
+                "tensor_parallel_size=%d: CUDA graphs are off (a step's collectives are not "
+                "captured); decode steps run eagerly",
+                c.tensor_parallel_size,
+            )
+            graphs = False
+        make_runner = self.member.runner if self.member is not None else ModelRunner
+        runner = make_runner(
             model,
             kv_cache,
             self.settings.device,
             max_model_len,
             c.max_num_seqs,
-            c.cuda_graph_batch_sizes if c.enable_cuda_graphs else None,
+            c.cuda_graph_batch_sizes if graphs else None,
             c.attention_ops,
             c.fast_forward,
             lora,

@@ -34,6 +34,7 @@ from slipstream.core.sequence_group import SequenceGroup
 from slipstream.core.stats import EngineStats, StatsSnapshot
 from slipstream.core.swap_space import SwapSpace
 from slipstream.engine.admission import OVERLOADED, RETRY_AFTER_S, OverloadedError, QueueLimit
+from slipstream.engine.executor.leader import TensorParallelLeader
 from slipstream.engine.factory import (
     DeviceSettings,
     ModelFactory,
@@ -45,6 +46,7 @@ from slipstream.engine.model_executor import ModelExecutor
 from slipstream.engine.output_processor import OutputProcessor
 from slipstream.engine.spec_decode import Proposer, make_proposer
 from slipstream.trace import StepTracer
+from slipstream.worker.distributed.sharding import shard_of
 from slipstream.worker.layers.memory import release_freed_memory
 from slipstream.worker.sample.sampler import Sampler
 from slipstream.worker.sample.structured_output import GrammarCompiler
@@ -81,11 +83,37 @@ class LLMEngine:
         kv_event_sink: Optional[KVEventSink] = None,
     ) -> None:
         """``kv_event_sink`` receives the prefix cache's events after each step that made
-        any, on the engine thread: it must return at once (a queue, not I/O)."""
+        any, on the engine thread: it must return at once (a queue, not I/O).
+
+        With ``tensor_parallel_size`` > 1 this is rank 0 of a group of processes
+        (``engine/executor``): ``close()`` ends them."""
         settings = DeviceSettings.resolve(config)
+        self.parallel: Optional[TensorParallelLeader] = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallelLeader.start(config, settings)
+        try:
+            self._build(config, settings, model, tokenizer, kv_event_sink)
+        except BaseException as exc:
+            parallel = self.parallel
+            cause = parallel.load_failure() if parallel and isinstance(exc, Exception) else None
+            self.close()
+            if cause is not None:  # another rank's failure: name it
+                raise RuntimeError(
+                    f"tensor_parallel_size={config.tensor_parallel_size}: {cause}"
+                ) from exc
+            raise
+
+    def _build(
+        self,
+        config: EngineConfig,
+        settings: DeviceSettings,
+        model: Optional[torch.nn.Module],
+        tokenizer: object,
+        kv_event_sink: Optional[KVEventSink],
+    ) -> None:
         self.device, self.dtype = settings.device, settings.dtype
         self.weight_format, self.kv_dtype = settings.weight_format, settings.kv_dtype
-        factory = ModelFactory(config, settings)
+        factory = ModelFactory(config, settings, self.parallel.member if self.parallel else None)
         target = factory.load_target(model, tokenizer)
         self.config = config = target.config
         self.model, self.tokenizer, self.lora = target.model, target.tokenizer, target.lora
@@ -107,6 +135,8 @@ class LLMEngine:
         self.runner = factory.build_runner(
             self.model, self.kv_cache, resolved_max_model_len(config), self.lora
         )
+        if self.parallel is not None:
+            self.parallel.wait_until_ready()
         self.executor = ModelExecutor(self.runner, Sampler(config.seed))
         self.proposer: Optional[Proposer] = make_proposer(
             config,
@@ -180,6 +210,9 @@ class LLMEngine:
     @functools.cached_property
     def logits_vocab_size(self) -> int:
         """How many token ids the model scores (what stop and blocked ids index)."""
+        shard = shard_of(self.model)
+        if shard is not None:  # the logits gathered from every rank's share
+            return shard.vocab_size
         hf: Any = self.model  # a transformers model: torch types its methods as Tensor | Module
         head = hf.get_output_embeddings()
         size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
@@ -269,6 +302,18 @@ class LLMEngine:
             self.proposer.discard(request_id)
 
     # -- what the engine loop uses -------------------------------------------------------------
+    def fatal_error(self) -> Optional[str]:
+        """Why the engine can serve nothing more until it is built again (its
+        tensor-parallel group broke), or None."""
+        return self.parallel.fatal_error() if self.parallel is not None else None
+
+    def close(self) -> None:
+        """End what the engine started outside this process's memory: a tensor-parallel
+        group's other ranks, its sockets and ports (idempotent; any thread)."""
+        parallel, self.parallel = self.parallel, None
+        if parallel is not None:
+            parallel.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

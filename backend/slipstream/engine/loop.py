@@ -39,6 +39,7 @@ from slipstream.core.stats import StatsSnapshot
 from slipstream.engine.admission import OverloadedError
 from slipstream.engine.input_processor import InputProcessor, Prompt, PromptOptions, needs_tokenizer
 from slipstream.engine.llm_engine import LLMEngine, StepResult
+from slipstream.worker.distributed.errors import GroupFailure
 
 log = logging.getLogger("slipstream")
 
@@ -239,6 +240,16 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - a bug or a fatal error: nothing must hang
             log.critical("engine loop crashed:\n%s", traceback.format_exc())
             self._die(f"engine loop crashed: {type(exc).__name__}: {exc}")
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        """End the engine's other processes (a tensor-parallel group's ranks), from the loop
+        thread as it ends (they die with the thread that started them: they are stopped
+        first), or from ``shutdown`` when that thread is stuck in a step."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def _built_engine(self) -> EngineSurface:
@@ -271,6 +282,7 @@ class EngineLoop:
             if self._health.state is not HealthState.DEAD:
                 self._health = Health(HealthState.STOPPED)
         self._save_trace(alive)
+        self._close_engine()  # a stuck step's peers among its processes
 
     def _save_trace(self, loop_alive: bool) -> None:
         if self.engine is None:
@@ -416,11 +428,19 @@ class EngineLoop:
             self._drain_commands(block=not engine.has_unfinished())
             if self._stop.is_set():
                 break
+            fatal = _fatal_error(engine)
+            if fatal is not None:  # seen between steps, even while idle
+                self._die(fatal)
+                return
             self._steps_started += 1
             self._step_started = time.monotonic()
             try:
                 result = engine.step()
                 error = None
+            except GroupFailure as exc:  # no step can run any more
+                self._step_started = None
+                self._die(str(exc))
+                return
             except Exception as exc:  # one bad batch must not kill the server
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 error = f"internal error: {exc}"
@@ -443,6 +463,10 @@ class EngineLoop:
             started = self._step_started
             if started is None or self._health.state is HealthState.DEAD:
                 continue
+            fatal = _fatal_error(self._built_engine)
+            if fatal is not None:  # the step under way waits on what will never come
+                self._die(fatal)
+                return
             limit = self._step_timeout_s * (
                 FIRST_STEPS_TIMEOUT_FACTOR if self._steps_started <= FIRST_STEPS else 1
             )
@@ -577,6 +601,12 @@ class EngineLoop:
                     ]
                 )
         self._refresh_stats()
+
+
+def _fatal_error(engine: EngineSurface) -> Optional[str]:
+    """Why ``engine`` can serve nothing more (``LLMEngine.fatal_error``), or None."""
+    probe = getattr(engine, "fatal_error", None)
+    return probe() if probe is not None else None
 
 
 def _freeze_heap() -> None:

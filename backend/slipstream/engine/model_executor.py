@@ -5,7 +5,8 @@ Around the runner's forward it does what turns logits into tokens: parallel samp
 fan-out (the step that completes a group's prompt samples its last row once per sequence),
 beam search's candidate offers (beam slots are ranked by their group, not sampled), the
 sampler, prompt logprobs, and the fail-soft rule: if the batch raises, each request runs
-alone (its KV writes are idempotent), so only requests that fail by themselves end.
+alone (its KV writes are idempotent), so only requests that fail by themselves end. A
+tensor-parallel group's failure (``GroupFailure``) is not retried: the engine is done.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from slipstream.core.beam_search import BeamSearch
 from slipstream.core.request import Request
 from slipstream.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from slipstream.worker.distributed.errors import GroupFailure
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sample.sampler import (
     PerRequestError,
@@ -49,6 +51,8 @@ class ModelExecutor:
         """Run and sample the step (fail-soft, see the module)."""
         try:
             return self._execute_batch(sched)
+        except GroupFailure:  # no rank can run another step: nothing to retry
+            raise
         except Exception as exc:
             if len(sched.scheduled) == 1:
                 return _failed_alone(sched, exc)

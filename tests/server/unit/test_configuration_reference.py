@@ -36,7 +36,8 @@ def test_every_vllm_engine_argument_has_a_row():
     missing = [a["flag"] for a in data["arguments"] if f"| `{a['flag']}` |" not in doc]
     assert missing == []
     assert "| `--max-num-seqs` | yes | sets `max_num_seqs`" in doc
-    assert "| `--tensor-parallel-size` | yes | accepted only at `1`" in doc
+    assert "| `--tensor-parallel-size` | yes | sets `tensor_parallel_size`" in doc
+    assert "| `--pipeline-parallel-size` | yes | accepted only at `1`" in doc
 
 
 def test_every_setting_and_serve_option_is_in_the_reference():

@@ -68,8 +68,8 @@ def test_unknown_engine_argument_is_named_with_the_supported_ones():
 @pytest.mark.parametrize(
     "key, value, reason",
     [
-        ("tensor_parallel_size", 2, "one device per model"),
-        ("pipeline_parallel_size", "2", "one device per model"),
+        ("pipeline_parallel_size", "2", "tensor parallelism only"),
+        ("node_rank", 1, "headless"),
         ("quantization", "awq", "weights load unquantized"),
         ("trust_remote_code", True, "built into transformers"),
         ("kv_cache_dtype", "fp8", "the model's dtype"),
@@ -85,6 +85,7 @@ def test_arguments_this_engine_cannot_honour_are_refused(key, value, reason):
     "key, value",
     [
         ("tensor_parallel_size", 1),
+        ("pipeline_parallel_size", 1),
         ("enable_lora", "false"),
         ("quantization", None),
         ("trust_remote_code", False),
@@ -99,7 +100,7 @@ def test_arguments_meaning_nothing_to_do_are_accepted(key, value):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ValueError) as err:
-        translate({"dtype": "fp4", "tensor_parallel_size": 4, "nonsense": 1})
+        translate({"dtype": "fp4", "pipeline_parallel_size": 4, "nonsense": 1})
     assert str(err.value).count(";") == 2
 
 

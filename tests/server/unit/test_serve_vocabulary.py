@@ -116,9 +116,11 @@ def test_model_json_and_config_parameters_take_the_same_names(tmp_path):
     assert from_json["enable_cuda_graphs"] is False and from_json["policy"] == "priority"
 
 
-def test_tensor_parallelism_is_refused_by_the_engines_own_check(tmp_path):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size='2' is not supported"):
-        engine_of(tmp_path, serve_overrides(serve_args("--tensor-parallel-size", "2")))
+def test_tensor_parallelism_is_an_engine_setting_checked_by_the_engine(tmp_path):
+    engine = engine_of(tmp_path / "a", serve_overrides(serve_args("--tensor-parallel-size", "2")))
+    assert engine.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        engine_of(tmp_path / "b", serve_overrides(serve_args("--tensor-parallel-size", "0")))
 
 
 def test_model_positional_and_model_flag_agree_or_are_refused():

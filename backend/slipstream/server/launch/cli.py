@@ -184,6 +184,7 @@ def add_server_flags(p) -> None:
         "loads unchanged, and tools that look for backend 'vllm' (Triton's "
         "OpenAI frontend) treat its models as vLLM ones",
     )
+    add_parallel_args(p)
     p.add_argument(
         "--allow-model-control",
         action="store_true",
@@ -246,8 +247,97 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, str]:
     if models:
         overrides["model"] = models.pop()
     overrides.update(engine_overrides(args))
+    overrides.update(parallel_overrides(args))
     overrides.update(parse_sets(args.set))
     return overrides
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism across machines, named as vLLM's serve names it (the size is an
+    engine flag, ``--tensor-parallel-size``); LeaderWorkerSet's
+    environment gives the defaults (``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``,
+    ``LWS_WORKER_INDEX``)."""
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=_env_int("LWS_GROUP_SIZE", 1),
+        help="machines the ranks span (env LWS_GROUP_SIZE)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=_env_int("LWS_WORKER_INDEX", 0),
+        help="this machine's place: 0 serves (Triton), the others run their ranks headless "
+        "(env LWS_WORKER_INDEX)",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=os.environ.get("LWS_LEADER_ADDRESS") or "127.0.0.1",
+        help="rank 0's address as the other machines reach it (env LWS_LEADER_ADDRESS)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        help=f"rank 0's rendezvous port (default: any free one on one machine, "
+        f"{DEFAULT_MASTER_PORT} across machines)",
+    )
+
+
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's
+
+
+def parallel_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The engine settings the multi-machine flags set (those given, or implied by nnodes);
+    ``--tensor-parallel-size`` is an engine flag of its own."""
+    out: dict[str, str] = {}
+    port = args.master_port
+    if args.nnodes > 1:
+        out.update(nnodes=str(args.nnodes), master_addr=args.master_addr)
+        port = DEFAULT_MASTER_PORT if port is None else port
+    if port is not None:
+        out["master_port"] = str(port)
+    return out
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """``serve --node-rank K`` (K > 0): this machine's ranks of rank 0's group, no Triton."""
+    import logging
+    import threading
+
+    from slipstream.engine.executor.headless import HeadlessNode
+
+    logging.basicConfig(level=logging.INFO, format="[slipstream headless] %(message)s")
+    try:
+        node = HeadlessNode(
+            args.node_rank,
+            args.nnodes,
+            args.master_addr,
+            args.master_port or DEFAULT_MASTER_PORT,
+            parse_sets(args.set).get("cpu_threads_bind"),
+        )
+    except ValueError as e:
+        raise SystemExit(f"invalid parallel setting: {e}")
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    print(
+        f"machine {args.node_rank} of {args.nnodes}: serving ranks for rank 0 at "
+        f"{args.master_addr}:{node.master_port} (no Triton here); Ctrl-C to stop",
+        flush=True,
+    )
+    try:
+        node.serve(stop)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
 
 
 def server_args(values: list[str]) -> list[str]:
@@ -371,6 +461,8 @@ class _Session:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:
+        return run_headless(args)
     extra_args = server_args(args.server_arg)
     report = StartupReport()
     report_phases_of_this_process(report)

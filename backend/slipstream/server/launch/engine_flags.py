@@ -16,8 +16,9 @@ from slipstream.core.config import EngineConfig
 from slipstream.server.stub.engine_args import ENGINE_ARGUMENTS, ArgType, Effect, EngineArgument
 
 # Flags serve handles itself: the model is positional (and --model), the served name renames
-# the model's directory in the rendered repository.
-OWN_HANDLING = {"model"}
+# the model's directory in the rendered repository; the multi-machine flags default to
+# LeaderWorkerSet's environment and start headless ranks (cli.add_parallel_args).
+OWN_HANDLING = {"model", "nnodes", "node_rank", "master_addr", "master_port"}
 FLAG_EFFECTS = (Effect.SETS, Effect.ONLY_AT, Effect.SERVER)
 FLAG_TYPES = {ArgType.INT: int, ArgType.FLOAT: float}
 METAVARS = {ArgType.INT: "N", ArgType.FLOAT: "X", ArgType.JSON: "JSON"}

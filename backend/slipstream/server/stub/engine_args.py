@@ -8,7 +8,7 @@ Every argument is one of:
 * ``SETS``: it decides ``EngineConfig`` settings, under the same name (``max_num_seqs``) or
   converted (``enforce_eager`` -> ``enable_cuda_graphs``, ``swap_space`` GiB -> bytes ...);
 * ``ONLY_AT``: accepted only at the value that means "nothing to do" here
-  (``tensor_parallel_size: 1`` ...): any other value is refused, since this engine could not
+  (``pipeline_parallel_size: 1`` ...): any other value is refused, since this engine could not
   honour it;
 * ``SERVER``: a server option of the model (``disable_log_stats`` turns the custom metrics
   off, ``max_logprobs``, ``kv_events_config``);
@@ -252,21 +252,35 @@ ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
     ),
     _same("max_loras", T.INT, "most distinct adapters among the requests of one step"),
     _same("max_lora_rank", T.INT, "adapters of a higher rank are refused at load"),
-    # --- accepted only where they ask for nothing
-    _only(
+    # --- tensor parallelism (engine/executor): vLLM's multi-machine names for rank 0's
+    # rendezvous; the serve command's --nnodes / --node-rank / --master-addr / --master-port
+    _same(
         "tensor_parallel_size",
         T.INT,
-        1,
-        "one device per model: tensor parallelism is not built",
+        "split the model over this many ranks, one process each (torch.distributed: gloo on "
+        "CPU, NCCL on CUDA); docs/tensor_parallel.md",
     ),
-    _only("pipeline_parallel_size", T.INT, 1, "one device per model"),
+    _same("nnodes", T.INT, "machines the tensor-parallel ranks span", shown=lambda c: None),
+    _same(
+        "master_addr", T.STR, "rank 0's address as other machines reach it", shown=lambda c: None
+    ),
+    _same("master_port", T.INT, "rank 0's rendezvous port", shown=lambda c: None),
+    # --- accepted only where they ask for nothing
+    _only(
+        "node_rank",
+        T.INT,
+        0,
+        "Triton serves on rank 0's machine; the others run `slipstream serve --node-rank K` "
+        "headless",
+    ),
+    _only("pipeline_parallel_size", T.INT, 1, "the model is split by tensor parallelism only"),
     _only(
         "data_parallel_size",
         T.INT,
         1,
         "one engine per model instance (Triton's instance_group and replicas scale out)",
     ),
-    _only("enable_expert_parallel", T.BOOL, False, "one device per model"),
+    _only("enable_expert_parallel", T.BOOL, False, "no mixture-of-experts model is served"),
     _only("trust_remote_code", T.BOOL, False, "only architectures built into transformers load"),
     _only("tokenizer_mode", T.STR, "auto", "the model's Hugging Face tokenizer is used"),
     _only("load_format", T.STR, "auto", "weights load with transformers' from_pretrained"),

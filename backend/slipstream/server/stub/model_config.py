@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, TypeVar
 
 from slipstream.core.boolean_text import EXACT, JSON_FLAG, SETTING, parse_bool
+from slipstream.core.config import EngineConfig
 from slipstream.core.sampling_params import MAX_LOGPROBS
 from slipstream.kv_events.config import KVEventsConfig
 from slipstream.server.stub import input_table
@@ -298,6 +299,17 @@ def load_settings(
 def _first(*values: Any) -> Any:
     """The first value that is set (not None)."""
     return next(v for v in values if v is not None)
+
+
+def check_instance_kind(kind: str, engine: EngineConfig) -> None:
+    """A tensor-parallel model spans devices and processes of its own: Triton must run it as
+    one ``KIND_MODEL`` instance, as Triton's vLLM backend requires for multi-device models
+    (``kind`` is Triton's ``model_instance_kind``: CPU, GPU or MODEL)."""
+    if engine.tensor_parallel_size > 1 and kind and kind != "MODEL":
+        raise ValueError(
+            f"tensor_parallel_size={engine.tensor_parallel_size} needs instance_group kind "
+            f"KIND_MODEL (the ranks take their own devices), not KIND_{kind}"
+        )
 
 
 def _interface(value: str) -> str:

@@ -28,6 +28,8 @@ ENGINE_SETTINGS: dict[str, str] = {
     "ngram_prompt_lookup_min": "ngram: shortest n-gram looked up in the prompt",
     "speculative_disable_by_batch_size": "no drafts while more requests than this run "
     "(vLLM's disable_by_batch_size); 0 = no limit",
+    "cpu_threads_bind": "tensor parallelism on CPU: each rank's cores on this machine in "
+    "vLLM's syntax ('0-31|32-63'); unset: the cores this process may use, split evenly",
     "speculative_row_budget": "a step's decode rows (one per running request plus its drafts) "
     "stay within this: drafts only while the batch is small; 0 = no cap",
     "enable_cuda_graphs": "CUDA: capture decode steps as CUDA graphs (vLLM's enforce_eager "

@@ -140,6 +140,7 @@ class TritonPythonModel:
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
         engine_config = EngineConfig.from_dict(settings.engine)
+        model_config.check_instance_kind(args.get("model_instance_kind", ""), engine_config)
         keep_gpu_compiler_out(resolve_device(engine_config.device))
         self.max_queue_size = engine_config.max_queue_size
         # the adapters a request's lora_name may pick (None: LoRA off)

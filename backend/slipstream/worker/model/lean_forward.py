@@ -16,6 +16,11 @@ the norm check passes.
 
 Models whose structure differs from this (other norms, activations, attention variants)
 keep the Hugging Face forward; ``FastForward.for_model`` returns None for them.
+
+A model split over tensor-parallel ranks (``distributed/sharding``) runs here on the rank's
+shapes: the sums over the ranks after o and down, the embedding's and the LM head's
+collectives are those modules' hooks, which this loop's module calls run. The compiled decode
+stack calls the layers' products itself, without them: a sharded model does not use it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.worker import kernels
+from slipstream.worker.distributed.sharding import shard_of
 from slipstream.worker.layers.linear import CpuLinear, applied_mode, fused_linear
 from slipstream.worker.layers.norm import LLAMA_STYLE_NORMS
 from slipstream.worker.layers.reduced_linear import (
@@ -248,7 +254,7 @@ class FastForward:
                 keep_bf16_output(layer.o)
                 keep_bf16_output(layer.down)
         forward = cls(model, layers, select_early=fuse)
-        if fuse:
+        if fuse and shard_of(model) is None:  # the stack has no collectives (see the module)
             forward.stack = forward._decode_stack()
         return forward
 
