@@ -55,6 +55,11 @@ DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itse
 DEFAULT_STEP_TIMEOUT_S = 120.0  # a step running this long is hung (vLLM's iteration timeout: 60)
 FIRST_STEPS = 3  # steps that may compile kernels or capture graphs first
 FIRST_STEPS_TIMEOUT_FACTOR = 10
+# How the loop's refusals and failures begin: frontends map them to a status by these texts
+# (an error crosses Triton's gRPC stream as text only).
+ENGINE_FAILED = "the engine failed"  # it died (crash, hung step, failing steps): it restarts
+ENGINE_NOT_SERVING = "the engine is not serving"  # dead or restarting
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class HealthState(str, enum.Enum):
@@ -308,7 +313,7 @@ class EngineLoop:
         here and tokenized on the tokenizer thread; if it is then refused, its stream ends
         with the error and ``stream.rejection`` set."""
         if self._thread is None or self._stop.is_set():
-            raise RuntimeError("the engine loop is not running")
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: the engine loop is not running")
         self._refuse_if_dead()
         inputs = self._built_engine.input_processor
         params = params or SamplingParams()
@@ -327,9 +332,9 @@ class EngineLoop:
     def _refuse_if_dead(self) -> None:
         health = self._health
         if health.state is HealthState.DEAD:
-            raise EngineDeadError(f"the engine is not serving: {health.error}")
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: {health.error}")
         if self._closing:
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError(SHUTTING_DOWN)
 
     def _admit(self, request_id: str) -> OutputStream:
         with self._lock:
@@ -484,8 +489,8 @@ class EngineLoop:
             self._streams.clear()
             self._pending = 0
         for stream in streams:
-            stream.rejection = EngineDeadError(f"the engine failed: {reason}")
-            stream.put(_error_output(stream.request_id, f"the engine failed: {reason}"))
+            stream.rejection = EngineDeadError(f"{ENGINE_FAILED}: {reason}")
+            stream.put(_error_output(stream.request_id, f"{ENGINE_FAILED}: {reason}"))
         if streams and self._on_output is not None:
             self._on_output()
         if self._on_dead is not None:

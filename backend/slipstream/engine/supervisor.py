@@ -20,6 +20,7 @@ from slipstream.core.stats import StatsSnapshot
 from slipstream.engine.loop import (
     DEFAULT_FAILURE_THRESHOLD,
     DEFAULT_STEP_TIMEOUT_S,
+    ENGINE_NOT_SERVING,
     EngineDeadError,
     EngineLoop,
     Health,
@@ -114,9 +115,7 @@ class EngineSupervisor:
     def submit(self, *args, **kwargs) -> OutputStream:
         health = self._override
         if health is not None and health.state is not HealthState.STOPPED:
-            raise EngineDeadError(
-                f"the engine is not serving ({health.state.value}): {health.error}"
-            )
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING} ({health.state.value}): {health.error}")
         return self._serving_loop().submit(*args, **kwargs)
 
     def abort(self, request_id: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import urllib.request
 from typing import Any, AsyncIterator, Optional
 
@@ -16,14 +17,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from openai.types import Model
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.server.openai import responses as out
-from slipstream.server.openai.errors import OpenAIError, error_body, unknown_model
+from slipstream.server.openai.errors import OpenAIError, bad_request, error_body, unknown_model
 from slipstream.server.openai.requests import ChatCompletionRequest, CompletionRequest
 from slipstream.server.openai.served_models import ModelTable, Target
 from slipstream.server.openai.triton_client import GenerateRequest, Step, TritonGenerator
 
 OWNER = "slipstream"
+log = logging.getLogger("slipstream.openai")
 
 
 class _ClientGone(Exception):
@@ -31,7 +34,7 @@ class _ClientGone(Exception):
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -146,6 +149,30 @@ async def _unless_disconnected(request: Request, work) -> Any:
         watcher.cancel()
 
 
+def _check_context(target: Target, prompts: list[str], sampling: dict) -> None:
+    """vLLM's refusal of a ``max_tokens`` that cannot fit beside the prompt in the model's
+    context (the engine would stop at the context silently). Prompts are tokenized only
+    when they could be long enough to matter (a token is at least one byte)."""
+    max_tokens, limit = sampling["max_tokens"], target.model.max_model_len
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return  # the engine names the bad value
+    special = bool(sampling.get("add_special_tokens", True))
+    keep = sampling.get("truncate_prompt_tokens")
+    for prompt in prompts:
+        if max_tokens + len(prompt.encode()) + 8 <= limit:
+            continue
+        num_input = len(target.model.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+            num_input = min(num_input, keep)
+        if max_tokens > limit - num_input:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{num_input} input tokens ({max_tokens} > {limit} - {num_input}).",
+                "max_tokens",
+            )
+
+
 def _sse(payload: str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
@@ -175,6 +202,24 @@ class OpenAIApp:
         @app.exception_handler(RequestValidationError)
         async def invalid(request, exc: RequestValidationError):
             return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc: StarletteHTTPException):
+            # FastAPI's own: a body that does not parse (too deep, not UTF-8), an unknown
+            # route or method; in OpenAI's error object like every other error
+            message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+            return JSONResponse(
+                error_body(exc.status_code, message),
+                status_code=exc.status_code,
+                headers=getattr(exc, "headers", None),
+            )
+
+        @app.exception_handler(Exception)
+        async def internal(request, exc: Exception):
+            log.error("OpenAI API: %s %s failed", request.method, request.url.path, exc_info=exc)
+            return JSONResponse(
+                error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500
+            )
 
         app.get("/health")(self.health)
         app.get("/v1/models")(self.list_models)
@@ -239,7 +284,7 @@ class OpenAIApp:
             raise unknown_model(name)
         return target
 
-    def _requests(
+    async def _requests(
         self,
         target: Target,
         prompts: list[str],
@@ -248,6 +293,8 @@ class OpenAIApp:
         top_logprobs: Optional[int],
     ) -> list[GenerateRequest]:
         sampling = dict(sampling)
+        if "max_tokens" in sampling:
+            await asyncio.to_thread(_check_context, target, prompts, sampling)
         # vLLM's default budget: up to max_model_len (the engine stops there with "length")
         sampling.setdefault("max_tokens", target.model.max_model_len)
         if target.lora_name is not None:
@@ -259,7 +306,7 @@ class OpenAIApp:
         target = self._target(body.model)
         prompts = body.prompts()
         n = body.n or 1
-        reqs = self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
+        reqs = await self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
         rid = out.new_id("cmpl")
         if body.stream:
             return await self._stream(
@@ -281,7 +328,7 @@ class OpenAIApp:
         prompt = await asyncio.to_thread(self._render, target, body)
         n = body.n or 1
         top = (body.top_logprobs or 0) if body.logprobs else None
-        reqs = self._requests(target, [prompt], body.sampling_parameters(), n, top)
+        reqs = await self._requests(target, [prompt], body.sampling_parameters(), n, top)
         rid = out.new_id("chatcmpl")
         if body.stream:
             return await self._stream(request, reqs, self._chat_events(rid, target.id, body, n))

@@ -10,6 +10,7 @@ cancels the request in Triton, which the adapter polls and turns into an engine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import uuid
@@ -20,6 +21,7 @@ import numpy as np
 
 from slipstream.server.openai.errors import OpenAIError, from_triton
 
+CALL_END_GRACE_S = 5.0  # how long a finished request's call may take to end by itself
 # vLLM's stand-in for a logprob of -inf in OpenAI responses (JSON has no infinity)
 MIN_LOGPROB = -9999.0
 
@@ -95,6 +97,37 @@ def parse_logprobs(text: str, top_n: int) -> list[TokenLogprob]:
     return out
 
 
+async def _let_end(stream) -> None:
+    """Wait (briefly) for a call whose request is complete to end: Triton closes it once
+    the request's final response is out, as the client sent its only request. A call that
+    does not end in ``CALL_END_GRACE_S``, or a caller cancelled meanwhile, is cancelled."""
+
+    async def rest() -> None:
+        async for _ in stream:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), CALL_END_GRACE_S)
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception:  # timed out or failed: end it the hard way (nothing runs any more)
+        stream.cancel()
+
+
+def _rpc_error(e) -> OpenAIError:
+    """A failed gRPC call (Triton unreachable, stopping, ...) as a server-side error."""
+    import grpc
+
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return OpenAIError(503, f"Triton: {details}")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return OpenAIError(504, f"Triton: {details}")
+    return OpenAIError(500, f"Triton: {details}")
+
+
 class TritonGenerator:
     """One gRPC channel (tritonclient's asyncio client) shared by every request; made in the
     event loop that uses it."""
@@ -149,7 +182,10 @@ class TritonGenerator:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[Step, None]:
         """The request's steps until every sequence has finished; an error raises
-        ``OpenAIError``. Closing the iterator early cancels the request in Triton."""
+        ``OpenAIError``. Closing the iterator before the request's final response cancels it
+        in Triton (the engine aborts it); after its final response the call is left to end
+        on its own, never cancelled (a cancel there can keep Triton 2.51 from unloading the
+        model at exit, docs/robustness.md)."""
         import grpc
 
         inputs = self._inputs(req)
@@ -163,23 +199,27 @@ class TritonGenerator:
 
         finished: set[int] = set()
         stream = self.client().stream_infer(one_request())
+        complete = False  # the request's final response came: nothing to cancel
         try:
             async for result, error in stream:
                 if error is not None:
+                    complete = True  # an error response is the request's last one
                     raise from_triton(error.message() if hasattr(error, "message") else str(error))
                 step = self._step(result, req, finished)
+                complete = len(finished) >= req.n
                 yield step
-                if len(finished) >= req.n:
+                if complete:
                     return
+            complete = True  # the call ended
             raise OpenAIError(500, "the model's response stream ended before it finished")
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            status = (
-                503 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else 500
-            )
-            raise OpenAIError(status, f"Triton: {e.details() if hasattr(e, 'details') else e}")
+            complete = True  # the call itself failed: it is over
+            raise _rpc_error(e) from None
         finally:
-            stream.cancel()  # a no-op once the call is over; an abort in the engine otherwise
+            if complete:
+                await _let_end(stream)
+            else:
+                stream.cancel()  # the engine aborts the request and frees its blocks
 
     @staticmethod
     def _step(result, req: GenerateRequest, finished: set[int]) -> Step:
