@@ -30,9 +30,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol, Union
 
 from slipstream.core.config import EngineConfig
+from slipstream.core.pooling_params import PoolingParams
 from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
@@ -120,6 +121,7 @@ class EngineSurface(Protocol):
     input_processor: InputProcessor
 
     def add(self, req: Request, check_queue: bool = True) -> None: ...
+    def embed(self, token_ids: list[int], params: PoolingParams) -> list[float]: ...
     def abort(self, request_id: str) -> Optional[RequestOutput]: ...
     def step(self) -> StepResult: ...
     def has_unfinished(self) -> bool: ...
@@ -139,6 +141,19 @@ class _TokenizeJob:
     params: SamplingParams
     priority: int
     options: PromptOptions
+
+
+@dataclass
+class _PoolingJob:
+    """A pooling (embedding) request: tokenized on the tokenizer thread, run on the loop
+    thread between steps (``LLMEngine.embed``)."""
+
+    stream: OutputStream
+    prompt: Prompt
+    params: PoolingParams
+    options: PromptOptions
+    truncate: Optional[int] = None
+    token_ids: Optional[list[int]] = None
 
 
 def _error_output(
@@ -172,7 +187,7 @@ class EngineLoop:
             self._build = lambda: config_or_engine
             self.engine = config_or_engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
-        self._jobs: "queue.Queue[Optional[_TokenizeJob]]" = queue.Queue()
+        self._jobs: "queue.Queue[Union[_TokenizeJob, _PoolingJob, None]]" = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._lock = threading.Lock()  # guards _streams, _aborted_early, health, admission
         self._pending = 0  # submitted, not yet seen by the loop thread
@@ -329,6 +344,28 @@ class EngineLoop:
         self._commands.put(("add", req))
         return stream
 
+    def embed(
+        self,
+        prompt: Prompt,
+        params: Optional[PoolingParams] = None,
+        request_id: Optional[str] = None,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> OutputStream:
+        """A pooling request: its stream ends with one output holding ``embedding`` (or the
+        error). Admitted as ``submit`` admits (a dead engine, a full queue refuse it)."""
+        if self._thread is None or self._stop.is_set():
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: the engine loop is not running")
+        self._refuse_if_dead()
+        rid = request_id if request_id is not None else f"embd-{next(self._ids)}"
+        if isinstance(prompt, str):
+            self._built_engine.input_processor.check_prompt_size(prompt)
+        stream = self._admit(rid)
+        options = PromptOptions(add_special_tokens=add_special_tokens)
+        pooling = params or PoolingParams()
+        self._jobs.put(_PoolingJob(stream, prompt, pooling, options, truncate_prompt_tokens))
+        return stream
+
     def _refuse_if_dead(self) -> None:
         health = self._health
         if health.state is HealthState.DEAD:
@@ -386,8 +423,13 @@ class EngineLoop:
             if skip:
                 self._reject(job.stream, None)
                 continue
+            inputs = self._built_engine.input_processor
             try:
-                req = self._built_engine.input_processor.process(
+                if isinstance(job, _PoolingJob):
+                    job.token_ids = inputs.pooling_ids(job.prompt, job.options, job.truncate)
+                    self._commands.put(("embed", job))
+                    continue
+                req = inputs.process(
                     job.prompt, job.params, job.stream.request_id, job.priority, job.options
                 )
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
@@ -524,6 +566,8 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             self._add(command[1])
+        elif kind == "embed":
+            self._embed(command[1])
         elif kind == "abort":
             out = self._built_engine.abort(command[1])
             if out is not None:
@@ -545,6 +589,30 @@ class EngineLoop:
             self._num_waiting = self._built_engine.num_waiting()
         if out is not None:
             self._deliver([out])
+
+    def _embed(self, job: _PoolingJob) -> None:
+        rid = job.stream.request_id
+        with self._lock:
+            aborted = rid in self._aborted_early
+        assert job.token_ids is not None  # the tokenizer thread set them
+        if aborted:
+            out = RequestOutput(rid, finished=True, finish_reason=FinishReason.ABORT)
+        else:
+            try:
+                vector = self._built_engine.embed(job.token_ids, job.params)
+                out = RequestOutput(
+                    rid,
+                    finished=True,
+                    finish_reason=FinishReason.STOP,
+                    num_prompt_tokens=len(job.token_ids),
+                    embedding=vector,
+                )
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                log.error("pooling request failed:\n%s", traceback.format_exc())
+                out = _error_output(rid, f"internal error: {exc}")
+        with self._lock:
+            self._pending -= 1
+        self._deliver([out])
 
     def _refresh_stats(self) -> None:
         self._stats = self._built_engine.get_stats()
@@ -571,13 +639,16 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
+            if command[0] in ("add", "embed"):
+                rid = command[1].stream.request_id if command[0] == "embed" else None
                 with self._lock:
                     self._pending -= 1
                 self._deliver(
                     [
                         RequestOutput(
-                            command[1].request_id, finished=True, finish_reason=FinishReason.ABORT
+                            rid or command[1].request_id,
+                            finished=True,
+                            finish_reason=FinishReason.ABORT,
                         )
                     ]
                 )
