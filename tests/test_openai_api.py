@@ -421,8 +421,12 @@ def test_completion_errors_are_openai_error_bodies(frontend, body, status, messa
     "extra, message",
     [
         (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools (function calling) are not supported",
+            {"tools": [{"type": "code_interpreter"}]},
+            "tools[0]: only tools of type 'function' are supported",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+            '"auto" tool choice requires --enable-auto-tool-choice',
         ),
         ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true"),
         (

@@ -83,12 +83,13 @@ class ChatOutput:
     reasoning: Optional[ReasoningFormat] = None
     tools: Optional[ToolRequest] = None
     parser: Optional[ToolCallParser] = None
+    include_reasoning: bool = True  # vLLM's request field: false drops the reasoning
 
     def whole(self, text: str) -> ChatMessageParts:
         reasoning = None
         if self.reasoning is not None:
             reasoning, text = split_whole(self.reasoning, text)
-        parts = ChatMessageParts(reasoning=reasoning)
+        parts = ChatMessageParts(reasoning=reasoning if self.include_reasoning else None)
         choice = self.tools.choice if self.tools is not None else ToolChoice.NONE
         if choice is ToolChoice.NAMED:
             assert self.tools is not None
@@ -144,7 +145,7 @@ class ChoiceStream:
             return self._content(delta, final=False)
         split = self.splitter.feed(delta)
         parts = self._content(split.content, final=False)
-        parts.reasoning = split.reasoning or None
+        parts.reasoning = (split.reasoning or None) if self.output.include_reasoning else None
         return parts
 
     def finish(self) -> ChatMessageParts:
@@ -154,7 +155,7 @@ class ChoiceStream:
             rest = self.splitter.finish()
             reasoning, text = rest.reasoning or None, rest.content
         parts = self._content(text, final=True)
-        parts.reasoning = reasoning
+        parts.reasoning = reasoning if self.output.include_reasoning else None
         return parts
 
     # -- the content side ------------------------------------------------------------------

@@ -15,7 +15,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Optional, Sequence
+from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -50,6 +50,15 @@ class SequenceDelta:
 class Step:
     num_input_tokens: int
     sequences: list[SequenceDelta]
+
+
+@dataclass
+class EmbedRequest:
+    model: str
+    input: Union[str, list[int]]
+    pooling: dict[str, Any]  # embedding_request's pooling_params
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: Optional[bool] = None
 
 
 @dataclass
@@ -182,22 +191,64 @@ class TritonGenerator:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[Step, None]:
         """The request's steps until every sequence has finished; an error raises
-        ``OpenAIError``. Closing the iterator before the request's final response cancels it
-        in Triton (the engine aborts it); after its final response the call is left to end
-        on its own, never cancelled (a cancel there can keep Triton 2.51 from unloading the
-        model at exit, docs/robustness.md)."""
-        import grpc
+        ``OpenAIError``. Closing the iterator early cancels the request (``_call``)."""
+        finished: set[int] = set()
+        results = self._call(req.model, self._inputs(req))
+        try:
+            async for result in results:
+                step = self._step(result, req, finished)
+                last = len(finished) >= req.n
+                if last:  # the final response: nothing to cancel, however we are closed
+                    await results.asend(True)
+                yield step
+                if last:
+                    return
+        finally:
+            await results.aclose()
 
-        inputs = self._inputs(req)
+    async def embed(self, req: EmbedRequest) -> tuple[list[float], int]:
+        """A pooling request through the model's ``embedding_request`` input (vllm_backend's):
+        (the vector, the prompt's tokens)."""
+        import tritonclient.grpc as grpcclient
+
+        body: dict[str, Any] = {"input": req.input, "pooling_params": req.pooling}
+        if req.truncate_prompt_tokens is not None:
+            body["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+        if req.add_special_tokens is not None:
+            body["add_special_tokens"] = req.add_special_tokens
+        inputs = [
+            _tensor(grpcclient, "text_input", _bytes(""), "BYTES"),
+            _tensor(grpcclient, "embedding_request", _bytes(json.dumps(body)), "BYTES"),
+            _tensor(grpcclient, "return_num_input_tokens", np.array([True]), "BOOL"),
+        ]
+        results = self._call(req.model, inputs)
+        try:
+            async for result in results:
+                await results.asend(True)
+                text = result.as_numpy("text_output").reshape(-1)[0]
+                tokens = result.as_numpy("num_input_tokens")
+                count = int(tokens.reshape(-1)[0]) if tokens is not None else 0
+                return json.loads(text), count
+        finally:
+            await results.aclose()
+        raise OpenAIError(500, "the model returned no embedding")
+
+    async def _call(self, model: str, inputs: list) -> AsyncGenerator[Any, Optional[bool]]:
+        """One request's results on a gRPC stream of its own; an error response raises
+        ``OpenAIError``. The caller ``asend(True)``s once the result it has is the request's
+        last: the call is then left to end on its own, never cancelled (a cancel there can
+        keep Triton 2.51 from unloading the model at exit, docs/robustness.md). Closed before
+        that, the call is cancelled: Triton marks the request cancelled and the engine aborts
+        it, freeing its blocks."""
+        import grpc
 
         async def one_request():
             yield {
-                "model_name": req.model,
+                "model_name": model,
                 "inputs": inputs,
                 "request_id": f"openai-{uuid.uuid4().hex[:16]}",
             }
 
-        finished: set[int] = set()
         stream = self.client().stream_infer(one_request())
         complete = False  # the request's final response came: nothing to cancel
         try:
@@ -205,10 +256,9 @@ class TritonGenerator:
                 if error is not None:
                     complete = True  # an error response is the request's last one
                     raise from_triton(error.message() if hasattr(error, "message") else str(error))
-                step = self._step(result, req, finished)
-                complete = len(finished) >= req.n
-                yield step
-                if complete:
+                if (yield result):  # the caller says it was the last one
+                    complete = True
+                    yield None  # answers the asend; the caller closes us next
                     return
             complete = True  # the call ended
             raise OpenAIError(500, "the model's response stream ended before it finished")
