@@ -241,6 +241,78 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "default: only the launcher, with a random key, may use it (loading a "
         "Python-backend model runs its code; an unload takes the model away)",
     )
+    add_openai_args(p)
+
+
+# --------------------------------------------------------------------------- OpenAI API flags
+# vLLM's names for what its OpenAI server takes; they shape the API on --openai-port.
+def add_openai_args(p: argparse.ArgumentParser) -> None:
+    keys = os.environ.get("SLIPSTREAM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[keys] if keys else [],
+        metavar="KEY",
+        help="requests to /v1/... must send 'Authorization: Bearer KEY' (one of the keys); "
+        "/health, /metrics, /tokenize stay open (env SLIPSTREAM_API_KEY or VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the model's names on the OpenAI API (the first is the one reported); "
+        "default: its Triton model name. Needs a repository of one model",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": calls read from the output by --tool-call-parser',
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        help="split the model's reasoning into reasoning_content: deepseek_r1, qwen3, glm45",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='/v1/embeddings pooling: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true|false} (default last token, normalised)',
+    )
+
+
+def check_openai_args(args: argparse.Namespace, names: list[str]) -> None:
+    """Refuse, before anything starts, OpenAI flags that cannot apply."""
+    openai_settings(args)
+    if args.served_model_name and len(names) != 1:
+        raise SystemExit(
+            f"error: --served-model-name names one model; the repository serves {len(names)} "
+            f"({', '.join(names)})"
+        )
+
+
+def openai_settings(args: argparse.Namespace):
+    """The OpenAI API's settings from the flags (a bad value fails at start)."""
+    from slipstream.core.pooling_params import PoolingParams
+    from slipstream.server.openai.api_settings import ApiSettings
+
+    try:
+        settings = ApiSettings(
+            api_keys=tuple(args.api_key),
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+        )
+        PoolingParams.from_dict(args.pooler_config or {})
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return settings
 
 
 def server_args(values: list[str]) -> list[str]:
@@ -366,6 +438,7 @@ class _Session:
 def run_serve(args: argparse.Namespace) -> int:
     extra_args = server_args(args.server_arg)
     plan = _plan_serve(args)
+    check_openai_args(args, plan.names)
     session = _Session(
         TritonServer(
             plan.repo,
@@ -501,9 +574,12 @@ def _start_openai(
         repo,
         server.grpc_url,
         aliases,
+        args.served_model_name,
         metrics_url=server.metrics_url,
         host=args.host,
         port=args.openai_port,
+        settings=openai_settings(args),
+        pooling=args.pooler_config,
     ).start()
     print(
         f"  OpenAI   {api.url}/v1  (chat/completions, completions, models; {api.url}/health)",
