@@ -15,8 +15,6 @@ import base64
 import struct
 from typing import Any, Literal, Optional, Union
 
-from openai.types import CreateEmbeddingResponse, Embedding
-from openai.types.create_embedding_response import Usage
 from pydantic import BaseModel, ConfigDict
 
 from slipstream.server.openai.errors import bad_request
@@ -101,16 +99,14 @@ async def create_embeddings(
     ]
     results = await asyncio.gather(*(generator.embed(r) for r in requests))
     data = [
-        Embedding.model_construct(
-            object="embedding", index=i, embedding=_encoded(vector, body.encoding_format)
-        )
+        {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
         for i, (vector, _) in enumerate(results)
     ]
     tokens = sum(count for _, count in results)
-    response = CreateEmbeddingResponse.model_construct(
-        object="list",
-        data=data,
-        model=target.id,
-        usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
-    )
-    return response.model_dump()
+    # OpenAI's CreateEmbeddingResponse (its type holds floats only; base64 is a string)
+    return {
+        "object": "list",
+        "data": data,
+        "model": target.id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
