@@ -76,9 +76,8 @@ class OpenAIFrontend:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=bounded_h11(limits.header_timeout_s),
+            http=bounded_h11(limits.header_timeout_s, limits.max_connections),
             h11_max_incomplete_event_size=limits.max_header_bytes,
-            limit_concurrency=limits.max_connections,
         )
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -9,8 +9,8 @@ the engine:
   ``BodyLimits``, which reads the body before the route does.
 * **Streams**: a client that takes no data for ``send_timeout_s`` loses its stream
   (``relay.SSEResponse``).
-* **Connections**: past ``max_connections`` new requests are answered 503 (uvicorn's
-  ``limit_concurrency``).
+* **Connections**: past ``max_connections`` open connections a new one is answered 503 and
+  closed.
 
 Every refusal is OpenAI's error object.
 """
@@ -42,10 +42,19 @@ class BoundedH11Protocol(H11Protocol):
     errors (a malformed request, headers past the limit) in OpenAI's error object."""
 
     header_timeout_s = 30.0
+    max_connections = 1000
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_timer: Optional[asyncio.TimerHandle] = None
+        if len(self.connections) > self.max_connections:
+            headers, body = _json_error(503, "too many open connections; retry later")
+            head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
+                k + b": " + v + b"\r\n" for k, v in headers
+            )
+            transport.write(head + b"\r\n" + body)
+            transport.close()
+            return
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -85,8 +94,9 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def bounded_h11(header_timeout_s: float) -> type[BoundedH11Protocol]:
-    return type("BoundedH11", (BoundedH11Protocol,), {"header_timeout_s": header_timeout_s})
+def bounded_h11(header_timeout_s: float, max_connections: int) -> type[BoundedH11Protocol]:
+    limits = {"header_timeout_s": header_timeout_s, "max_connections": max_connections}
+    return type("BoundedH11", (BoundedH11Protocol,), limits)
 
 
 class _Refused(Exception):
