@@ -76,13 +76,9 @@ def _check_context(target: Target, prompts: list[str], sampling: dict) -> None:
     context (the engine would stop at the context silently). Prompts are tokenized only
     when they could be long enough to matter (a token is at least one byte)."""
     max_tokens, limit = sampling["max_tokens"], target.model.max_model_len
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        return  # the engine names the bad value
     special = bool(sampling.get("add_special_tokens", True))
     keep = sampling.get("truncate_prompt_tokens")
-    for prompt in prompts:
-        if max_tokens + len(prompt.encode()) + 8 <= limit:
-            continue
+    for prompt in _may_overflow(target, prompts, sampling):
         num_input = len(target.model.tokenizer(prompt, add_special_tokens=special)["input_ids"])
         if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
             num_input = min(num_input, keep)
@@ -93,6 +89,16 @@ def _check_context(target: Target, prompts: list[str], sampling: dict) -> None:
                 f"{num_input} input tokens ({max_tokens} > {limit} - {num_input}).",
                 "max_tokens",
             )
+
+
+def _may_overflow(target: Target, prompts: list[str], sampling: dict) -> list[str]:
+    """The prompts that could leave too little room for ``max_tokens`` (a token is at least
+    one byte): the others need no tokenizing."""
+    max_tokens = sampling.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return []  # the engine names a bad value
+    room = target.model.max_model_len - max_tokens - 8  # 8: special tokens the tokenizer adds
+    return [p for p in prompts if len(p.encode()) > room]
 
 
 def _constrain_to_tools(sampling: dict, tools: Optional[ToolRequest]) -> None:
@@ -244,7 +250,7 @@ class OpenAIApp:
         top_logprobs: Optional[int],
     ) -> list[GenerateRequest]:
         sampling = dict(sampling)
-        if "max_tokens" in sampling:
+        if _may_overflow(target, prompts, sampling):
             await asyncio.to_thread(_check_context, target, prompts, sampling)
         # vLLM's default budget: up to max_model_len (the engine stops there with "length")
         sampling.setdefault("max_tokens", target.model.max_model_len)

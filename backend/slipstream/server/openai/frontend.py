@@ -76,7 +76,9 @@ class OpenAIFrontend:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=bounded_h11(limits.header_timeout_s, limits.max_connections),
+            http=bounded_h11(
+                limits.header_timeout_s, limits.max_header_bytes, limits.max_connections
+            ),
             h11_max_incomplete_event_size=limits.max_header_bytes,
         )
         server = self._server = uvicorn.Server(config)

@@ -2,8 +2,8 @@
 docs/openai_api.md lists them), so that a slow or hostile client holds neither a worker nor
 the engine:
 
-* **Headers**: at most ``max_header_bytes`` (h11's incomplete-event limit; past it 400), and
-  received within ``header_timeout_s`` (else the connection is closed): ``BoundedH11Protocol``.
+* **Headers**: at most ``max_header_bytes`` (past it 431), received within
+  ``header_timeout_s`` (else the connection is closed): ``BoundedH11Protocol``.
 * **Body**: at most ``max_body_bytes`` (413, before a byte of it is read when
   Content-Length says so) and received in full within ``body_timeout_s`` (408):
   ``BodyLimits``, which reads the body before the route does.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import Optional
 
 import h11
@@ -42,22 +43,46 @@ class BoundedH11Protocol(H11Protocol):
     errors (a malformed request, headers past the limit) in OpenAI's error object."""
 
     header_timeout_s = 30.0
+    max_header_bytes = 16 << 10
     max_connections = 1000
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_timer: Optional[asyncio.TimerHandle] = None
+        self._head_bytes = 0  # of the request line and headers being received
+        self._head_tail = b""  # their last bytes (the blank line may be cut between reads)
         if len(self.connections) > self.max_connections:
-            headers, body = _json_error(503, "too many open connections; retry later")
-            head = b"HTTP/1.1 503 Service Unavailable\r\n" + b"".join(
-                k + b": " + v + b"\r\n" for k, v in headers
-            )
-            transport.write(head + b"\r\n" + body)
-            transport.close()
+            self._refuse(503, "too many open connections; retry later")
             return
         self._arm()
 
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer before (or instead of) reading a request, and close."""
+        headers, body = _json_error(status, message)
+        reason = HTTPStatus(status).phrase.encode()
+        head = b"HTTP/1.1 %d %s\r\n" % (status, reason) + b"".join(
+            k + b": " + v + b"\r\n" for k, v in headers
+        )
+        self.transport.write(head + b"\r\n" + body)
+        self.transport.close()
+
+    def _headers_too_large(self, data: bytes) -> bool:
+        """Count the bytes of the request line and headers (h11's own limit applies only to
+        what is still incomplete after a read, so one large read would pass it)."""
+        seen = self._head_tail + data
+        end = seen.find(b"\r\n\r\n")
+        if end >= 0:
+            size = self._head_bytes + end + 4 - len(self._head_tail)
+            self._head_bytes, self._head_tail = 0, b""
+            return size > self.max_header_bytes
+        self._head_bytes += len(data)
+        self._head_tail = seen[-3:]
+        return self._head_bytes > self.max_header_bytes
+
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
+            self._refuse(431, f"request headers are larger than {self.max_header_bytes} bytes")
+            return
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:
             self._arm()  # a request has begun (or may): its headers are on the clock
@@ -88,14 +113,21 @@ class BoundedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         headers, body = _json_error(400, f"invalid HTTP request: {msg}")
-        self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers)))
+        response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        self.transport.write(self.conn.send(response))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()
 
 
-def bounded_h11(header_timeout_s: float, max_connections: int) -> type[BoundedH11Protocol]:
-    limits = {"header_timeout_s": header_timeout_s, "max_connections": max_connections}
+def bounded_h11(
+    header_timeout_s: float, max_header_bytes: int, max_connections: int
+) -> type[BoundedH11Protocol]:
+    limits = {
+        "header_timeout_s": header_timeout_s,
+        "max_header_bytes": max_header_bytes,
+        "max_connections": max_connections,
+    }
     return type("BoundedH11", (BoundedH11Protocol,), limits)
 
 
