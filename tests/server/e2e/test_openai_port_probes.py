@@ -53,7 +53,13 @@ def repo(tmp_path_factory):
 def server(repo):
     need_tritonserver()
     with TritonServer(
-        repo, http_port=0, grpc_port=0, metrics_port=0, models=[MODEL], startup_timeout=600
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        models=[MODEL],
+        startup_timeout=600,
+        log_verbose=1,  # Triton then logs each gRPC cancellation it receives
     ) as srv:
         yield srv
 
@@ -294,6 +300,29 @@ def test_a_stream_nobody_reads_is_dropped_and_its_request_cancelled(server, fron
 
 
 # ------------------------------------------------------------------------ disconnects
+CANCELLED = "Issuing cancellation"  # Triton's verbose log, for each gRPC call cancelled
+
+
+def test_a_finished_request_is_never_cancelled_an_unfinished_one_is(server, front, client):
+    """Before: every gRPC call was cancelled once read, finished or not (Triton 2.51 can then
+    keep the model loaded at exit): 9 cancellation lines for 6 finished requests."""
+    start = len(server.log_path.read_text())
+    for stream in (False, True, False, True):
+        answer = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=stream)
+        if stream:
+            assert [c for c in answer]
+    time.sleep(1)
+    assert CANCELLED not in server.log_path.read_text()[start:]
+    conn = open_request(
+        front, {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    )
+    wait_running(server)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert settles(server)
+    assert CANCELLED in server.log_path.read_text()[start:]
+
+
 def open_request(front, body: dict) -> http.client.HTTPConnection:
     conn = http.client.HTTPConnection(front.host, front.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
