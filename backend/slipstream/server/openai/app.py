@@ -30,7 +30,11 @@ from slipstream.server.openai.embeddings import EmbeddingRequest, create_embeddi
 from slipstream.server.openai.errors import OpenAIError, bad_request, error_body, unknown_model
 from slipstream.server.openai.http_limits import BodyLimits
 from slipstream.server.openai.relay import ClientGone, merged, sse_response, unless_disconnected
-from slipstream.server.openai.requests import ChatCompletionRequest, CompletionRequest
+from slipstream.server.openai.requests import (
+    STRUCTURED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from slipstream.server.openai.served_models import ModelTable, Target
 from slipstream.server.openai.tokenization import (
     DetokenizeRequest,
@@ -43,17 +47,6 @@ from slipstream.server.openai.triton_client import GenerateRequest, Step, Triton
 
 OWNER = "slipstream"
 log = logging.getLogger("slipstream.openai")
-# Sampling fields that constrain the output: a required or named tool choice constrains it
-# itself, so it cannot take one of these as well.
-STRUCTURED_FIELDS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_json_object",
-)
 
 
 def _error(e: OpenAIError) -> JSONResponse:

@@ -19,6 +19,16 @@ from pydantic import BaseModel, ConfigDict
 
 from slipstream.server.openai.errors import bad_request
 
+# The fields that constrain the output (structured outputs).
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json_object",
+)
 # Passed to the engine under the same name (vLLM's SamplingParams names).
 SAMPLING_FIELDS = (
     "temperature",
@@ -41,13 +51,7 @@ SAMPLING_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_json_object",
+    *STRUCTURED_FIELDS,
     "guided_whitespace_pattern",
     "guided_decoding_backend",
     "priority",
