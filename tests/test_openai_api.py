@@ -24,7 +24,7 @@ from lora_support import adapter_dir
 from support import http_generate, need_tritonserver
 from vllm_backend_support import FAILING_HEALTH_MODEL_PY, tokenizer_of, write_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 MODEL = "tiny"  # the tiny llama, LoRA adapters doll and sheep
 QUEUED = "tiny_queue1"  # one running request, one waiting: the third is refused
