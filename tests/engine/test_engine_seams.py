@@ -150,6 +150,9 @@ class FakeEngine:
         self._live[req.request_id] = req
         self._left[req.request_id] = req.params.max_tokens
 
+    def embed(self, token_ids: list[int], params) -> list[float]:
+        return [float(len(token_ids))]
+
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         if self._live.pop(request_id, None) is None:
             return None
@@ -231,6 +234,7 @@ def test_the_loop_needs_nothing_but_the_narrow_surface(engine):
         ids = collect(loop.submit([1, 2, 3], SamplingParams(max_tokens=2)))
         assert text.token_ids == [7, 7, 7] and text.finish_reason == "length"
         assert ids.token_ids == [7, 7]
+        assert list(loop.embed([4, 5, 6]))[-1].embedding == [3.0]  # a pooling request
         with pytest.raises(ValueError, match="empty"):  # the input processor's refusal
             loop.submit("", SamplingParams())
     assert fake.traced and loop.health().state.value == "stopped"

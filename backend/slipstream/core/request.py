@@ -252,6 +252,8 @@ class RequestOutput:
     # Beam search, after each round but the last: every live beam, best first (no text; the
     # finished beams come as ordinary outputs, one per returned beam, at the end).
     beams: Optional[list[BeamSnapshot]] = None
+    # A pooling (embedding) request's vector, on its one (finished) output.
+    embedding: Optional[list[float]] = None
 
 
 def merge_output(total: RequestOutput, delta: RequestOutput) -> None:

@@ -184,6 +184,25 @@ class InputProcessor:
             req.grammar = self.grammars.state_for(params.structured_outputs)
         return req
 
+    def pooling_ids(
+        self, prompt: Prompt, options: PromptOptions, truncate: Optional[int] = None
+    ) -> list[int]:
+        """A pooling request's prompt tokens, checked: it is not generated from, so it may
+        fill the whole context (and it runs on a cache of its own, not the shared one)."""
+        if prompt == "":
+            raise ValueError("the prompt is empty")
+        self.check_prompt_size(prompt)
+        ids = self.tokenize(prompt, options)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        ids = truncate_prompt(ids, truncate, self.limits.max_model_len)
+        vocab, limit = self.limits.input_vocab_size, self.limits.max_model_len
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) > limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {limit}")
+        return ids
+
     def tokenize(self, prompt: Prompt, options: PromptOptions = PromptOptions()) -> list[int]:
         """A string (optionally wrapped in the chat template as one user turn), a list of
         chat messages (always templated), or token ids."""

@@ -27,6 +27,7 @@ from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.kv_cache_events import KVCacheEvent
 from slipstream.core.lora_limit import adapters_of
+from slipstream.core.pooling_params import PoolingParams
 from slipstream.core.request import Request, RequestOutput, RequestStatus, merge_output
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.scheduler import Scheduler, SchedulerBase
@@ -48,6 +49,7 @@ from slipstream.engine.spec_decode import Proposer, make_proposer
 from slipstream.trace import StepTracer
 from slipstream.worker.distributed.sharding import shard_of
 from slipstream.worker.layers.memory import release_freed_memory
+from slipstream.worker.pooling import PromptPooler
 from slipstream.worker.sample.sampler import Sampler
 from slipstream.worker.sample.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
@@ -138,6 +140,7 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.wait_until_ready()
         self.executor = ModelExecutor(self.runner, Sampler(config.seed))
+        self._pooler: Optional[PromptPooler] = None  # made by the first pooling request
         self.proposer: Optional[Proposer] = make_proposer(
             config,
             lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
@@ -287,6 +290,13 @@ class LLMEngine:
         req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
         self.add(req)
         return req
+
+    def embed(self, token_ids: list[int], params: PoolingParams) -> list[float]:
+        """A pooling request's vector, computed now on a KV cache of its own
+        (``worker/pooling``): it takes no block, slot or step from generation."""
+        if self._pooler is None:
+            self._pooler = PromptPooler(self.runner.forward, self.kv_cache.geometry, self.device)
+        return self._pooler.embed(token_ids, params)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Stop a request now and free its KV blocks; returns its final output."""

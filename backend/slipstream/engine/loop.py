@@ -30,9 +30,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol, Union
 
 from slipstream.core.config import EngineConfig
+from slipstream.core.pooling_params import PoolingParams
 from slipstream.core.request import FinishReason, Request, RequestOutput, merge_output
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.core.stats import StatsSnapshot
@@ -56,6 +57,11 @@ DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itse
 DEFAULT_STEP_TIMEOUT_S = 120.0  # a step running this long is hung (vLLM's iteration timeout: 60)
 FIRST_STEPS = 3  # steps that may compile kernels or capture graphs first
 FIRST_STEPS_TIMEOUT_FACTOR = 10
+# How the loop's refusals and failures begin: frontends map them to a status by these texts
+# (an error crosses Triton's gRPC stream as text only).
+ENGINE_FAILED = "the engine failed"  # it died (crash, hung step, failing steps): it restarts
+ENGINE_NOT_SERVING = "the engine is not serving"  # dead or restarting
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class HealthState(str, enum.Enum):
@@ -116,6 +122,7 @@ class EngineSurface(Protocol):
     input_processor: InputProcessor
 
     def add(self, req: Request, check_queue: bool = True) -> None: ...
+    def embed(self, token_ids: list[int], params: PoolingParams) -> list[float]: ...
     def abort(self, request_id: str) -> Optional[RequestOutput]: ...
     def step(self) -> StepResult: ...
     def has_unfinished(self) -> bool: ...
@@ -135,6 +142,19 @@ class _TokenizeJob:
     params: SamplingParams
     priority: int
     options: PromptOptions
+
+
+@dataclass
+class _PoolingJob:
+    """A pooling (embedding) request: tokenized on the tokenizer thread, run on the loop
+    thread between steps (``LLMEngine.embed``)."""
+
+    stream: OutputStream
+    prompt: Prompt
+    params: PoolingParams
+    options: PromptOptions
+    truncate: Optional[int] = None
+    token_ids: Optional[list[int]] = None
 
 
 def _error_output(
@@ -168,7 +188,7 @@ class EngineLoop:
             self._build = lambda: config_or_engine
             self.engine = config_or_engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
-        self._jobs: "queue.Queue[Optional[_TokenizeJob]]" = queue.Queue()
+        self._jobs: "queue.Queue[Union[_TokenizeJob, _PoolingJob, None]]" = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._lock = threading.Lock()  # guards _streams, _aborted_early, health, admission
         self._pending = 0  # submitted, not yet seen by the loop thread
@@ -320,7 +340,7 @@ class EngineLoop:
         here and tokenized on the tokenizer thread; if it is then refused, its stream ends
         with the error and ``stream.rejection`` set."""
         if self._thread is None or self._stop.is_set():
-            raise RuntimeError("the engine loop is not running")
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: the engine loop is not running")
         self._refuse_if_dead()
         inputs = self._built_engine.input_processor
         params = params or SamplingParams()
@@ -336,12 +356,34 @@ class EngineLoop:
         self._commands.put(("add", req))
         return stream
 
+    def embed(
+        self,
+        prompt: Prompt,
+        params: Optional[PoolingParams] = None,
+        request_id: Optional[str] = None,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> OutputStream:
+        """A pooling request: its stream ends with one output holding ``embedding`` (or the
+        error). Admitted as ``submit`` admits (a dead engine, a full queue refuse it)."""
+        if self._thread is None or self._stop.is_set():
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: the engine loop is not running")
+        self._refuse_if_dead()
+        rid = request_id if request_id is not None else f"embd-{next(self._ids)}"
+        if isinstance(prompt, str):
+            self._built_engine.input_processor.check_prompt_size(prompt)
+        stream = self._admit(rid)
+        options = PromptOptions(add_special_tokens=add_special_tokens)
+        pooling = params or PoolingParams()
+        self._jobs.put(_PoolingJob(stream, prompt, pooling, options, truncate_prompt_tokens))
+        return stream
+
     def _refuse_if_dead(self) -> None:
         health = self._health
         if health.state is HealthState.DEAD:
-            raise EngineDeadError(f"the engine is not serving: {health.error}")
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING}: {health.error}")
         if self._closing:
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError(SHUTTING_DOWN)
 
     def _admit(self, request_id: str) -> OutputStream:
         with self._lock:
@@ -393,8 +435,13 @@ class EngineLoop:
             if skip:
                 self._reject(job.stream, None)
                 continue
+            inputs = self._built_engine.input_processor
             try:
-                req = self._built_engine.input_processor.process(
+                if isinstance(job, _PoolingJob):
+                    job.token_ids = inputs.pooling_ids(job.prompt, job.options, job.truncate)
+                    self._commands.put(("embed", job))
+                    continue
+                req = inputs.process(
                     job.prompt, job.params, job.stream.request_id, job.priority, job.options
                 )
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
@@ -508,8 +555,8 @@ class EngineLoop:
             self._streams.clear()
             self._pending = 0
         for stream in streams:
-            stream.rejection = EngineDeadError(f"the engine failed: {reason}")
-            stream.put(_error_output(stream.request_id, f"the engine failed: {reason}"))
+            stream.rejection = EngineDeadError(f"{ENGINE_FAILED}: {reason}")
+            stream.put(_error_output(stream.request_id, f"{ENGINE_FAILED}: {reason}"))
         if streams and self._on_output is not None:
             self._on_output()
         if self._on_dead is not None:
@@ -543,6 +590,8 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             self._add(command[1])
+        elif kind == "embed":
+            self._embed(command[1])
         elif kind == "abort":
             out = self._built_engine.abort(command[1])
             if out is not None:
@@ -564,6 +613,30 @@ class EngineLoop:
             self._num_waiting = self._built_engine.num_waiting()
         if out is not None:
             self._deliver([out])
+
+    def _embed(self, job: _PoolingJob) -> None:
+        rid = job.stream.request_id
+        with self._lock:
+            aborted = rid in self._aborted_early
+        assert job.token_ids is not None  # the tokenizer thread set them
+        if aborted:
+            out = RequestOutput(rid, finished=True, finish_reason=FinishReason.ABORT)
+        else:
+            try:
+                vector = self._built_engine.embed(job.token_ids, job.params)
+                out = RequestOutput(
+                    rid,
+                    finished=True,
+                    finish_reason=FinishReason.STOP,
+                    num_prompt_tokens=len(job.token_ids),
+                    embedding=vector,
+                )
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                log.error("pooling request failed:\n%s", traceback.format_exc())
+                out = _error_output(rid, f"internal error: {exc}")
+        with self._lock:
+            self._pending -= 1
+        self._deliver([out])
 
     def _refresh_stats(self) -> None:
         self._stats = self._built_engine.get_stats()
@@ -590,13 +663,16 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add":
+            if command[0] in ("add", "embed"):
+                rid = command[1].stream.request_id if command[0] == "embed" else None
                 with self._lock:
                     self._pending -= 1
                 self._deliver(
                     [
                         RequestOutput(
-                            command[1].request_id, finished=True, finish_reason=FinishReason.ABORT
+                            rid or command[1].request_id,
+                            finished=True,
+                            finish_reason=FinishReason.ABORT,
                         )
                     ]
                 )

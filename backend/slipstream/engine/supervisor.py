@@ -20,6 +20,7 @@ from slipstream.core.stats import StatsSnapshot
 from slipstream.engine.loop import (
     DEFAULT_FAILURE_THRESHOLD,
     DEFAULT_STEP_TIMEOUT_S,
+    ENGINE_NOT_SERVING,
     EngineDeadError,
     EngineLoop,
     Health,
@@ -112,12 +113,18 @@ class EngineSupervisor:
         return self._serving_loop().health()
 
     def submit(self, *args, **kwargs) -> OutputStream:
+        self._refuse_unless_serving()
+        return self._serving_loop().submit(*args, **kwargs)
+
+    def embed(self, *args, **kwargs) -> OutputStream:
+        """A pooling request (``EngineLoop.embed``), refused as ``submit`` refuses."""
+        self._refuse_unless_serving()
+        return self._serving_loop().embed(*args, **kwargs)
+
+    def _refuse_unless_serving(self) -> None:
         health = self._override
         if health is not None and health.state is not HealthState.STOPPED:
-            raise EngineDeadError(
-                f"the engine is not serving ({health.state.value}): {health.error}"
-            )
-        return self._serving_loop().submit(*args, **kwargs)
+            raise EngineDeadError(f"{ENGINE_NOT_SERVING} ({health.state.value}): {health.error}")
 
     def abort(self, request_id: str) -> None:
         self._serving_loop().abort(request_id)

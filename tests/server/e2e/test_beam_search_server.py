@@ -5,19 +5,16 @@ Hugging Face's ``generate(num_beams=..., do_sample=False)`` on the same weights.
 from __future__ import annotations
 
 import pytest
-import torch
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from slipstream.server.launch.repository import render_model_repository  # noqa: E402
-from slipstream.worker.model.gguf import default_model_dir  # noqa: E402
-from support import need_tritonserver, reference_model  # noqa: E402
+from beam_support import MAX_TOKENS, PROMPT, hf_beams  # noqa: E402
+from support import need_tritonserver  # noqa: E402
 from trtllm_support import SAMPLES, prepare_inputs, prepare_tensor  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-PROMPT = "The capital of France is"
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -37,26 +34,6 @@ def server(tmp_path_factory):
         repo, http_port=0, grpc_port=0, metrics_port=0, models=["ensemble"], startup_timeout=300
     ) as srv:
         yield srv
-
-
-def hf_beams(width: int) -> tuple:
-    """The ``width`` beams' texts (stop token not shown) and scores, best first."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    model = reference_model(default_model_dir())
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=MAX_TOKENS,
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=tokenizer.eos_token_id,
-        )
-    return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out]
 
 
 @pytest.mark.parametrize("width", [2, 3])

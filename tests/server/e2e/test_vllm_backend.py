@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from slipstream.server.launch.scrape import matching, scrape  # noqa: E402
-from support import http_generate, need_tritonserver  # noqa: E402
+from support import http_generate, need_tritonserver, tiny_model_dir  # noqa: E402
 from vllm_backend_support import (  # noqa: E402
     FAILING_HEALTH_MODEL_PY,
     SAMPLING_PARAMETERS,
@@ -681,9 +681,10 @@ def test_auto_completed_config_matches_vllm_backend(server):
     [
         (
             "embedding_request",
-            json.dumps({"input": "hi"}),
-            f"Error generating stream: Model {MODEL} does not support 'embed' request",
+            json.dumps({"input": "hi", "pooling_params": {"dimensions": [8]}}),
+            f'Error generating stream: Model "{MODEL}" does not support matryoshka',
         ),
+        ("embedding_request", "{not json", "input 'embedding_request' is not valid JSON"),
         ("image", "aGk=", "input 'image' is not supported"),
     ],
 )
@@ -698,6 +699,49 @@ def test_inputs_for_other_tasks_are_refused_alone(server, name, value, message):
     texts = [r.as_numpy("text_output")[0] for r, e in responses if e is None]
     assert len(errors) == 1 and message in errors[0]
     assert texts == [(PROMPTS[1] + hf_completion(PROMPTS[1])[1]).encode()]
+
+
+def embedding_inputs(body: dict) -> dict:
+    """A pooling request as Triton's OpenAI frontend sends one to a vLLM model."""
+    inputs = [
+        grpcclient.InferInput("text_input", [1], "BYTES"),
+        grpcclient.InferInput("embedding_request", [1], "BYTES"),
+        bool_input("return_num_input_tokens", True),
+        bool_input("return_num_output_tokens", True),
+    ]
+    inputs[0].set_data_from_numpy(np.array([b""], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([json.dumps(body).encode()], dtype=np.object_))
+    return {"inputs": inputs}
+
+
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
+def test_an_embedding_request_gets_the_pooled_hidden_states_beside_generation(server, pooling):
+    """Before: refused ("does not support 'embed' request"). The vector is the tiny model's
+    last-layer hidden states (transformers' base model) pooled and normalised; a generation
+    on the same stream is served as usual."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(tiny_model_dir("llama"))
+    text = PROMPTS[1]
+    ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    pooled = hidden[-1] if pooling == "LAST" else hidden.mean(0)
+    expected = torch.nn.functional.normalize(pooled, dim=0)
+    body = {"input": text, "pooling_params": {"pooling_type": pooling}}
+    good = create_vllm_request(PROMPTS[0], 1, False, SAMPLING_PARAMETERS)
+    responses = stream_requests(server.grpc_url, MODEL, [embedding_inputs(body), good])
+    assert all(e is None for _, e in responses), responses
+    vectors = [r for r, _ in responses if r.as_numpy("text_output")[0].startswith(b"[")]
+    assert len(vectors) == 1
+    got = torch.tensor(json.loads(vectors[0].as_numpy("text_output")[0]))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert int(vectors[0].as_numpy("num_input_tokens")) == len(ids)
+    assert list(vectors[0].as_numpy("num_output_tokens")) == [0]
+    texts = [r.as_numpy("text_output")[0] for r, _ in responses if r is not vectors[0]]
+    assert texts == [(PROMPTS[0] + hf_completion(PROMPTS[0])[1]).encode()]
 
 
 def openai_frontend_request(prompt, stream, sampling):

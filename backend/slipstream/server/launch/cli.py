@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import signal
@@ -193,6 +194,65 @@ def add_server_flags(p) -> None:
         "default: only the launcher, with a random key, may use it (loading a "
         "Python-backend model runs its code; an unload takes the model away)",
     )
+    add_openai_args(p)
+
+
+# --------------------------------------------------------------------------- OpenAI API flags
+# vLLM's names for what its OpenAI server takes; they shape the API on --openai-port.
+def add_openai_args(p: argparse.ArgumentParser) -> None:
+    keys = os.environ.get("SLIPSTREAM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[keys] if keys else [],
+        metavar="KEY",
+        help="requests to /v1/... must send 'Authorization: Bearer KEY' (one of the keys); "
+        "/health, /metrics, /tokenize stay open (env SLIPSTREAM_API_KEY or VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": calls read from the output by --tool-call-parser',
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        help="split the model's reasoning into reasoning_content: deepseek_r1, qwen3, glm45",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='/v1/embeddings pooling: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true|false} (default last token, normalised)',
+    )
+
+
+def check_openai_args(args: argparse.Namespace, names: list[str]) -> None:
+    """Refuse, before anything starts, OpenAI flags that cannot apply."""
+    openai_settings(args)
+
+
+def openai_settings(args: argparse.Namespace):
+    """The OpenAI API's settings from the flags (a bad value fails at start)."""
+    from slipstream.core.pooling_params import PoolingParams
+    from slipstream.server.openai.api_settings import ApiSettings
+
+    try:
+        settings = ApiSettings(
+            api_keys=tuple(args.api_key),
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+        )
+        PoolingParams.from_dict(args.pooler_config or {})
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return settings
 
 
 def add_openai_flags(p) -> None:
@@ -452,6 +512,7 @@ class _ServePlan:
     names: list[str]  # the Slipstream models
     prompt_model: str  # the one --prompt asks
     engine: dict[str, str]  # its engine settings
+    served_names: list[str]  # --served-model-name: the model's names (the first is Triton's)
 
 
 @dataclass
@@ -468,6 +529,7 @@ def run_serve(args: argparse.Namespace) -> int:
     report_phases_of_this_process(report)
     ports = triton_ports(args)
     plan = _plan_serve(args)
+    check_openai_args(args, plan.names)
     session = _Session(
         TritonServer(
             plan.repo,
@@ -511,12 +573,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _plan_serve(args: argparse.Namespace) -> _ServePlan:
     overrides = serve_overrides(args)
-    served_name = overrides.pop("served_model_name", None)
+    served_names = served_model_names(overrides.pop("served_model_name", None))
     work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
     repo = render_model_repository(args.model_repository, work / "model_repository", overrides)
     aliases = ["vllm"] if args.vllm_alias else []
-    if served_name:
-        _rename_the_model(repo, aliases, served_name)
+    if served_names:
+        _rename_the_model(repo, aliases, served_names[0])
     engines = _validate(repo, aliases)
     names = list(engines)
     prompt_model = DEFAULT_MODEL_NAME if DEFAULT_MODEL_NAME in engines else names[0]
@@ -531,7 +593,7 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
         from slipstream.worker import kernels
 
         kernels.load()
-    return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model])
+    return _ServePlan(work, repo, aliases, names, prompt_model, engines[prompt_model], served_names)
 
 
 def report_phases_of_this_process(report: StartupReport) -> None:
@@ -550,6 +612,14 @@ def _runs_on_cpu(engine: dict) -> bool:
     from slipstream.worker.device import resolve_device
 
     return resolve_device(str(engine.get("device") or "auto")).type == "cpu"
+
+
+def served_model_names(value: Optional[str]) -> list[str]:
+    """``--served-model-name A B`` (a JSON list) or ``--set served_model_name=A``: the names."""
+    if not value:
+        return []
+    names = json.loads(value) if value.lstrip().startswith("[") else [value]
+    return [str(n) for n in names if str(n).strip()]
 
 
 def _rename_the_model(repo: Path, aliases: list[str], name: str) -> None:
@@ -588,7 +658,7 @@ def _serve(args: argparse.Namespace, plan: _ServePlan, session: _Session) -> int
         flush=True,
     )
     if args.openai_port is not None:
-        session.openai_api = _start_openai(args, plan.repo, plan.aliases, server)
+        session.openai_api = _start_openai(args, plan, server)
     if args.prompt:
         _answer_prompt(args, server, plan.prompt_model)
         if args.exit_after_prompt:
@@ -634,19 +704,22 @@ def _stop_session(session: _Session) -> None:
 
 
 def _start_openai(
-    args: argparse.Namespace, repo: Path, aliases: list[str], server: TritonServer
+    args: argparse.Namespace, plan: _ServePlan, server: TritonServer
 ) -> "OpenAIFrontend":
     """The OpenAI-compatible API on a thread of this process, talking to ``server`` over
     gRPC (it keeps its ports across restarts, so the API outlives them)."""
     from slipstream.server.openai.frontend import OpenAIFrontend
 
     api = OpenAIFrontend.for_repository(
-        repo,
+        plan.repo,
         server.grpc_url,
-        aliases,
+        plan.aliases,
+        plan.served_names,
         metrics_url=server.metrics_url,
         host=args.host,
         port=args.openai_port,
+        settings=openai_settings(args),
+        pooling=args.pooler_config,
     ).start()
     print(
         f"  OpenAI   {api.url}/v1  (chat/completions, completions, models; {api.url}/health)",

@@ -55,6 +55,8 @@ def add_engine_flags(group: Any, defaults: Optional[EngineConfig]) -> None:
         kwargs: dict[str, Any] = {"dest": argument.name, "default": None, "help": help_text}
         if argument.type is ArgType.BOOL:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif argument.name == "served_model_name":  # vLLM's: several names, the first reported
+            kwargs.update(nargs="+", metavar="NAME")
         elif argument.type is ArgType.ADAPTERS:
             kwargs.update(nargs="+", metavar="NAME=PATH")
         else:
@@ -77,6 +79,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, str]:
             out[argument.name] = json.dumps(adapters(value))
             if getattr(args, "enable_lora", None) is None:  # serving adapters needs LoRA on
                 out["enable_lora"] = "true"
+        elif isinstance(value, list):  # --served-model-name A B
+            out[argument.name] = value[0] if len(value) == 1 else json.dumps(value)
         else:
             out[argument.name] = shown(value)
     return out

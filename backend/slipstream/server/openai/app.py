@@ -1,7 +1,9 @@
-"""The OpenAI-compatible HTTP API (FastAPI): ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (SSE streaming), ``/health`` and ``/metrics``, behaving as vLLM's OpenAI
-server does towards clients and routers. Every generation goes through Triton
-(``triton_client``); a client that disconnects cancels its request there.
+"""The OpenAI-compatible HTTP API (FastAPI), behaving as vLLM's OpenAI server does towards
+clients and routers: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE
+streaming, tool calls, reasoning), ``/v1/embeddings``, vLLM's render, ``/tokenize`` and
+``/detokenize`` routes, ``/health``, ``/health/ready`` and ``/metrics``. Every generation and
+pooling request goes through Triton (``triton_client``); a client that disconnects cancels
+its request there (``relay``). ``api_keys`` and ``http_limits`` wrap the application.
 """
 
 from __future__ import annotations
@@ -9,29 +11,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import urllib.request
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from openai.types import Model
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slipstream.server.openai import responses as out
-from slipstream.server.openai.errors import OpenAIError, error_body, unknown_model
-from slipstream.server.openai.requests import ChatCompletionRequest, CompletionRequest
+from slipstream.server.openai.api_keys import ApiKeyGuard
+from slipstream.server.openai.api_settings import ApiSettings
+from slipstream.server.openai.chat_output import ChatOutput
+from slipstream.server.openai.chat_render import render_chat
+from slipstream.server.openai.embeddings import EmbeddingRequest, create_embeddings
+from slipstream.server.openai.errors import OpenAIError, bad_request, error_body, unknown_model
+from slipstream.server.openai.http_limits import BodyLimits
+from slipstream.server.openai.relay import ClientGone, merged, sse_response, unless_disconnected
+from slipstream.server.openai.requests import (
+    STRUCTURED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from slipstream.server.openai.served_models import ModelTable, Target
+from slipstream.server.openai.tokenization import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
+from slipstream.server.openai.tool_calls import ToolRequest, tool_request
 from slipstream.server.openai.triton_client import GenerateRequest, Step, TritonGenerator
 
 OWNER = "slipstream"
-
-
-class _ClientGone(Exception):
-    pass
+log = logging.getLogger("slipstream.openai")
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -45,124 +64,79 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-async def merged(
-    generator: TritonGenerator, requests: list[GenerateRequest]
-) -> AsyncIterator[tuple[int, Step]]:
-    """The steps of several generations (a completions request with a list of prompts) as
-    they come, tagged with the request's position; the first error ends them all."""
-    if len(requests) == 1:
-        steps = generator.generate(requests[0])
-        try:
-            async for step in steps:
-                yield 0, step
-        finally:
-            await steps.aclose()
+def _check_context(target: Target, prompts: list[str], sampling: dict) -> None:
+    """vLLM's refusal of a ``max_tokens`` that cannot fit beside the prompt in the model's
+    context (the engine would stop at the context silently). Prompts are tokenized only
+    when they could be long enough to matter (a token is at least one byte)."""
+    max_tokens, limit = sampling["max_tokens"], target.model.max_model_len
+    special = bool(sampling.get("add_special_tokens", True))
+    keep = sampling.get("truncate_prompt_tokens")
+    for prompt in _may_overflow(target, prompts, sampling):
+        num_input = len(target.model.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+            num_input = min(num_input, keep)
+        if max_tokens > limit - num_input:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{num_input} input tokens ({max_tokens} > {limit} - {num_input}).",
+                "max_tokens",
+            )
+
+
+def _may_overflow(target: Target, prompts: list[str], sampling: dict) -> list[str]:
+    """The prompts that could leave too little room for ``max_tokens`` (a token is at least
+    one byte): the others need no tokenizing."""
+    max_tokens = sampling.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return []  # the engine names a bad value
+    room = target.model.max_model_len - max_tokens - 8  # 8: special tokens the tokenizer adds
+    return [p for p in prompts if len(p.encode()) > room]
+
+
+def _constrain_to_tools(sampling: dict, tools: Optional[ToolRequest]) -> None:
+    """A required or named tool choice: the output is held to its JSON schema."""
+    if tools is None or not tools.constrained:
         return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, req: GenerateRequest) -> None:
-        try:
-            async for step in generator.generate(req):
-                await queue.put((i, step))
-        except BaseException as e:  # handed to the reader
-            await queue.put((i, e))
-            return
-        await queue.put((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _peeked(stream: AsyncIterator) -> tuple[Any, AsyncIterator]:
-    """The first item (errors raise here, before any response is sent) and the rest."""
-    first = await stream.__anext__()
-
-    async def rest():
-        try:
-            yield first
-            async for item in stream:
-                yield item
-        finally:
-            await stream.aclose()
-
-    return first, rest()
-
-
-_CLOSING: set = set()  # tasks closing abandoned generators (kept until done)
-
-
-def _close_later(pending: Optional[asyncio.Future], *gens) -> None:
-    """Close async generators in a task of its own, once ``pending`` (a step of theirs) has
-    ended: the caller may be a cancelled task, where an await would be cancelled again before
-    the generators (and their Triton requests) are closed."""
-
-    async def close() -> None:
-        if pending is not None:
-            await asyncio.gather(pending, return_exceptions=True)
-        for gen in gens:
-            with contextlib.suppress(Exception):
-                await gen.aclose()
-
-    task = asyncio.ensure_future(close())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work) -> Any:
-    """Run ``work`` (a coroutine); if the client disconnects first, cancel it (which cancels
-    its Triton requests) and raise ``_ClientGone``."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        finished, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in finished:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise _ClientGone()
-    finally:
-        watcher.cancel()
-
-
-def _sse(payload: str) -> bytes:
-    return f"data: {payload}\n\n".encode()
+    taken = [name for name in STRUCTURED_FIELDS if sampling.get(name)]
+    if taken:
+        raise bad_request(
+            f"tool_choice {tools.choice.value!r} constrains the output to tool calls; it "
+            f"cannot be combined with {taken[0]}",
+            "tool_choice",
+        )
+    sampling["structured_outputs"] = {"json": tools.schema()}
 
 
 class OpenAIApp:
-    """Owns the model table and the Triton connection; ``app`` is the ASGI application."""
+    """Owns the model table and the Triton connection; ``asgi`` is what uvicorn serves (the
+    FastAPI ``app`` inside the API-key guard and the body limits)."""
 
-    def __init__(self, table: ModelTable, grpc_url: str, metrics_url: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        table: ModelTable,
+        grpc_url: str,
+        metrics_url: Optional[str] = None,
+        settings: Optional[ApiSettings] = None,
+        pooling: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.table = table
         self.generator = TritonGenerator(grpc_url)
         self.metrics_url = metrics_url
+        self.settings = settings or ApiSettings()
+        self.pooling = dict(pooling or {})  # --pooler-config: embedding_request's defaults
+        self.parser = self.settings.parser()
+        self.reasoning = self.settings.reasoning()
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # once serving (for tests)
         self.app = self._build()
+        limited = BodyLimits(self.app, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        self.asgi = ApiKeyGuard(limited, self.settings.api_keys)
 
     # ------------------------------------------------------------------ routes
     def _build(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app):
+            self.loop = asyncio.get_running_loop()
             yield
             await self.generator.close()
 
@@ -176,13 +150,35 @@ class OpenAIApp:
         async def invalid(request, exc: RequestValidationError):
             return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc: StarletteHTTPException):
+            # FastAPI's own: a body that does not parse (too deep, not UTF-8), an unknown
+            # route or method; in OpenAI's error object like every other error
+            message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+            return JSONResponse(
+                error_body(exc.status_code, message),
+                status_code=exc.status_code,
+                headers=getattr(exc, "headers", None),
+            )
+
+        @app.exception_handler(Exception)
+        async def internal(request, exc: Exception):
+            log.error("OpenAI API: %s %s failed", request.method, request.url.path, exc_info=exc)
+            return JSONResponse(
+                error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500
+            )
+
         app.get("/health")(self.health)
+        app.get("/health/ready")(self.health)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id:path}")(self.get_model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions/render")(self.render_completion)
         app.post("/v1/chat/completions/render")(self.render_chat)
+        app.post("/v1/embeddings")(self.embeddings)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         app.get("/metrics")(self.metrics)
         return app
 
@@ -198,7 +194,7 @@ class OpenAIApp:
         # vLLM's extra fields, read by routers and benchmark clients
         body.update(
             root=target.model.name,
-            parent=target.model.name if target.lora_name else None,
+            parent=target.model.openai_id if target.lora_name else None,
             max_model_len=target.model.max_model_len,
         )
         return body
@@ -207,10 +203,7 @@ class OpenAIApp:
         return {"object": "list", "data": [self._model_card(t) for t in self.table.targets()]}
 
     async def get_model(self, model_id: str) -> dict:
-        target = self.table.resolve(model_id)
-        if target is None:
-            raise unknown_model(model_id)
-        return self._model_card(target)
+        return self._model_card(self._target(model_id))
 
     async def metrics(self) -> Response:
         """Triton's metrics (the model's vllm:* series included) on this port too, where vLLM
@@ -233,13 +226,15 @@ class OpenAIApp:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ generation
-    def _target(self, name: str) -> Target:
-        target = self.table.resolve(name)
+    def _target(self, name: Optional[str]) -> Target:
+        if name is None and len(self.table.models) == 1:  # vLLM: one model, name optional
+            return self.table.resolve(self.table.models[0].openai_id)  # type: ignore[return-value]
+        target = self.table.resolve(name) if name is not None else None
         if target is None:
-            raise unknown_model(name)
+            raise unknown_model(str(name))
         return target
 
-    def _requests(
+    async def _requests(
         self,
         target: Target,
         prompts: list[str],
@@ -248,6 +243,8 @@ class OpenAIApp:
         top_logprobs: Optional[int],
     ) -> list[GenerateRequest]:
         sampling = dict(sampling)
+        if _may_overflow(target, prompts, sampling):
+            await asyncio.to_thread(_check_context, target, prompts, sampling)
         # vLLM's default budget: up to max_model_len (the engine stops there with "length")
         sampling.setdefault("max_tokens", target.model.max_model_len)
         if target.lora_name is not None:
@@ -259,11 +256,12 @@ class OpenAIApp:
         target = self._target(body.model)
         prompts = body.prompts()
         n = body.n or 1
-        reqs = self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
+        reqs = await self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
         rid = out.new_id("cmpl")
         if body.stream:
-            return await self._stream(
-                request, reqs, self._completion_events(rid, target.id, body, prompts, n)
+            events = self._completion_events(rid, target.id, body, prompts, n)
+            return await sse_response(
+                request, merged(self.generator, reqs), events, self.settings.send_timeout_s
             )
         answer = await self._answer(request, reqs, n)
         if answer is None:
@@ -278,19 +276,30 @@ class OpenAIApp:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         target = self._target(body.model)
-        prompt = await asyncio.to_thread(self._render, target, body)
+        tools = tool_request(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            self.settings.enable_auto_tool_choice,
+        )
+        sampling = body.sampling_parameters()
+        _constrain_to_tools(sampling, tools)
+        prompt = await asyncio.to_thread(render_chat, target, body, tools, self.parser)
         n = body.n or 1
         top = (body.top_logprobs or 0) if body.logprobs else None
-        reqs = self._requests(target, [prompt], body.sampling_parameters(), n, top)
+        reqs = await self._requests(target, [prompt], sampling, n, top)
+        output = ChatOutput(self.reasoning, tools, self.parser, body.include_reasoning is not False)
         rid = out.new_id("chatcmpl")
         if body.stream:
-            return await self._stream(request, reqs, self._chat_events(rid, target.id, body, n))
+            events = self._chat_events(rid, target.id, body, n, output)
+            return await sse_response(
+                request, merged(self.generator, reqs), events, self.settings.send_timeout_s
+            )
         answer = await self._answer(request, reqs, n)
         if answer is None:
             return Response(status_code=499)
-        return JSONResponse(
-            json.loads(out.dump(out.chat_completion(rid, target.id, answer, bool(body.logprobs))))
-        )
+        completion = out.chat_completion(rid, target.id, answer, bool(body.logprobs), output)
+        return JSONResponse(json.loads(out.dump(completion)))
 
     async def _answer(
         self, request: Request, reqs: list[GenerateRequest], n: int
@@ -304,10 +313,20 @@ class OpenAIApp:
                 self._absorb(answer, i, n, step)
 
         try:
-            await _unless_disconnected(request, collect())
-        except _ClientGone:
+            await unless_disconnected(request, collect())
+        except ClientGone:
             return None
         return answer
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        target = self._target(body.model)
+        try:
+            answer = await unless_disconnected(
+                request, create_embeddings(self.generator, target, body, self.pooling)
+            )
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(answer)
 
     # ------------------------------------------------------------------ render (vLLM's)
     # KV-aware routers (vllm-router's kv_aware) ask a worker for a request's prompt tokens
@@ -316,7 +335,13 @@ class OpenAIApp:
     async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
         body.check()
         target = self._target(body.model)
-        prompt = await asyncio.to_thread(self._render, target, body)
+        tools = tool_request(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            self.settings.enable_auto_tool_choice,
+        )
+        prompt = await asyncio.to_thread(render_chat, target, body, tools, self.parser)
         # chat prompts carry their special tokens in the template (add_special_tokens off)
         ids = target.model.tokenizer(prompt, add_special_tokens=bool(body.add_special_tokens))
         return {"request_id": out.new_id("render"), "token_ids": ids["input_ids"]}
@@ -333,27 +358,28 @@ class OpenAIApp:
             for p in body.prompts()
         ]
 
-    @staticmethod
-    def _render(target: Target, body: ChatCompletionRequest) -> str:
-        tokenizer = target.model.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise OpenAIError(
-                400, f"model {target.model.name} has no chat template; use /v1/completions"
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        body.check()
+        target = self._target(body.model)
+        if body.messages is None:
+            text = body.prompt or ""
+        else:
+            chat = ChatCompletionRequest(
+                model=target.id,
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+                tools=body.tools,
             )
-        try:
-            return tokenizer.apply_chat_template(
-                body.conversation(),
-                tokenize=False,
-                add_generation_prompt=bool(body.add_generation_prompt),
-                continue_final_message=bool(body.continue_final_message),
-                **(body.chat_template_kwargs or {}),
-            )
-        except OpenAIError:
-            raise
-        except Exception as e:  # the template itself refused the conversation
-            raise OpenAIError(
-                400, f"the chat template cannot render these messages: {e}", "messages"
-            ) from None
+            chat.check()
+            tools = tool_request(chat.tools, "none" if chat.tools else None, None, False)
+            text = await asyncio.to_thread(render_chat, target, chat, tools, self.parser)
+        return await asyncio.to_thread(tokenize, target, body, text)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        target = self._target(body.model)
+        return await asyncio.to_thread(detokenize, target, body)
 
     @staticmethod
     def _absorb(answer: out.Answer, i: int, n: int, step: Step) -> None:
@@ -361,44 +387,6 @@ class OpenAIApp:
             answer.prompt_tokens += step.num_input_tokens
         for delta in step.sequences:
             answer.add(i * n + delta.index, delta)
-
-    async def _stream(self, request: Request, reqs: list[GenerateRequest], events) -> Response:
-        """Start the generations; an error before the first output is an HTTP error, later
-        ones an SSE error event. ``events`` maps the steps to SSE payloads."""
-        steps = merged(self.generator, reqs)
-        try:
-            _, steps = await _peeked(steps)
-        except StopAsyncIteration:
-            raise OpenAIError(500, "the model returned nothing") from None
-
-        async def body() -> AsyncIterator[bytes]:
-            # Each payload is awaited in a task raced against the client's disconnect, so a
-            # client that leaves while its request waits or decodes cancels it at once.
-            gone = asyncio.ensure_future(_wait_disconnect(request))
-            payloads = events(steps).__aiter__()
-            pending = None
-            try:
-                while True:
-                    pending = asyncio.ensure_future(payloads.__anext__())
-                    await asyncio.wait({pending, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    if not pending.done():
-                        return  # the client is gone
-                    try:
-                        payload = pending.result()
-                    except StopAsyncIteration:
-                        break
-                    except OpenAIError as e:
-                        yield _sse(json.dumps(e.body()))
-                        break
-                    yield _sse(payload)
-                yield b"data: [DONE]\n\n"
-            finally:
-                gone.cancel()
-                if pending is not None and not pending.done():
-                    pending.cancel()  # cancels the Triton requests (triton_client.generate)
-                _close_later(pending, payloads, steps)
-
-        return StreamingResponse(body(), media_type="text/event-stream")
 
     def _completion_events(
         self, rid: str, model: str, body: CompletionRequest, prompts: list[str], n: int
@@ -440,12 +428,15 @@ class OpenAIApp:
 
         return events
 
-    def _chat_events(self, rid: str, model: str, body: ChatCompletionRequest, n: int):
+    def _chat_events(
+        self, rid: str, model: str, body: ChatCompletionRequest, n: int, output: ChatOutput
+    ):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         async def events(steps) -> AsyncIterator[str]:
             answer = out.Answer()
+            choices = [output.stream() for _ in range(n)]
             for index in range(n):  # vLLM's first chunk per choice: the role
                 yield out.dump(
                     out.chat_chunk(rid, model, index, role="assistant", content="", logprobs=None)
@@ -453,15 +444,30 @@ class OpenAIApp:
             async for i, step in steps:
                 self._absorb(answer, i, n, step)
                 for delta in step.sequences:
+                    choice = choices[delta.index]
+                    calls_before = choice.num_calls
+                    parts = choice.feed(delta.text)
+                    reason = delta.finish_reason
+                    if reason is not None:
+                        last = choice.finish()
+                        parts.content = (parts.content or "") + (last.content or "") or None
+                        parts.reasoning = (parts.reasoning or "") + (last.reasoning or "") or None
+                        parts.calls += last.calls
+                        if last.arguments is not None:
+                            parts.arguments = last.arguments
+                        reason = output.finish_reason(out.finish_reason(reason), choice.had_calls)
+                    if not parts and reason is None and not body.logprobs and not continuous:
+                        continue  # held back (a tag or a call in progress): nothing to say
                     yield out.dump(
                         out.chat_chunk(
                             rid,
                             model,
                             delta.index,
-                            content=delta.text,
-                            reason=delta.finish_reason,
+                            reason=reason,
                             logprobs=(delta.logprobs or []) if body.logprobs else None,
                             usage=answer.usage() if continuous else None,
+                            parts=parts,
+                            first_call_index=calls_before,
                         )
                     )
             if include_usage:
@@ -470,5 +476,11 @@ class OpenAIApp:
         return events
 
 
-def build_app(table: ModelTable, grpc_url: str, metrics_url: Optional[str] = None) -> FastAPI:
-    return OpenAIApp(table, grpc_url, metrics_url).app
+def build_app(
+    table: ModelTable,
+    grpc_url: str,
+    metrics_url: Optional[str] = None,
+    settings: Optional[ApiSettings] = None,
+    pooling: Optional[dict[str, Any]] = None,
+) -> OpenAIApp:
+    return OpenAIApp(table, grpc_url, metrics_url, settings, pooling)

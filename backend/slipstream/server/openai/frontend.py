@@ -7,9 +7,14 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from slipstream.server.openai.api_settings import ApiSettings
+from slipstream.server.openai.http_limits import bounded_h11
 from slipstream.server.openai.served_models import ModelTable, ServedModel, served_models
+
+if TYPE_CHECKING:
+    from slipstream.server.openai.app import OpenAIApp
 
 
 class OpenAIFrontendError(RuntimeError):
@@ -25,18 +30,28 @@ class OpenAIFrontend:
         metrics_url: Optional[str] = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        settings: Optional[ApiSettings] = None,
+        pooling: Optional[dict[str, Any]] = None,
     ) -> None:
         self.table = ModelTable(models)
         self.grpc_url, self.metrics_url = grpc_url, metrics_url
         self.host, self.port = host, port
+        self.settings = settings or ApiSettings()
+        self.pooling = pooling  # --pooler-config
+        self.api: Optional["OpenAIApp"] = None  # once started
         self._server: Optional[Any] = None  # uvicorn.Server (imported when started)
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
     def for_repository(
-        cls, repo: Path, grpc_url: str, aliases: Sequence[str] = (), **kwargs
+        cls,
+        repo: Path,
+        grpc_url: str,
+        aliases: Sequence[str] = (),
+        served_names: Sequence[str] = (),
+        **kwargs,
     ) -> "OpenAIFrontend":
-        return cls(served_models(Path(repo), aliases), grpc_url, **kwargs)
+        return cls(served_models(Path(repo), aliases, served_names), grpc_url, **kwargs)
 
     @property
     def url(self) -> str:
@@ -52,9 +67,19 @@ class OpenAIFrontend:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        app = build_app(self.table, self.grpc_url, self.metrics_url)
+        self.api = build_app(
+            self.table, self.grpc_url, self.metrics_url, self.settings, self.pooling
+        )
+        limits = self.settings
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+            self.api.asgi,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            http=bounded_h11(
+                limits.header_timeout_s, limits.max_header_bytes, limits.max_connections
+            ),
+            h11_max_incomplete_event_size=limits.max_header_bytes,
         )
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

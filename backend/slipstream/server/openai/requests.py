@@ -12,12 +12,23 @@ recorded nowhere, as in vLLM (an end-user id for abuse monitoring; it changes no
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
 from slipstream.server.openai.errors import bad_request
 
+# The fields that constrain the output (structured outputs).
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json_object",
+)
 # Passed to the engine under the same name (vLLM's SamplingParams names).
 SAMPLING_FIELDS = (
     "temperature",
@@ -40,18 +51,16 @@ SAMPLING_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_json_object",
+    *STRUCTURED_FIELDS,
     "guided_whitespace_pattern",
     "guided_decoding_backend",
     "priority",
     "add_special_tokens",
     "cache_salt",
+    # beam search (vLLM's fields: the width is best_of, else n)
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
 )
 
 
@@ -67,19 +76,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "prompt_logprobs is not supported by the OpenAI "
         "frontend (use the Triton generate endpoint)",
     ),
-    "use_beam_search": (_unset, "beam search is not supported"),
-    "length_penalty": (
-        lambda v: v in (None, 1, 1.0),
-        "length_penalty applies to beam search, which is not supported",
-    ),
-    "tools": (_unset, "tools (function calling) are not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported (no tools)"),
     "functions": (_unset, "functions (function calling) are not supported"),
     "function_call": (lambda v: v in (None, "none"), "function_call is not supported"),
-    "parallel_tool_calls": (
-        lambda v: v in (None, False, True),
-        "parallel_tool_calls must be a boolean",
-    ),
     "audio": (_unset, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
     "prediction": (_unset, "predicted outputs are not supported"),
@@ -157,10 +155,12 @@ class _Sampling(BaseModel):
     stream_reasoning: Optional[bool] = None
     return_hidden_states: Optional[bool] = None
     include_reasoning: Optional[bool] = None
-    # refused unless a no-op (REFUSED)
-    prompt_logprobs: Optional[int] = None
+    # vLLM's beam search
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
+    # refused unless a no-op (REFUSED)
+    prompt_logprobs: Optional[int] = None
 
     def check_refused(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -240,12 +240,13 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # OpenAI fields refused unless a no-op (REFUSED)
+    # tool calls (tool_calls.py)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # OpenAI fields refused unless a no-op (REFUSED)
     functions: Optional[list[Any]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
     audio: Optional[dict[str, Any]] = None
     modalities: Optional[list[str]] = None
     prediction: Optional[dict[str, Any]] = None
@@ -291,25 +292,71 @@ class ChatCompletionRequest(_Sampling):
         return out
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them: text content only."""
+        """The messages as the chat template takes them: text content, with an assistant's
+        ``tool_calls`` and a tool result's ``tool_call_id`` kept for templates that render
+        them (``tool_calls.with_tool_prompt`` writes them out for those that do not)."""
         out = []
         for i, message in enumerate(self.messages):
             role = message.get("role")
             if not isinstance(role, str):
                 raise bad_request(f"messages[{i}] has no role", "messages")
-            unknown = set(message) - {"role", "content", "name"}
+            unknown = set(message) - MESSAGE_KEYS.get(role, TEXT_MESSAGE_KEYS)
             if unknown:
                 raise bad_request(
-                    f"messages[{i}]: {sorted(unknown)} are not supported (text messages only)",
+                    f"messages[{i}]: {sorted(unknown)} are not supported in a {role!r} message",
                     "messages",
                 )
-            entry = {"role": role, "content": _text_content(i, message.get("content"))}
-            if "name" in message:
-                entry["name"] = message["name"]
+            entry: dict[str, Any] = {
+                "role": role,
+                "content": _text_content(i, message.get("content")),
+            }
+            for key in ("name", "tool_call_id"):
+                if key in message:
+                    entry[key] = message[key]
+            if message.get("tool_calls"):
+                entry["tool_calls"] = _tool_calls(i, message["tool_calls"])
             out.append(entry)
         if not out:
             raise bad_request("messages is empty", "messages")
         return out
+
+
+TEXT_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+MESSAGE_KEYS = {
+    "assistant": TEXT_MESSAGE_KEYS | {"tool_calls"},
+    "tool": TEXT_MESSAGE_KEYS | {"tool_call_id"},
+}
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, with their arguments as a JSON object (what
+    chat templates with a tool format iterate over)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(
+                f"messages[{i}].tool_calls: each call needs a function with a name", "messages"
+            )
+        args = function.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad_request(
+                    f"messages[{i}].tool_calls: arguments of {function['name']!r} are not JSON",
+                    "messages",
+                ) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": args},
+            }
+        )
+    return out
 
 
 def _text_content(i: int, content: Any) -> str:

@@ -17,9 +17,19 @@ from openai.types.chat import (
     chat_completion as chat,
     chat_completion_chunk as chunk,
 )
+from openai.types.chat.chat_completion_chunk import (
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
+from openai.types.chat.chat_completion_message_tool_call import (
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageToolCallUnion,
+    Function,
+)
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs
 
+from slipstream.server.openai.chat_output import ChatMessageParts, ChatOutput
 from slipstream.server.openai.triton_client import SequenceDelta, TokenLogprob
 
 # The finish reasons OpenAI's completion and chat choices share; the engine's others
@@ -162,18 +172,54 @@ def completion_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> Comp
 
 
 # ------------------------------------------------------------------------ chat
-def chat_completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> ChatCompletion:
-    choices = [
-        chat.Choice(
-            index=i,
-            finish_reason=c.finish_reason or "stop",
-            message=ChatCompletionMessage(role="assistant", content=c.text),
-            logprobs=chat.ChoiceLogprobs(content=chat_logprobs(c.logprobs))
-            if with_logprobs
-            else None,
+def _message_tool_calls(
+    parts: ChatMessageParts,
+) -> Optional[list[ChatCompletionMessageToolCallUnion]]:
+    if not parts.calls:
+        return None
+    return [
+        ChatCompletionMessageFunctionToolCall(
+            id=call.id,
+            type="function",
+            function=Function(name=call.name, arguments=call.arguments),
         )
-        for i, c in sorted(answer.choices.items())
+        for call in parts.calls
     ]
+
+
+def chat_message(parts: ChatMessageParts) -> ChatCompletionMessage:
+    message = ChatCompletionMessage(
+        role="assistant",
+        content=parts.content if parts.content or not parts.calls else None,
+        tool_calls=_message_tool_calls(parts),
+    )
+    if parts.reasoning is not None:
+        message.reasoning_content = parts.reasoning  # type: ignore[attr-defined] # vLLM's field
+    return message
+
+
+def chat_completion(
+    rid: str,
+    model: str,
+    answer: Answer,
+    with_logprobs: bool,
+    output: Optional[ChatOutput] = None,
+) -> ChatCompletion:
+    output = output or ChatOutput()
+    choices = []
+    for i, c in sorted(answer.choices.items()):
+        parts = output.whole(c.text)
+        reason = output.finish_reason(c.finish_reason or "stop", bool(parts.calls))
+        choices.append(
+            chat.Choice(
+                index=i,
+                finish_reason=reason,  # type: ignore[arg-type] # stop, length or tool_calls
+                message=chat_message(parts),
+                logprobs=chat.ChoiceLogprobs(content=chat_logprobs(c.logprobs))
+                if with_logprobs
+                else None,
+            )
+        )
     return ChatCompletion(
         id=rid,
         object="chat.completion",
@@ -182,6 +228,29 @@ def chat_completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -
         choices=choices,
         usage=answer.usage(),
     )
+
+
+def _delta_tool_calls(parts: ChatMessageParts, first_index: int) -> list[ChoiceDeltaToolCall]:
+    """A delta's calls: whole ones, or a named call's arguments as they come (its id, type
+    and name on its first delta only, as OpenAI streams them)."""
+    out = [
+        ChoiceDeltaToolCall(
+            index=first_index + k,
+            id=call.id,
+            type="function",
+            function=ChoiceDeltaToolCallFunction(name=call.name, arguments=call.arguments),
+        )
+        for k, call in enumerate(parts.calls)
+    ]
+    if parts.arguments is not None:
+        call, text, first = parts.arguments
+        delta = ChoiceDeltaToolCall(index=0, function=ChoiceDeltaToolCallFunction(arguments=text))
+        if first:
+            delta.id, delta.type = call.id, "function"
+            assert delta.function is not None
+            delta.function.name = call.name
+        out.append(delta)
+    return out
 
 
 def chat_chunk(
@@ -194,16 +263,25 @@ def chat_chunk(
     reason: Optional[str] = None,
     logprobs: Optional[list[TokenLogprob]] = None,
     usage: Optional[CompletionUsage] = None,
+    parts: Optional[ChatMessageParts] = None,
+    first_call_index: int = 0,
 ) -> ChatCompletionChunk:
     delta = chunk.ChoiceDelta()
     if role is not None:
         delta.role = role
     if content is not None:
         delta.content = content
+    if parts is not None:
+        if parts.content:
+            delta.content = parts.content
+        if parts.reasoning:
+            delta.reasoning_content = parts.reasoning  # type: ignore[attr-defined] # vLLM's
+        if parts.calls or parts.arguments is not None:
+            delta.tool_calls = _delta_tool_calls(parts, first_call_index)
     choice = chunk.Choice(
         index=index,
         delta=delta,
-        finish_reason=finish_reason(reason),
+        finish_reason=reason,  # type: ignore[arg-type] # stop, length or tool_calls
         logprobs=chunk.ChoiceLogprobs(content=chat_logprobs(logprobs))
         if logprobs is not None
         else None,

@@ -22,13 +22,20 @@ DEFAULT_MAX_MODEL_LEN = 2048
 class ServedModel:
     """One Triton model served by the slipstream backend."""
 
-    name: str  # the Triton model name, also the OpenAI model id
+    name: str  # the Triton model name
     tokenizer_source: str  # a Hugging Face directory ("default": the embedded model)
     max_model_len: int
     lora_names: list[str] = field(default_factory=list)
+    # The names clients use (--served-model-name; the first is the one reported); empty:
+    # the Triton model name.
+    served_names: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _tokenizer: object = field(default=None, repr=False)
+
+    @property
+    def openai_id(self) -> str:
+        return self.served_names[0] if self.served_names else self.name
 
     @property
     def tokenizer(self):
@@ -48,7 +55,7 @@ class Target:
 
     @property
     def id(self) -> str:
-        return self.lora_name or self.model.name
+        return self.lora_name or self.model.openai_id
 
 
 class ModelTable:
@@ -62,13 +69,17 @@ class ModelTable:
             for name in m.lora_names:
                 self._targets.setdefault(name, Target(m, name))
         for m in self.models:
-            self._targets[m.name] = Target(m)
+            for name in m.served_names or [m.name]:
+                self._targets[name] = Target(m)
 
     def resolve(self, name: str) -> Optional[Target]:
         return self._targets.get(name)
 
     def targets(self) -> list[Target]:
-        return list(self._targets.values())
+        """What ``/v1/models`` lists: each model once (under its first served name) and each
+        of its adapters."""
+        adapters = [t for t in self._targets.values() if t.lora_name is not None]
+        return [Target(m) for m in self.models] + adapters
 
 
 def load_tokenizer(source: str):
@@ -92,9 +103,12 @@ def _position_limit(source: str) -> Optional[int]:
     return position_limit(AutoConfig.from_pretrained(str(_model_dir(source))))
 
 
-def served_models(repo: Path, aliases: Sequence[str] = ()) -> list[ServedModel]:
+def served_models(
+    repo: Path, aliases: Sequence[str] = (), served_names: Sequence[str] = ()
+) -> list[ServedModel]:
     """The repository's Slipstream models with their engine settings (checked as the launcher
-    checks them)."""
+    checks them). ``served_names`` (vLLM's ``--served-model-name``) name the one model a
+    repository serves; with several models each keeps its directory's name."""
     from slipstream import EngineConfig
     from slipstream.server.launch.repository import check_models, find_models
 
@@ -106,4 +120,11 @@ def served_models(repo: Path, aliases: Sequence[str] = ()) -> list[ServedModel]:
         loras = sorted(config.lora_modules) if config.enable_lora else []
         tokenizer = str(settings.engine.get("tokenizer") or model)
         out.append(ServedModel(name, tokenizer, int(limit), loras))
+    if served_names:
+        if len(out) != 1:
+            raise ValueError(
+                f"--served-model-name names one model, but the repository serves {len(out)} "
+                f"({', '.join(m.name for m in out)}); each is served by its directory's name"
+            )
+        out[0].served_names = list(served_names)
     return out

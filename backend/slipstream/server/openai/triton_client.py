@@ -10,16 +10,18 @@ cancels the request in Triton, which the adapter polls and turns into an engine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Optional, Sequence
+from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
 import numpy as np
 
 from slipstream.server.openai.errors import OpenAIError, from_triton
 
+CALL_END_GRACE_S = 5.0  # how long a finished request's call may take to end by itself
 # vLLM's stand-in for a logprob of -inf in OpenAI responses (JSON has no infinity)
 MIN_LOGPROB = -9999.0
 
@@ -48,6 +50,15 @@ class SequenceDelta:
 class Step:
     num_input_tokens: int
     sequences: list[SequenceDelta]
+
+
+@dataclass
+class EmbedRequest:
+    model: str
+    input: Union[str, list[int]]
+    pooling: dict[str, Any]  # embedding_request's pooling_params
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: Optional[bool] = None
 
 
 @dataclass
@@ -93,6 +104,37 @@ def parse_logprobs(text: str, top_n: int) -> list[TokenLogprob]:
             )
         )
     return out
+
+
+async def _let_end(stream) -> None:
+    """Wait (briefly) for a call whose request is complete to end: Triton closes it once
+    the request's final response is out, as the client sent its only request. A call that
+    does not end in ``CALL_END_GRACE_S``, or a caller cancelled meanwhile, is cancelled."""
+
+    async def rest() -> None:
+        async for _ in stream:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), CALL_END_GRACE_S)
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception:  # timed out or failed: end it the hard way (nothing runs any more)
+        stream.cancel()
+
+
+def _rpc_error(e) -> OpenAIError:
+    """A failed gRPC call (Triton unreachable, stopping, ...) as a server-side error."""
+    import grpc
+
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return OpenAIError(503, f"Triton: {details}")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return OpenAIError(504, f"Triton: {details}")
+    return OpenAIError(500, f"Triton: {details}")
 
 
 class TritonGenerator:
@@ -149,37 +191,85 @@ class TritonGenerator:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[Step, None]:
         """The request's steps until every sequence has finished; an error raises
-        ``OpenAIError``. Closing the iterator early cancels the request in Triton."""
-        import grpc
+        ``OpenAIError``. Closing the iterator early cancels the request (``_call``)."""
+        finished: set[int] = set()
+        results = self._call(req.model, self._inputs(req))
+        try:
+            async for result in results:
+                step = self._step(result, req, finished)
+                last = len(finished) >= req.n
+                if last:  # the final response: nothing to cancel, however we are closed
+                    await results.asend(True)
+                yield step
+                if last:
+                    return
+        finally:
+            await results.aclose()
 
-        inputs = self._inputs(req)
+    async def embed(self, req: EmbedRequest) -> tuple[list[float], int]:
+        """A pooling request through the model's ``embedding_request`` input (vllm_backend's):
+        (the vector, the prompt's tokens)."""
+        import tritonclient.grpc as grpcclient
+
+        body: dict[str, Any] = {"input": req.input, "pooling_params": req.pooling}
+        if req.truncate_prompt_tokens is not None:
+            body["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+        if req.add_special_tokens is not None:
+            body["add_special_tokens"] = req.add_special_tokens
+        inputs = [
+            _tensor(grpcclient, "text_input", _bytes(""), "BYTES"),
+            _tensor(grpcclient, "embedding_request", _bytes(json.dumps(body)), "BYTES"),
+            _tensor(grpcclient, "return_num_input_tokens", np.array([True]), "BOOL"),
+        ]
+        results = self._call(req.model, inputs)
+        try:
+            async for result in results:
+                await results.asend(True)
+                text = result.as_numpy("text_output").reshape(-1)[0]
+                tokens = result.as_numpy("num_input_tokens")
+                count = int(tokens.reshape(-1)[0]) if tokens is not None else 0
+                return json.loads(text), count
+        finally:
+            await results.aclose()
+        raise OpenAIError(500, "the model returned no embedding")
+
+    async def _call(self, model: str, inputs: list) -> AsyncGenerator[Any, Optional[bool]]:
+        """One request's results on a gRPC stream of its own; an error response raises
+        ``OpenAIError``. The caller ``asend(True)``s once the result it has is the request's
+        last: the call is then left to end on its own, never cancelled (a cancel there can
+        keep Triton 2.51 from unloading the model at exit, docs/robustness.md). Closed before
+        that, the call is cancelled: Triton marks the request cancelled and the engine aborts
+        it, freeing its blocks."""
+        import grpc
 
         async def one_request():
             yield {
-                "model_name": req.model,
+                "model_name": model,
                 "inputs": inputs,
                 "request_id": f"openai-{uuid.uuid4().hex[:16]}",
             }
 
-        finished: set[int] = set()
         stream = self.client().stream_infer(one_request())
+        complete = False  # the request's final response came: nothing to cancel
         try:
             async for result, error in stream:
                 if error is not None:
+                    complete = True  # an error response is the request's last one
                     raise from_triton(error.message() if hasattr(error, "message") else str(error))
-                step = self._step(result, req, finished)
-                yield step
-                if len(finished) >= req.n:
+                if (yield result):  # the caller says it was the last one
+                    complete = True
+                    yield None  # answers the asend; the caller closes us next
                     return
+            complete = True  # the call ended
             raise OpenAIError(500, "the model's response stream ended before it finished")
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            status = (
-                503 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) else 500
-            )
-            raise OpenAIError(status, f"Triton: {e.details() if hasattr(e, 'details') else e}")
+            complete = True  # the call itself failed: it is over
+            raise _rpc_error(e) from None
         finally:
-            stream.cancel()  # a no-op once the call is over; an abort in the engine otherwise
+            if complete:
+                await _let_end(stream)
+            else:
+                stream.cancel()  # the engine aborts the request and frees its blocks
 
     @staticmethod
     def _step(result, req: GenerateRequest, finished: set[int]) -> Step:

@@ -52,6 +52,7 @@ class Reading(enum.Enum):
     GUIDED = "guided"  # TensorRT-LLM's guided decoding (guided_decoding.py)
     REFUSED = "refused"  # declared so that it is refused by name (``refusal`` says why)
     TRTLLM = "trtllm"  # mapped (or refused) by trtllm/inputs.py before parsing
+    POOLING = "pooling"  # the whole request is a pooling one (embedding_request.py)
 
 
 @dataclass(frozen=True)
@@ -149,14 +150,15 @@ INPUTS: tuple[RequestInput, ...] = (
     _flag("return_prompt_logprobs", _RETURN),
     _flag("return_num_input_tokens", _RETURN),
     _flag("return_num_output_tokens", _RETURN),
-    # refused by the adapter, with vLLM's text naming the model
+    # a pooling request instead of a generation (server/stub/embedding_request.py)
     RequestInput(
         "embedding_request",
         TritonType.STRING,
         (1,),
-        Reading.REFUSED,
-        "refused: the model has no embedding task",
-        refusal="the model has no embedding task",
+        Reading.POOLING,
+        'a pooling request instead of a generation: JSON `{"input": text or token ids, '
+        '"pooling_params": {"pooling_type", "normalize"}}`; `text_output` is the vector '
+        "(JSON)",
     ),
     _flag("apply_chat_template", "wrap the prompt in the model's chat template"),
     _int("max_tokens", _TYPED),

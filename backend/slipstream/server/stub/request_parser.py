@@ -74,7 +74,7 @@ INPUT_TYPES = {row.name: row.data_type.wire_name for row in INPUTS}
 # Typed inputs whose one value becomes a one-element list of the SamplingParams field.
 _LIST_TARGETS = ("stop_token_ids",)
 # Read before (prompt, JSON) or after (structured outputs, refusals) the other tensors.
-_READ_APART = (Reading.PROMPT, Reading.JSON, Reading.GUIDED, Reading.REFUSED)
+_READ_APART = (Reading.PROMPT, Reading.JSON, Reading.GUIDED, Reading.REFUSED, Reading.POOLING)
 # Other request-parameter names kept as settings (ids, timeouts... are not).
 _PARAMETER_SETTINGS = ("priority", "stop_words")
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}

@@ -30,11 +30,11 @@ import traceback
 
 import triton_python_backend_utils as pb_utils
 
-from slipstream import EngineConfig
+from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import FinishReason
 from slipstream.engine.loop import EngineDeadError, OverloadedError
 from slipstream.engine.supervisor import EngineSupervisor
-from slipstream.server.stub import model_config
+from slipstream.server.stub import embedding_request, model_config
 from slipstream.server.stub.cancel_polls import CancelPolls
 from slipstream.server.stub.deadlines import request_deadline
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
@@ -42,6 +42,7 @@ from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exi
 from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
 from slipstream.server.stub.request_parser import (
     BadRequestError,
+    ParsedRequest,
     RequestOptions,
     _parameters_dict,
     lora_error,
@@ -241,6 +242,9 @@ class TritonPythonModel:
     def _submit(self, inputs, parameters, sender, arrival, batch_index, deadline=None):
         """Parse one request (or row of a batched one) and hand it to the engine; a bad one
         gets its error response here."""
+        if embedding_request.INPUT in inputs:
+            self._submit_embedding(inputs, sender, arrival, deadline)
+            return
         try:
             lora = lora_error(inputs, parameters, self.lora_names)
             if lora is not None:  # vLLM answers this one without its prefix
@@ -272,10 +276,27 @@ class TritonPythonModel:
         )
         self.wake.set()
 
+    def _submit_embedding(self, inputs, sender, arrival, deadline) -> None:
+        """A pooling request (``embedding_request.py``): one response with the vector."""
+        try:
+            req = embedding_request.parse_embedding_request(inputs, self.model_name)
+            stream = self.loop.embed(
+                req.prompt,
+                req.params,
+                add_special_tokens=req.add_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+            )
+        except Exception as e:  # never let one request take the batch down
+            self._refuse(sender, e)
+            return
+        parsed = ParsedRequest("", SamplingParams(max_tokens=1), RequestOptions())
+        builder = embedding_request.EmbeddingResponses(req)
+        track = self.metrics.track(arrival, parsed.params)
+        self.incoming.put(_Pending(stream, sender, parsed, builder, track, arrival, deadline))
+        self.wake.set()
+
     def _translate(self, inputs, batch_index: int):
         """The row's TensorRT-LLM (or LLM-API) inputs mapped onto what the parser reads."""
-        if "embedding_request" in inputs:
-            raise BadRequestError(f"Model {self.model_name} does not support 'embed' request")
         if self.settings.interface == "llmapi":
             row = llmapi.translate(inputs)
         else:

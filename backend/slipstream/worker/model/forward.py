@@ -120,6 +120,27 @@ class ModelForward:
         stacked = self._stacked(meta) if path is ForwardPath.DECODE_STACK else None
         return self.lean(input_ids, positions, keep, self._attention_step(meta), stacked)
 
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVCache,
+    ) -> torch.Tensor:
+        """The last layer's hidden states after the final norm, ``[T, hidden]``, over the KV
+        cache ``kv`` (a pooling forward gives its prompt a cache of its own)."""
+        meta.plan = self.ops.plan(meta, kv.key_caches[0], self.num_query_heads)
+        every_row = torch.arange(input_ids.shape[0], device=input_ids.device)
+        if self.lean is not None:
+            return self.lean.hidden_states(
+                input_ids, positions, every_row, self._attention_step(meta, kv)
+            )[0]
+        context = transformers_hook.StepContext(meta, kv.key_caches, kv.value_caches, self.ops)
+        with transformers_hook.step_context(context):
+            hf: Any = self.model  # a transformers model: its base model returns the states
+            out = hf.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out.last_hidden_state[0]
+
     def _transformers(
         self,
         input_ids: torch.Tensor,
@@ -151,9 +172,10 @@ class ModelForward:
             rows=step,
         )
 
-    def _attention_step(self, meta: AttentionMetadata) -> Callable:
+    def _attention_step(self, meta: AttentionMetadata, kv: Optional[KVCache] = None) -> Callable:
         """The lean forward's attention: store the new K/V, attend over the paged cache."""
-        key_caches, value_caches, ops = self.kv.key_caches, self.kv.value_caches, self.ops
+        kv = kv or self.kv
+        key_caches, value_caches, ops = kv.key_caches, kv.value_caches, self.ops
 
         def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
             ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)

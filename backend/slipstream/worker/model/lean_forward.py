@@ -291,6 +291,20 @@ class FastForward:
         stores K/V and returns the attention output ``[T, H, D]``; ``stacked``, where given,
         runs every layer instead (the compiled stack over a decode step's caches), when
         every row's logits are kept."""
+        return self.model.lm_head(
+            self.hidden_states(input_ids, positions, keep, attention_step, stacked)
+        )[0]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        attention_step: Callable,
+        stacked: Optional[Layers] = None,
+    ) -> torch.Tensor:
+        """The last layer's output after the final norm for the ``keep`` rows,
+        ``[1, len(keep), hidden]``: what the LM head reads (a pooling request's output)."""
         t = input_ids.shape[0]
         hidden = self.base.embed_tokens(input_ids[None])  # [1, T, hidden]
         cos, sin = self.base.rotary_emb(hidden, positions[None])  # [1, T, D] each
@@ -300,8 +314,7 @@ class FastForward:
             hidden = stacked(hidden[0], cos, sin)[None]
         else:
             hidden, rows = self._layers(hidden, cos, sin, keep, attention_step)
-        hidden = self.final_norm(hidden if rows is None else hidden[:, rows, :])
-        return self.model.lm_head(hidden)[0]
+        return self.final_norm(hidden if rows is None else hidden[:, rows, :])
 
     def _layers(
         self,
