@@ -46,7 +46,8 @@ from slipstream.engine.output_processor import OutputProcessor
 from slipstream.engine.spec_decode import Proposer, make_proposer
 from slipstream.trace import StepTracer
 from slipstream.worker.layers.memory import release_freed_memory
-from slipstream.worker.sample.sampler import Sampler
+from slipstream.worker.sample.device_sampler import sampler_for
+from slipstream.worker.sample.sampler import TokenSampler
 from slipstream.worker.sample.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
@@ -90,7 +91,8 @@ class LLMEngine:
         self.config = config = target.config
         self.model, self.tokenizer, self.lora = target.model, target.tokenizer, target.lora
         self.eos_token_id = self._eos_token_id()
-        self.kv_cache = factory.allocate_kv_cache(self.model)
+        draft = factory.load_draft(self.model)  # before the cache is sized: its memory counts
+        self.kv_cache = factory.allocate_kv_cache(self.model, self.lora, draft)
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks,
             config.block_size,
@@ -107,10 +109,10 @@ class LLMEngine:
         self.runner = factory.build_runner(
             self.model, self.kv_cache, resolved_max_model_len(config), self.lora
         )
-        self.executor = ModelExecutor(self.runner, Sampler(config.seed))
+        self.executor = ModelExecutor(self.runner, sampler_for(self.device, config.seed))
         self.proposer: Optional[Proposer] = make_proposer(
             config,
-            lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
+            lambda: factory.draft_stack(self.model, draft, self.block_manager.num_blocks),
             input_vocab_size(self.model),
             len(self.tokenizer),
         )
@@ -186,11 +188,11 @@ class LLMEngine:
         return int(size or hf.config.get_text_config().vocab_size)
 
     @property
-    def sampler(self) -> Sampler:
+    def sampler(self) -> TokenSampler:
         return self.executor.sampler
 
     @sampler.setter
-    def sampler(self, sampler: Sampler) -> None:  # benchmarks compare samplers in place
+    def sampler(self, sampler: TokenSampler) -> None:  # benchmarks compare samplers in place
         self.executor.sampler = sampler
 
     @property
