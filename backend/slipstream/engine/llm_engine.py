@@ -85,6 +85,7 @@ class LLMEngine:
         any, on the engine thread: it must return at once (a queue, not I/O)."""
         settings = DeviceSettings.resolve(config)
         self.device, self.dtype = settings.device, settings.dtype
+        self._select_device()
         self.weight_format, self.kv_dtype = settings.weight_format, settings.kv_dtype
         factory = ModelFactory(config, settings)
         target = factory.load_target(model, tokenizer)
@@ -137,6 +138,12 @@ class LLMEngine:
         )
 
     # -- construction helpers ------------------------------------------------------------
+    def _select_device(self) -> None:
+        """Make the engine's GPU the calling thread's current CUDA device: OpenAI Triton
+        launches on the current device, and an instance on ``cuda:1`` must not launch on 0."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None:
@@ -309,6 +316,7 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule -> execute + sample -> update -> outputs, for every request that moved."""
         step_start = time.perf_counter()
+        self._select_device()
         sched = self.scheduler.schedule()
         if self.swap_pool is not None:
             self.swap_pool.apply(sched)
