@@ -94,6 +94,7 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         draft = factory.load_draft(self.model)  # before the cache is sized: its memory counts
         self.kv_cache = factory.allocate_kv_cache(self.model, self.lora, draft)
+        self.memory_plan = factory.memory_plan  # how GPU memory was shared out (None on CPU)
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks,
             config.block_size,
