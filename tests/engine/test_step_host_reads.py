@@ -14,7 +14,7 @@ from support import tiny_model_dir, use_device_path
 
 pytest.importorskip("triton")
 
-PROMPTS = [[5, 17, 300, 42, 9, 1200, 7], [88, 3, 64], list(range(100, 140))]
+PROMPTS = [[5, 17, 300, 42, 9, 1200, 7], [88, 3, 64], list(range(100, 130))]
 
 
 def device_path_engine(**settings) -> LLMEngine:
@@ -58,11 +58,11 @@ def check_one_copy_per_step(per_step: list[tuple[HostReads, bool]]) -> None:
 def test_every_step_reads_the_device_once_whatever_its_requests_ask():
     engine = device_path_engine()
     params = [
-        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, logprobs=2),
-        SamplingParams(max_tokens=5, temperature=1.0, top_k=5, min_p=0.05, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=5, min_p=0.05, ignore_eos=True),
         SamplingParams(
-            max_tokens=5,
+            max_tokens=3,
             temperature=0.7,
             repetition_penalty=1.3,
             frequency_penalty=0.5,
@@ -70,21 +70,21 @@ def test_every_step_reads_the_device_once_whatever_its_requests_ask():
             logit_bias={11: 5.0},
             min_tokens=2,
         ),
-        SamplingParams(max_tokens=4, temperature=0, allowed_token_ids=[7, 8, 9, 300]),
-        SamplingParams(max_tokens=3, temperature=0.9, n=2, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=[7, 8, 9, 300]),
+        SamplingParams(max_tokens=2, temperature=0.9, n=2, prompt_logprobs=2, ignore_eos=True),
     ]
     for i, p in enumerate(params):
         engine.add_request(PROMPTS[i % len(PROMPTS)], p)
     per_step = run_steps(engine)
     check_one_copy_per_step(per_step)
-    assert len(per_step) > 5  # prefill chunks, mixed and decode-only steps
+    assert len(per_step) > 3  # prefill chunks, mixed and decode-only steps
 
 
 def test_beam_search_and_ngram_speculation_steps_read_the_device_once():
     engine = device_path_engine(speculative_method="ngram", num_speculative_tokens=3)
-    engine.add_request(PROMPTS[0] * 3, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.add_request(PROMPTS[0] * 3, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     engine.add_request(
-        PROMPTS[1], SamplingParams(max_tokens=4, use_beam_search=True, n=2, ignore_eos=True)
+        PROMPTS[1], SamplingParams(max_tokens=3, use_beam_search=True, n=2, ignore_eos=True)
     )
     check_one_copy_per_step(run_steps(engine))
     assert engine.stats.num_draft_tokens > 0  # drafts were verified

@@ -253,6 +253,7 @@ class ModelFactory:
         lora: Optional[LoraLayers] = None,
     ) -> ModelRunner:
         c = self.config
+        before = MemoryCheckpoint.take(self.settings.device) if self.gpu else None
         runner = ModelRunner(
             model,
             kv_cache,
@@ -264,6 +265,15 @@ class ModelFactory:
             c.fast_forward,
             lora,
         )
+        if before is not None and runner.graphs is not None:
+            taken = MemoryCheckpoint.take(self.settings.device).reserved - before.reserved
+            planned = self.memory_plan.figures.cuda_graphs if self.memory_plan else None
+            log.info(
+                "CUDA graphs: %d batch sizes captured, %.2f GiB (planned %s)",
+                len(runner.graphs.graphs),
+                taken / 2**30,
+                "-" if planned is None else f"{planned / 2**30:.2f} GiB",
+            )
         if self.settings.device.type == "cpu":
             # fp32: the stock weights the packed copies replace
             drop_stock_weights(model, runner.forward.packed_only())

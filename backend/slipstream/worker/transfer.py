@@ -135,6 +135,11 @@ class DeviceToHost:
         self._pending.append(pending)
         return pending
 
+    @property
+    def registered(self) -> list[torch.Tensor]:
+        """The device tensors registered so far, in order."""
+        return [p.tensor for p in self._pending]
+
     def fetch(self) -> None:
         """Bring every registered tensor to the host (one copy; the step's one wait)."""
         if self.fetched:

@@ -39,6 +39,7 @@ from slipstream.worker.sample.sampler import (
     PerRequestError,
     SampleResult,
     banned_next_tokens,
+    vocabulary_constrained,
 )
 from slipstream.worker.sample.structured_output import grammar_masks
 from slipstream.worker.sample.uniform_streams import Draws, UniformStreams
@@ -117,20 +118,15 @@ class _HostPlan:
         banned: list[int] = []
         bias_at: list[int] = []
         bias: list[float] = []
-        row_in_request = 0
         v = self.vocab
-        for i, req in enumerate(reqs):
-            row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+        for i, req, generated in vocabulary_constrained(reqs):
             p = req.params
-            if not p.uses_vocabulary_constraints:
-                continue
             if p.allowed_token_ids:
                 allowed.extend(len(allowed_rows) * v + t for t in p.allowed_token_ids)
                 allowed_rows.append(i)
             if p.bad_words_token_ids:
-                generated = req.output_token_ids + list(req.spec_token_ids[:row_in_request])
                 banned.extend(
-                    i * v + t for t in banned_next_tokens(p.bad_words_token_ids, generated)
+                    i * v + t for t in banned_next_tokens(p.bad_words_token_ids, generated())
                 )
             if p.logit_bias:
                 bias_at.extend(i * v + t for t in p.logit_bias)

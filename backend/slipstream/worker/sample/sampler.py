@@ -17,8 +17,9 @@ random generators rewound) and only the requests whose own rows fail are reporte
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -288,20 +289,15 @@ class Sampler:
     def _apply_constraints(logits: torch.Tensor, reqs: list) -> None:
         """allowed_token_ids, bad_words and logit_bias, in place (rows of one request that
         verify draft tokens each see the drafts before them as generated)."""
-        row_in_request = 0
-        for i, req in enumerate(reqs):
-            row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+        for i, req, generated in vocabulary_constrained(reqs):
             p = req.params
-            if not p.uses_vocabulary_constraints:
-                continue
             if p.allowed_token_ids:
                 keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
                 masked = torch.full_like(logits[i], float("-inf"))
                 masked[keep] = logits[i, keep]
                 logits[i] = masked
             if p.bad_words_token_ids:
-                generated = req.output_token_ids + list(req.spec_token_ids[:row_in_request])
-                banned = banned_next_tokens(p.bad_words_token_ids, generated)
+                banned = banned_next_tokens(p.bad_words_token_ids, generated())
                 if banned:
                     logits[i, banned] = float("-inf")
             if p.logit_bias:
@@ -410,6 +406,20 @@ class PromptLogprobs:
             ids, top_values = (p.value.tolist() for p in self.top)
             tops = [tuple(zip(i, v)) for i, v in zip(ids, top_values)]
         return [TokenLogprob(v, rank, top) for v, rank, top in zip(values, ranks, tops)]
+
+
+def vocabulary_constrained(reqs: list) -> Iterator[tuple[int, Request, Callable[[], list]]]:
+    """The rows whose requests use vocabulary constraints: (row, request, the tokens its bad
+    words look back on -- its output and, on a row verifying drafts, the drafts before it)."""
+    row_in_request = 0
+    for i, req in enumerate(reqs):
+        row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+        if req.params.uses_vocabulary_constraints:
+            yield i, req, functools.partial(_generated, req, row_in_request)
+
+
+def _generated(req: Request, drafts: int) -> list:
+    return req.output_token_ids + list(req.spec_token_ids[:drafts])
 
 
 def banned_next_tokens(bad_words_token_ids: list, generated: list) -> list:
