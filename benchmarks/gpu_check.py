@@ -62,6 +62,7 @@ class Plan:
     speed_batches: tuple = (1, 64, 256)
     speed_prompt: int = 128
     speed_steps: int = 32
+    speed_tokens: int = 8192  # the speed engines' max_num_batched_tokens
     speed_kv_bytes: int = 16 * 2**30
     generate_tokens: int = 32
     profile_model: str = "llama-3.2-1b"
@@ -121,6 +122,7 @@ SMOKE = Plan(
     speed_batches=(1, 2),
     speed_prompt=8,
     speed_steps=2,
+    speed_tokens=16,
     speed_kv_bytes=2**22,
     generate_tokens=2,
     profile_model="tiny",
@@ -244,8 +246,9 @@ def speed(plan: Plan, models, name, tokenizer, device, copy_bw, gpu_engine, gpu_
         if k not in ("max_num_seqs", "kv_cache_memory_bytes", "cuda_graph_batch_sizes")
     }
     batch = max(plan.speed_batches)
-    sized = name == plan.sized_model
-    if not sized:
+    # whole prompts in few steps; the sized model's engine takes what vLLM's sizing leaves
+    settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], plan.speed_tokens)
+    if name != plan.sized_model:
         settings["kv_cache_memory_bytes"] = plan.speed_kv_bytes
     engine = gpu_engine.make_engine(models, tokenizer, device, batch, settings)
     out: dict = {"rows": []}

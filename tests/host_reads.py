@@ -82,7 +82,7 @@ class HostReads:
 
     def mark(self, t) -> None:
         """``t`` (and the tensors it views: an in-place write into a view writes its base)."""
-        while isinstance(t, torch.Tensor):
+        while isinstance(t, torch.Tensor) and t not in self.device:
             self.device[t] = True
             t = self.bases.get(t)
 
@@ -142,8 +142,10 @@ class _Dispatch(TorchDispatchMode):
         if on_device and (name in DATA_DEPENDENT or _bool_indexing(name, flat)):
             self.tracker.read(f"aten.{name}")
         out = func(*args, **kwargs)
-        if func.is_view and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
-            self.tracker.bases[out] = args[0]
+        base = args[0] if args else None
+        if func.is_view and isinstance(out, torch.Tensor) and isinstance(base, torch.Tensor):
+            if out is not base:  # some view ops hand back their input itself
+                self.tracker.bases[out] = base
         if on_device:
             for t in _flatten(out):
                 self.tracker.mark(t)

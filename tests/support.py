@@ -85,6 +85,9 @@ def use_device_path(engine) -> None:
 
     engine.sampler = DeviceSampler(engine.config.seed, staged=True)
     engine.runner.upload = HostToDevice(engine.device, staged=True)
+    draft_runner = getattr(engine.proposer, "runner", None)  # the draft model's
+    if draft_runner is not None:
+        draft_runner.upload = HostToDevice(engine.device, staged=True)
 
 
 def engine_with_sampler(sampler: str, device: torch.device, make):

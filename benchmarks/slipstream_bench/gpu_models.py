@@ -160,4 +160,7 @@ def _sharing(model, dtype: torch.dtype, copy_tensors: bool = False):
             module.inv_freq = source.inv_freq.clone()
             if hasattr(source, "original_inv_freq"):
                 module.original_inv_freq = source.original_inv_freq.clone()
+    left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left unset in the copy: {left[:5]}")
     return twin.to(dtype).eval()

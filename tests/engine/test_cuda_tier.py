@@ -75,7 +75,8 @@ def test_decode_steps_never_synchronise_but_for_the_copy_back(cuda, graphs):
 
 def test_prefill_and_mixed_steps_never_synchronise_but_for_the_copy_back(cuda):
     engine = make_engine(cuda)
-    engine.step()  # a first step: lazy initialisation (cuBLAS handles, Triton's compile)
+    # first steps outside the check: lazy initialisation (cuBLAS handles, Triton's compiles)
+    engine.generate(PROMPTS, PARAMS)
     add_requests(engine)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
