@@ -149,7 +149,14 @@ class Report:
         self.clock = clock
         self.data: dict = {"parts": {}}
 
-    def part(self, name: str, fn: Callable[[], object], needs_s: float = 0.0) -> object:
+    def part(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        needs_s: float = 0.0,
+        summary: Callable[[object], object] = lambda result: result,
+    ) -> object:
+        """Run one part; its result (``summary`` of it goes to the report), or None."""
         if self.clock.left() < needs_s:
             self.data["parts"][name] = {"skipped": f"time budget ({self.clock.left():.0f} s left)"}
             print(f"[{self.clock.elapsed():6.1f}s] {name}: skipped (time budget)", flush=True)
@@ -163,7 +170,7 @@ class Report:
             traceback.print_exc()
             return None
         took = time.perf_counter() - start
-        self.data["parts"][name] = {"seconds": round(took, 2), "result": result}
+        self.data["parts"][name] = {"seconds": round(took, 2), "result": summary(result)}
         print(f"[{self.clock.elapsed():6.1f}s] {name}: done in {took:.1f}s", flush=True)
         return result
 
@@ -209,7 +216,11 @@ def check_model(
     from slipstream_bench.gpu_models import GEOMETRIES, build_models
 
     geometry = GEOMETRIES[name]
-    models = report.part(f"{name}: random weights", lambda: build_models(geometry, device))
+    models = report.part(
+        f"{name}: random weights",
+        lambda: build_models(geometry, device),
+        summary=lambda m: {"parameters": sum(p.numel() for p in m.reference.parameters())},
+    )
     if models is None:
         return
     work = gpu_correctness.make_workload(
