@@ -68,6 +68,41 @@ def hf_greedy(path: Path, prompt: list, max_tokens: int) -> list:
     return out[0, len(prompt) :].tolist()
 
 
+# The samplers an engine test runs with: the CPU one, and the device one (on CPU tensors in the
+# cpu tier, with the step's whole GPU protocol; on CUDA in the cuda tier).
+SAMPLERS = ("cpu", "device")
+
+
+def tier_settings(device: torch.device) -> dict:
+    """EngineConfig settings of a test-tier engine: on the tier's device, in fp32 (the
+    references are fp32)."""
+    return {"device": str(device), "dtype": "float32"}
+
+
+def use_device_path(engine) -> None:
+    """Run a CPU ``engine``'s steps through the GPU engine's protocol: the step's inputs in one
+    staged upload, the device sampler (staged too), everything read back in one copy."""
+    from slipstream.worker.sample.device_sampler import DeviceSampler
+    from slipstream.worker.transfer import HostToDevice
+
+    engine.sampler = DeviceSampler(engine.config.seed, staged=True)
+    engine.runner.upload = HostToDevice(engine.device, staged=True)
+    draft_runner = getattr(engine.proposer, "runner", None)  # the draft model's
+    if draft_runner is not None:
+        draft_runner.upload = HostToDevice(engine.device, staged=True)
+
+
+def engine_with_sampler(sampler: str, device: torch.device, make):
+    """``make(settings)``'s engine on the tier's ``device`` sampling with ``sampler`` (one of
+    ``SAMPLERS``; the CPU sampler is skipped in the cuda tier)."""
+    if sampler == "cpu" and device.type != "cpu":
+        pytest.skip("the CPU sampler")
+    engine = make(tier_settings(device))
+    if sampler == "device" and device.type == "cpu":
+        use_device_path(engine)
+    return engine
+
+
 def chunked_engine(arch: str, **settings):
     """An engine on the tiny ``arch`` whose steps chunk prompts and mix them with decode rows
     (48-token steps, 4-token blocks), for ``step_logits``; ``settings``: more EngineConfig."""

@@ -46,6 +46,24 @@ def baseline_sampler_class(revision: str) -> type:
     return module.Sampler
 
 
+class _Launching:
+    """A baseline ``Sampler`` from before samplers had ``launch`` (the executor's seam)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+    def launch(self, logits, reqs, fetch, want_logprobs: bool = True):
+        from slipstream.worker.sample.sampler import PerRequestError, _Sampled
+
+        try:
+            return _Sampled(self.sampler(logits, reqs, want_logprobs))
+        except PerRequestError as err:
+            return _Sampled(error=err)
+
+
 def _one_step(engine, clock: _Clock) -> dict:
     clock.reset()
     engine.step()
@@ -104,7 +122,8 @@ def main(argv=None) -> int:
     engine = LLMEngine(EngineConfig.from_dict(values))
     samplers = {"this tree": engine.sampler}
     if args.baseline:
-        samplers[args.baseline] = baseline_sampler_class(args.baseline)(engine.config.seed)
+        baseline = baseline_sampler_class(args.baseline)(engine.config.seed)
+        samplers[args.baseline] = baseline if hasattr(baseline, "launch") else _Launching(baseline)
     results = []
     with torch.inference_mode():
         for b in batches:

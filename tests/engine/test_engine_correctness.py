@@ -1,4 +1,5 @@
-"""Greedy outputs of the batched engine equal model.generate run one request at a time."""
+"""Greedy outputs of the batched engine equal model.generate run one request at a time (fp32;
+on the tier's device: CPU, or CUDA in the cuda tier, against the same fp32 reference)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from slipstream import EngineConfig, SamplingParams
 from slipstream.engine import LLMEngine
-from support import hf_greedy, random_workload, tiny_model_dir
+from support import hf_greedy, random_workload, tier_settings, tiny_model_dir
 
 N_REQUESTS = 12
 
@@ -20,9 +21,10 @@ def workload_and_reference(arch: str) -> tuple:
     return prompts, outs, [hf_greedy(path, p, o) for p, o in zip(prompts, outs)]
 
 
-def run_engine(arch: str, **overrides) -> tuple:
+def run_engine(arch: str, device, **overrides) -> tuple:
     prompts, outs, reference = workload_and_reference(arch)
     settings = dict(
+        **tier_settings(device),
         model=str(tiny_model_dir(arch)),
         block_size=4,
         max_num_batched_tokens=48,
@@ -38,8 +40,8 @@ def run_engine(arch: str, **overrides) -> tuple:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral", "gemma2"])
-def test_continuous_matches_reference(arch):
-    engine, got, reference = run_engine(arch)
+def test_continuous_matches_reference(arch, tier_device):
+    engine, got, reference = run_engine(arch, tier_device)
     assert got == reference
     # Several prefill chunks per long prompt and mixed prefill/decode steps really happened.
     assert engine.stats.steps > max(len(p) for p in workload_and_reference(arch)[0]) // 48
@@ -49,19 +51,20 @@ def test_continuous_matches_reference(arch):
 
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_batch_modes_match_reference(arch, mode):
+def test_batch_modes_match_reference(arch, mode, tier_device):
     engine, got, reference = run_engine(
-        arch, batching=mode, max_batch_size=4, max_queue_delay_ms=0.0
+        arch, tier_device, batching=mode, max_batch_size=4, max_queue_delay_ms=0.0
     )
     assert got == reference
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_chunked_prefill_interleaves_decode():
+def test_chunked_prefill_interleaves_decode(tier_device):
     """A long prompt arriving while others decode is split into chunks; decodes keep going."""
     path = tiny_model_dir("llama")
     engine = LLMEngine(
         EngineConfig(
+            **tier_settings(tier_device),
             model=str(path),
             block_size=4,
             max_num_batched_tokens=16,
@@ -87,8 +90,8 @@ def test_chunked_prefill_interleaves_decode():
     assert decoded_during_prefill == 12  # one decode token every step, never blocked
 
 
-def test_no_chunked_prefill_still_correct():
+def test_no_chunked_prefill_still_correct(tier_device):
     engine, got, reference = run_engine(
-        "llama", enable_chunked_prefill=False, max_num_batched_tokens=512
+        "llama", tier_device, enable_chunked_prefill=False, max_num_batched_tokens=512
     )
     assert got == reference

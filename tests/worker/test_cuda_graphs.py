@@ -1,14 +1,11 @@
 """The CPU-testable half of the CUDA-graph decode runner: buckets, padding, eager fallback,
-and that padding rows are inert for the Triton decode path (run by the interpreter)."""
+and that padding rows are inert for the Triton decode path (run by the interpreter on CPU,
+compiled in the cuda tier; capture and replay themselves: tests/engine/test_cuda_tier.py)."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of the kernel module
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from slipstream.worker.cuda_graphs import (  # noqa: E402
+from slipstream.worker.cuda_graphs import (
     DecodeGraphRunner,
     StaticDecodeInputs,
     bucket_for,
@@ -92,7 +89,7 @@ def test_runner_falls_back_to_eager_off_cuda():
     assert runner.sizes == [1, 2, 4, 8]
 
 
-def test_padding_rows_are_inert_for_triton_decode():
+def test_padding_rows_are_inert_for_triton_decode(tier_device):
     """Load a 3-row batch into a bucket of 4, then store_kv + decode attention on the padded
     view: the padding row writes no slot and yields zeros, the real rows match the reference."""
     pytest.importorskip("triton")
@@ -107,18 +104,19 @@ def test_padding_rows_are_inert_for_triton_decode():
     slots = torch.tensor(
         [int(bt[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens.tolist())]
     )
-    buf = StaticDecodeInputs(8, 4)
-    buf.load(4, torch.tensor([1, 2, 3]), lens.long() - 1, slots, bt, lens)
+    kc, vc, bt, lens, slots = (t.to(tier_device) for t in (kc, vc, bt, lens, slots))
+    buf = StaticDecodeInputs(8, 4, tier_device)
+    buf.load(4, torch.tensor([1, 2, 3], device=tier_device), lens.long() - 1, slots, bt, lens)
     _, _, slots4, bt4, lens4 = buf.view(4)
 
-    k_new = torch.randn(4, hkv, d, generator=g)
-    v_new = torch.randn(4, hkv, d, generator=g)
+    k_new = torch.randn(4, hkv, d, generator=g).to(tier_device)
+    v_new = torch.randn(4, hkv, d, generator=g).to(tier_device)
     kc_t, vc_t = kc.clone(), vc.clone()
     tk.store_kv(k_new, v_new, kc_t, vc_t, slots4)
     ref.store_kv(k_new[:3], v_new[:3], kc, vc, slots)
     assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)
 
-    q = torch.randn(4, h, d, generator=g)
+    q = torch.randn(4, h, d, generator=g).to(tier_device)
     out = tk.paged_decode_attention(q, kc_t, vc_t, bt4, lens4, d**-0.5, block_n=8)
     expect = ref.paged_decode_attention(q[:3], kc, vc, bt, lens, d**-0.5)
     assert torch.isfinite(out).all()

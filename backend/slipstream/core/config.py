@@ -62,9 +62,11 @@ def _check_count(name: str, value: Any, low: int) -> None:
 class EngineConfig:
     """Settings of one engine instance.
 
-    The KV cache size is derived, not given: ``kv_cache_memory_bytes`` (or, on GPU,
-    ``gpu_memory_utilization`` of the free memory) divided by the bytes one block
-    takes for the loaded model's layers, KV heads, head dim and dtype.
+    The KV cache size is derived, not given: ``kv_cache_memory_bytes`` (1 GiB on CPU when
+    unset), or on a GPU without it, what ``gpu_memory_utilization`` of the device's total
+    memory leaves once weights, activations and CUDA graphs are accounted (vLLM's sizing,
+    ``worker/memory_plan``), divided by the bytes one block takes for the loaded model's
+    layers, KV heads, head dim and dtype.
     """
 
     model: str = "default"  # "default" = embedded SmolLM2, or a local HF model directory
@@ -77,8 +79,12 @@ class EngineConfig:
     seed: int = 0
 
     block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = 1024 * 1024 * 1024
-    gpu_memory_utilization: Optional[float] = None  # fraction of free GPU memory for KV
+    # bytes of the KV pool (vLLM's: set, it overrides gpu_memory_utilization); unset: 1 GiB on
+    # CPU, on CUDA the share gpu_memory_utilization leaves
+    kv_cache_memory_bytes: Optional[int] = None
+    # CUDA: the share of the GPU's TOTAL memory this engine may use (vLLM's meaning; 0.9 when
+    # unset), weights, activations, CUDA graphs and KV cache together
+    gpu_memory_utilization: Optional[float] = None
     num_gpu_blocks_override: Optional[int] = None  # tests: exact number of KV blocks
 
     max_num_seqs: int = 64

@@ -1,6 +1,10 @@
 """Builds what runs a model: the model itself, its paged KV cache and the runner that packs
 steps for it. The engine builds its target model here, and the draft-model proposer its
-draft model, with the same device, dtype and runner rules."""
+draft model, with the same device, dtype and runner rules.
+
+Order on a GPU, as vLLM sizes memory (``worker/memory_plan``): target model and LoRA slots,
+draft model, then profiling steps, then the KV cache takes what ``gpu_memory_utilization`` of
+the device's total memory leaves; the log states each figure."""
 
 from __future__ import annotations
 
@@ -14,14 +18,29 @@ import torch
 from slipstream.core.config import EngineConfig
 from slipstream.engine.executor.member import GroupMember
 from slipstream.startup_log import Phase, phase
+from slipstream.worker.cuda_graphs import capture_sizes
 from slipstream.worker.device import DeviceSettings
 from slipstream.worker.distributed.sharding import shard_of
-from slipstream.worker.kv_cache import KVCache, KVGeometry, kv_budget_bytes, num_blocks_for_budget
+from slipstream.worker.kv_cache import KVCache, KVGeometry, num_blocks_for_budget
 from slipstream.worker.layers.linear import drop_stock_weights
 from slipstream.worker.layers.memory import release_freed_memory
 from slipstream.worker.layers.preparation import prepare_cpu_model
 from slipstream.worker.layers.reduced_linear import WeightFormat
 from slipstream.worker.lora.layers import LoraLayers, load_lora_layers
+from slipstream.worker.memory_plan import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    BlockSizes,
+    MemoryFigures,
+    MemoryPlan,
+    cpu_kv_bytes,
+    plan_memory,
+)
+from slipstream.worker.memory_profile import (
+    MemoryCheckpoint,
+    decode_step,
+    peak_above_now,
+    prefill_step,
+)
 from slipstream.worker.model import loader
 from slipstream.worker.model.context_length import fit_max_model_len
 from slipstream.worker.model_runner import ModelRunner
@@ -72,6 +91,11 @@ class ModelFactory:
         self.config = config
         self.settings = settings
         self.member = member
+        self.gpu = settings.device.type == "cuda"
+        # the device's memory before this engine loads anything, and after the target loads
+        self._start = MemoryCheckpoint.take(settings.device) if self.gpu else None
+        self._target_loaded: Optional[MemoryCheckpoint] = None
+        self.memory_plan: Optional[MemoryPlan] = None  # the GPU sizing, once done
 
     # -- the target model --------------------------------------------------------------------
     def load_target(
@@ -111,19 +135,43 @@ class ModelFactory:
             lora = load_lora_layers(
                 config.lora_modules, model, config.max_lora_rank, s.dtype, s.device
             )
+        if self.gpu:
+            self._target_loaded = MemoryCheckpoint.take(s.device)
         return TargetModel(model, tokenizer, config, lora)
 
-    def allocate_kv_cache(self, model: torch.nn.Module) -> KVCache:
-        """The target's cache: ``num_gpu_blocks_override`` blocks, or what the budget holds."""
+    def load_draft(self, target: torch.nn.Module) -> Optional[torch.nn.Module]:
+        """The draft-model proposer's model (None for other methods; the target itself when
+        they are the same model), loaded before the KV cache is sized."""
+        c, s = self.config, self.settings
+        if c.speculative_method != "draft":
+            return None
+        if c.speculative_model == c.model:
+            return target
+        assert c.speculative_model is not None  # EngineConfig's validation
+        model = loader.load_model(loader.resolve_model_path(c.speculative_model), s.dtype, s.device)
+        if s.device.type == "cpu":  # the draft runs fp32 weights, whatever the target's
+            prepare_cpu_model(model, WeightFormat.FLOAT32.value, c.cpu_linear)
+        return model
+
+    def allocate_kv_cache(
+        self,
+        model: torch.nn.Module,
+        lora: Optional[LoraLayers] = None,
+        draft: Optional[torch.nn.Module] = None,
+    ) -> KVCache:
+        """The target's cache: ``num_gpu_blocks_override`` blocks; what
+        ``kv_cache_memory_bytes`` holds; or on a GPU, what ``gpu_memory_utilization`` leaves
+        once weights (``draft`` included), activations and CUDA graphs are accounted."""
         c = self.config
         geometry = KVGeometry.from_model_config(model.config, c.block_size, self.settings.kv_dtype)
         if c.num_gpu_blocks_override is not None:
             num_blocks = c.num_gpu_blocks_override + 1  # + the scratch block
+        elif self.gpu and c.kv_cache_memory_bytes is None:
+            self.memory_plan = self._plan_gpu_memory(model, lora, draft, geometry)
+            log.info("%s", self.memory_plan.describe())
+            num_blocks = self.memory_plan.num_blocks
         else:
-            budget = kv_budget_bytes(
-                c.kv_cache_memory_bytes, c.gpu_memory_utilization, self.settings.device
-            )
-            num_blocks = num_blocks_for_budget(geometry, budget)
+            num_blocks = num_blocks_for_budget(geometry, cpu_kv_bytes(c.kv_cache_memory_bytes))
         if self.member is not None:  # one block table for every rank
             num_blocks = self.member.agree_num_blocks(num_blocks)
         if num_blocks < 2:
@@ -136,6 +184,94 @@ class ModelFactory:
             if self.member is not None:
                 return self.member.kv_cache(geometry, num_blocks, self.settings.device)
             return KVCache(geometry, num_blocks, self.settings.device)
+
+    # -- GPU memory (worker/memory_plan: the arithmetic; here: the measurements) ---------------
+    def _plan_gpu_memory(
+        self,
+        model: torch.nn.Module,
+        lora: Optional[LoraLayers],
+        draft: Optional[torch.nn.Module],
+        geometry: KVGeometry,
+    ) -> MemoryPlan:
+        c, device = self.config, self.settings.device
+        start, target = self._start, self._target_loaded
+        assert start is not None  # taken on every GPU engine
+        loaded = MemoryCheckpoint.take(device)
+        target = target or loaded
+        activations, graphs = self._profile(model, lora)
+        blocks = BlockSizes(geometry.bytes_per_block)
+        if draft is not None and draft is not model:
+            draft_activations, draft_graphs = self._profile(draft, None)
+            activations, graphs = max(activations, draft_activations), graphs + draft_graphs
+        torch.cuda.empty_cache()  # the scratch caches' and profiling steps' memory
+        if draft is not None:
+            draft_geometry = self._draft_geometry(draft)
+            blocks = BlockSizes(
+                geometry.bytes_per_block, draft_geometry.bytes_per_block, self._draft_extra_blocks()
+            )
+        after = MemoryCheckpoint.take(device)
+        figures = MemoryFigures(
+            total=start.total,
+            free_at_start=start.free,
+            weights=target.allocated - start.allocated,
+            draft_weights=loaded.allocated - target.allocated,
+            activations=activations,
+            cuda_graphs=graphs,
+            non_torch=max((start.free - after.free) - (after.reserved - start.reserved), 0),
+        )
+        utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        return plan_memory(figures, utilization, blocks)
+
+    def _profile(self, model: torch.nn.Module, lora: Optional[LoraLayers]) -> tuple[int, int]:
+        """(activation peak, CUDA-graph pool estimate) of ``model``, from profiling steps on a
+        scratch cache: a prefill of ``max_num_batched_tokens`` tokens, a sampled decode step
+        of the largest batch, and that decode step's forward alone at the largest graph
+        batch (a graph's pool holds what its forward allocates; every graph keeps its logits)."""
+        from slipstream.worker.sample.device_sampler import DeviceSampler
+
+        c, s = self.config, self.settings
+        sizes = self._graph_sizes(lora)
+        max_model_len = resolved_max_model_len(c)
+        prefill = prefill_step(c.max_num_batched_tokens, max_model_len, c.block_size)
+        batch = max(min(c.max_num_seqs, c.max_num_batched_tokens), max(sizes, default=0))
+        decode = decode_step(batch, c.block_size)
+        geometry = KVGeometry.from_model_config(model.config, c.block_size, s.kv_dtype)
+        kv = KVCache(geometry, max(prefill.num_blocks, decode.num_blocks), s.device)
+        runner = ModelRunner(
+            model, kv, s.device, max_model_len, 0, None, c.attention_ops, False, lora
+        )
+        sampler = DeviceSampler(c.seed)
+
+        def run() -> None:
+            for step in (prefill, decode):
+                logits, _ = runner.execute(step.sched)
+                sampler(logits, step.requests)
+
+        with torch.inference_mode():
+            activations = peak_above_now(run, s.device)
+            graphs = 0
+            if sizes:
+                largest = decode_step(max(sizes), c.block_size).sched
+                graphs = peak_above_now(lambda: runner.execute(largest), s.device)
+                logits_row = input_vocab_size(model) * torch.finfo(s.dtype).bits // 8
+                graphs += sum(sizes[:-1]) * logits_row
+        return activations, graphs
+
+    def _graph_sizes(self, lora: Optional[LoraLayers]) -> list[int]:
+        c = self.config
+        if not c.enable_cuda_graphs or lora is not None:  # the runner captures none then
+            return []
+        return capture_sizes(c.max_num_seqs, c.cuda_graph_batch_sizes)
+
+    def _draft_geometry(self, draft: torch.nn.Module) -> KVGeometry:
+        return KVGeometry.from_model_config(
+            draft.config, self.config.block_size, self.settings.dtype
+        )
+
+    def _draft_extra_blocks(self) -> int:
+        """Blocks the draft cache holds beyond the target's: each sequence's drafts."""
+        c = self.config
+        return c.max_num_seqs * (-(-(c.num_speculative_tokens + 1) // c.block_size) + 1)
 
     def build_runner(
         self,
@@ -153,6 +289,7 @@ class ModelFactory:
                 c.tensor_parallel_size,
             )
             graphs = False
+        before = MemoryCheckpoint.take(self.settings.device) if self.gpu else None
         make_runner = self.member.runner if self.member is not None else ModelRunner
         runner = make_runner(
             model,
@@ -165,6 +302,15 @@ class ModelFactory:
             c.fast_forward,
             lora,
         )
+        if before is not None and runner.graphs is not None:
+            taken = MemoryCheckpoint.take(self.settings.device).reserved - before.reserved
+            planned = self.memory_plan.figures.cuda_graphs if self.memory_plan else None
+            log.info(
+                "CUDA graphs: %d batch sizes captured, %.2f GiB (planned %s)",
+                len(runner.graphs.graphs),
+                taken / 2**30,
+                "-" if planned is None else f"{planned / 2**30:.2f} GiB",
+            )
         if self.settings.device.type == "cpu":
             # fp32: the stock weights the packed copies replace
             drop_stock_weights(model, runner.forward.packed_only())
@@ -174,23 +320,17 @@ class ModelFactory:
         return runner
 
     # -- the draft model ---------------------------------------------------------------------
-    def draft_stack(self, target: torch.nn.Module, target_num_blocks: int) -> ModelStack:
-        """The draft-model proposer's model (the target's weights when they are the same
-        model), on its own cache: room for everything the target cache can hold plus each
-        sequence's drafts."""
+    def draft_stack(
+        self, target: torch.nn.Module, draft: Optional[torch.nn.Module], target_num_blocks: int
+    ) -> ModelStack:
+        """The draft-model proposer's stack: ``draft`` (``load_draft``'s) on its own cache,
+        room for everything the target cache can hold plus each sequence's drafts."""
         c, s = self.config, self.settings
-        model = target
-        if c.speculative_model != c.model or target is None:
-            # the draft method requires speculative_model (EngineConfig's validation)
-            assert c.speculative_model is not None
-            path = loader.resolve_model_path(c.speculative_model)
-            model = loader.load_model(path, s.dtype, s.device)
-            if s.device.type == "cpu":  # the draft runs fp32 weights, whatever the target's
-                prepare_cpu_model(model, WeightFormat.FLOAT32.value, c.cpu_linear)
-        geometry = KVGeometry.from_model_config(model.config, c.block_size, s.dtype)
-        per_seq = -(-(c.num_speculative_tokens + 1) // c.block_size) + 1
-        num_blocks = target_num_blocks + c.max_num_seqs * per_seq
-        kv = KVCache(geometry, num_blocks, s.device)
+        model = draft if draft is not None else self.load_draft(target)
+        assert model is not None  # the draft method
+        kv = KVCache(
+            self._draft_geometry(model), target_num_blocks + self._draft_extra_blocks(), s.device
+        )
         runner = self.build_runner(model, kv, resolved_max_model_len(c) + c.num_speculative_tokens)
-        log.info("draft model: %d KV blocks, %.1f MiB", num_blocks, kv.nbytes / 2**20)
+        log.info("draft model: %d KV blocks, %.1f MiB", kv.num_blocks, kv.nbytes / 2**20)
         return ModelStack(model, kv, runner)

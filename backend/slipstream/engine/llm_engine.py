@@ -50,7 +50,8 @@ from slipstream.trace import StepTracer
 from slipstream.worker.distributed.sharding import shard_of
 from slipstream.worker.layers.memory import release_freed_memory
 from slipstream.worker.pooling import PromptPooler
-from slipstream.worker.sample.sampler import Sampler
+from slipstream.worker.sample.device_sampler import sampler_for
+from slipstream.worker.sample.sampler import TokenSampler
 from slipstream.worker.sample.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
 
@@ -114,13 +115,16 @@ class LLMEngine:
         kv_event_sink: Optional[KVEventSink],
     ) -> None:
         self.device, self.dtype = settings.device, settings.dtype
+        self._select_device()
         self.weight_format, self.kv_dtype = settings.weight_format, settings.kv_dtype
         factory = ModelFactory(config, settings, self.parallel.member if self.parallel else None)
         target = factory.load_target(model, tokenizer)
         self.config = config = target.config
         self.model, self.tokenizer, self.lora = target.model, target.tokenizer, target.lora
         self.eos_token_id = self._eos_token_id()
-        self.kv_cache = factory.allocate_kv_cache(self.model)
+        draft = factory.load_draft(self.model)  # before the cache is sized: its memory counts
+        self.kv_cache = factory.allocate_kv_cache(self.model, self.lora, draft)
+        self.memory_plan = factory.memory_plan  # how GPU memory was shared out (None on CPU)
         self.block_manager = BlockManager(
             self.kv_cache.num_blocks,
             config.block_size,
@@ -139,11 +143,11 @@ class LLMEngine:
         )
         if self.parallel is not None:
             self.parallel.wait_until_ready()
-        self.executor = ModelExecutor(self.runner, Sampler(config.seed))
+        self.executor = ModelExecutor(self.runner, sampler_for(self.device, config.seed))
         self._pooler: Optional[PromptPooler] = None  # made by the first pooling request
         self.proposer: Optional[Proposer] = make_proposer(
             config,
-            lambda: factory.draft_stack(self.model, self.block_manager.num_blocks),
+            lambda: factory.draft_stack(self.model, draft, self.block_manager.num_blocks),
             input_vocab_size(self.model),
             len(self.tokenizer),
         )
@@ -168,6 +172,12 @@ class LLMEngine:
         )
 
     # -- construction helpers ------------------------------------------------------------
+    def _select_device(self) -> None:
+        """Make the engine's GPU the calling thread's current CUDA device: OpenAI Triton
+        launches on the current device, and an instance on ``cuda:1`` must not launch on 0."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def _eos_token_id(self) -> Optional[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None:
@@ -222,11 +232,11 @@ class LLMEngine:
         return int(size or hf.config.get_text_config().vocab_size)
 
     @property
-    def sampler(self) -> Sampler:
+    def sampler(self) -> TokenSampler:
         return self.executor.sampler
 
     @sampler.setter
-    def sampler(self, sampler: Sampler) -> None:  # benchmarks compare samplers in place
+    def sampler(self, sampler: TokenSampler) -> None:  # benchmarks compare samplers in place
         self.executor.sampler = sampler
 
     @property
@@ -362,6 +372,7 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule -> execute + sample -> update -> outputs, for every request that moved."""
         step_start = time.perf_counter()
+        self._select_device()
         sched = self.scheduler.schedule()
         if self.swap_pool is not None:
             self.swap_pool.apply(sched)

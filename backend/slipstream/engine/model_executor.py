@@ -7,6 +7,10 @@ beam search's candidate offers (beam slots are ranked by their group, not sample
 sampler, prompt logprobs, and the fail-soft rule: if the batch raises, each request runs
 alone (its KV writes are idempotent), so only requests that fail by themselves end. A
 tensor-parallel group's failure (``GroupFailure``) is not retried: the engine is done.
+
+Everything the host reads back from the step -- sampled tokens, the logprobs asked for, beam
+candidates, prompt logprobs -- is queued on the logits' device first and comes back in one
+copy (``transfer.DeviceToHost``): on a GPU, the step's one synchronisation.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from slipstream.core.beam_search import BeamSearch
@@ -25,10 +30,11 @@ from slipstream.worker.distributed.errors import GroupFailure
 from slipstream.worker.model_runner import ModelRunner
 from slipstream.worker.sample.sampler import (
     PerRequestError,
-    Sampler,
+    PromptLogprobs,
     SampleResult,
-    prompt_logprobs as score_prompt,
+    TokenSampler,
 )
+from slipstream.worker.transfer import DeviceToHost, HostToDevice, HostValue
 
 log = logging.getLogger("slipstream")
 
@@ -43,7 +49,7 @@ class _Rows:
 
 
 class ModelExecutor:
-    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(self, runner: ModelRunner, sampler: TokenSampler) -> None:
         self.runner = runner
         self.sampler = sampler
 
@@ -76,31 +82,49 @@ class ModelExecutor:
         else:
             logits, sample_rows = self.runner.execute(sched)
             prompt_logits = []
-        rows = _fan_out(sched, logits, sample_rows)
+        upload = self.runner.upload
+        fetch = DeviceToHost(logits.device, upload.staged)
+        rows = _fan_out(sched, logits, sample_rows, upload)
         beams = [_in_beam_search(item.request) for item in sched.scheduled]
+        offers: Optional[_BeamOffers] = None
         if any(beams):  # beam slots are ranked by their group, not sampled
-            rows = _offer_beams(rows)
+            rows, offers = _offer_beams(rows, upload, fetch)
             rows.per_request = [[] if beam else r for r, beam in zip(rows.per_request, beams)]
+        pending = self.sampler.launch(rows.logits, rows.owners, fetch) if rows.owners else None
+        prompts = [
+            (item.request, _prompt_logprobs(item.request, rows_logits, upload, fetch))
+            for item, rows_logits in zip(sched.scheduled, prompt_logits)
+            if rows_logits is not None
+        ]
+        fetch.fetch()  # the step's one copy back
+        if offers is not None:
+            offers.deliver()
         failed: dict[str, str] = {}
         result: Optional[SampleResult] = None
         try:
-            result = self.sampler(rows.logits, rows.owners) if rows.owners else None
+            result = pending.result() if pending is not None else None
         except PerRequestError as err:  # only these requests' own rows failed: keep the rest
             result, failed = err.result, err.failures
         out = _split(result, rows.per_request)
         out.errors.update(failed)
-        for item, prompt_rows in zip(sched.scheduled, prompt_logits):
-            if prompt_rows is not None:
-                req = item.request
-                # the runner keeps prompt rows only for requests that ask for prompt_logprobs
-                assert req.params.prompt_logprobs is not None
-                out.prompt_logprobs[req.request_id] = score_prompt(
-                    prompt_rows,
-                    req.prompt_token_ids,
-                    len(req.prompt_logprobs) + 1,
-                    req.params.prompt_logprobs,
-                )
+        for req, scored in prompts:
+            out.prompt_logprobs[req.request_id] = scored.result()
         return out
+
+
+def _prompt_logprobs(
+    req: Request, logits: torch.Tensor, upload: HostToDevice, fetch: DeviceToHost
+) -> PromptLogprobs:
+    # the runner keeps prompt rows only for requests that ask for prompt_logprobs
+    assert req.params.prompt_logprobs is not None
+    return PromptLogprobs(
+        logits,
+        req.prompt_token_ids,
+        len(req.prompt_logprobs) + 1,
+        req.params.prompt_logprobs,
+        upload,
+        fetch,
+    )
 
 
 def _split(result: Optional[SampleResult], per_request: list[list[int]]) -> ModelRunnerOutput:
@@ -119,7 +143,12 @@ def _split(result: Optional[SampleResult], per_request: list[list[int]]) -> Mode
     return out
 
 
-def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[list[int]]) -> _Rows:
+def _fan_out(
+    sched: SchedulerOutput,
+    logits: torch.Tensor,
+    sample_rows: list[list[int]],
+    upload: HostToDevice,
+) -> _Rows:
     """Parallel sampling: the step that completes a group's prompt samples the prompt's last
     row once per sequence (the parent's row first, then its children's)."""
     forking = [item.forks if rows else [] for item, rows in zip(sched.scheduled, sample_rows)]
@@ -138,39 +167,61 @@ def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[lis
         owners += [item.request] * len(rows) + forks
         rows_out.append(list(rows) + [rows[-1]] * len(forks) if rows else [])
         cursor += len(rows)
-    index = torch.tensor(picks, dtype=torch.long, device=logits.device)
-    return _Rows(logits[index], rows_out, owners)
+    return _Rows(logits.index_select(0, upload.tensor(picks, np.int64)), rows_out, owners)
 
 
-def _offer_beams(rows: _Rows) -> _Rows:
+@dataclass
+class _BeamOffers:
+    """Beam rows' best continuations, queued on the device; ``deliver`` once fetched."""
+
+    owners: list[Request]  # per beam row
+    values: HostValue  # [rows, width] logprobs
+    ids: HostValue  # [rows, width] token ids
+
+    def deliver(self) -> None:
+        values: list[list[float]] = self.values.value.tolist()
+        ids: list[list[int]] = self.ids.value.tolist()
+        for row, req in enumerate(self.owners):
+            beam = _beam(req)
+            k = beam.num_candidates
+            beam.offer(req.index, values[row][:k], ids[row][:k])
+
+
+def _offer_beams(
+    rows: _Rows, upload: HostToDevice, fetch: DeviceToHost
+) -> tuple[_Rows, Optional[_BeamOffers]]:
     """Each beam slot's row offers its group the best continuations (log-probabilities of the
     raw distribution; stop tokens masked before ``min_tokens``), all beam rows of the step
-    in one log-softmax and top-k. Returns the other rows, to be sampled."""
+    in one log-softmax and top-k. Returns the other rows, to be sampled, and the offers."""
     logits, owners = rows.logits, rows.owners
     picks = [i for i, r in enumerate(owners) if _in_beam_search(r)]
     rest = [i for i, r in enumerate(owners) if not _in_beam_search(r)]
     if not picks:  # the beam slots of this step are prefill chunks short of their end
-        return rows
-    index = torch.tensor(picks, dtype=torch.long, device=logits.device)
+        return rows, None
+    vocab = logits.shape[-1]
+    stops = [
+        row * vocab + t
+        for row, i in enumerate(picks)
+        if owners[i].num_output_tokens < owners[i].params.min_tokens
+        for t in sorted(_beam(owners[i]).stop_ids)
+        if t < vocab
+    ]
+    index, stop_at, keep = upload.upload(
+        [
+            np.asarray(picks, dtype=np.int64),
+            np.asarray(stops, dtype=np.int64),
+            np.asarray(rest, dtype=np.int64),
+        ]
+    )
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    for row, i in enumerate(picks):
-        req = owners[i]
-        beam = _beam(req)
-        if req.num_output_tokens < req.params.min_tokens and beam.stop_ids:
-            logprobs[row, sorted(beam.stop_ids)] = float("-inf")
+    if stops:
+        logprobs.view(-1).index_fill_(0, stop_at, float("-inf"))
     width = max(_beam(owners[i]).num_candidates for i in picks)
-    top_values, top_ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
-    values: list[list[float]] = top_values.tolist()
-    ids: list[list[int]] = top_ids.tolist()
-    for row, i in enumerate(picks):
-        req = owners[i]
-        beam = _beam(req)
-        k = beam.num_candidates
-        beam.offer(req.index, values[row][:k], ids[row][:k])
+    top_values, top_ids = logprobs.topk(min(width, vocab), dim=-1)
+    offers = _BeamOffers([owners[i] for i in picks], fetch.add(top_values), fetch.add(top_ids))
     if not rest:
-        return _Rows(logits[:0], rows.per_request, [])
-    keep = torch.tensor(rest, dtype=torch.long, device=logits.device)
-    return _Rows(logits.index_select(0, keep), rows.per_request, [owners[i] for i in rest])
+        return _Rows(logits[:0], rows.per_request, []), offers
+    return _Rows(logits.index_select(0, keep), rows.per_request, [owners[i] for i in rest]), offers
 
 
 def _in_beam_search(req: Request) -> bool:

@@ -30,7 +30,9 @@ Methods:
 * ``draft`` -- a small model (``speculative_model``, a local HF directory sharing the
   target's tokenizer) decodes greedily on its own paged KV cache, batched: one ragged
   forward brings every request's draft cache up to date and produces its first draft,
-  then one forward per further draft token for the whole batch.
+  then one forward per further draft token for the whole batch. The drafts stay on the
+  device between these forwards (each feeds the next as its input token) and come back in
+  one copy when the proposal is done: on a GPU the forwards never wait for each other.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request, RequestStatus
 from slipstream.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from slipstream.engine.factory import ModelStack, input_vocab_size, resolved_max_model_len
+from slipstream.worker.model_runner import StepBatch
+from slipstream.worker.transfer import DeviceToHost
 
 log = logging.getLogger("slipstream")
 
@@ -245,6 +250,7 @@ class DraftModelProposer(Proposer):
         self._collect_garbage()
         out: list[list[int]] = [[] for _ in reqs]
         active: list = []
+        drafted = _Drafted()
         for i, req in enumerate(reqs):
             k = max_drafts(req, self.config, cap)
             if k <= 0:
@@ -272,20 +278,80 @@ class DraftModelProposer(Proposer):
                 budget -= n
             if not sched.scheduled:
                 break
-            logits, sample_rows = self.runner.execute(sched)
-            self.num_forwards += 1
-            tokens = logits[:, : self.vocab].argmax(dim=-1).tolist() if len(logits) else []
-            cursor = 0
-            by_id = {id(s.seq): s for s in work}
-            for item, rows in zip(sched.scheduled, sample_rows):
-                s = by_id[id(item.request)]
-                s.seq.num_computed_tokens += item.num_new_tokens
-                if rows:
-                    token = tokens[cursor]
-                    cursor += 1
-                    s.seq.all_token_ids.append(token)
-                    s.drafts.append(token)
+            self._forward(sched, work, drafted)
+        self._resolve(drafted)
         return out
+
+    def _forward(self, sched: SchedulerOutput, work: list, drafted: "_Drafted") -> None:
+        """One draft forward; each row it samples appends a placeholder for its token (the
+        argmax, left on the device), which a later forward reads as its input."""
+        batch = self.runner.prepare(sched)
+        drafted.patch(batch, sched, self.runner.upload)
+        logits = self.runner.run(batch)
+        self.num_forwards += 1
+        num_rows = sum(len(rows) for rows in batch.sample_rows)
+        first = drafted.add(logits[:num_rows, : self.vocab].argmax(dim=-1))
+        by_id = {id(s.seq): s for s in work}
+        for item, rows in zip(sched.scheduled, batch.sample_rows):
+            s = by_id[id(item.request)]
+            s.seq.num_computed_tokens += item.num_new_tokens
+            if rows:
+                placeholder = _placeholder(first)
+                first += 1
+                drafted.pending += [(s.seq.all_token_ids, len(s.seq.all_token_ids))]
+                drafted.pending += [(s.drafts, len(s.drafts))]
+                s.seq.all_token_ids.append(placeholder)
+                s.drafts.append(placeholder)
+
+    def _resolve(self, drafted: "_Drafted") -> None:
+        """The proposal's drafts back from the device in one copy, into every list that holds
+        their placeholders."""
+        if not drafted.tokens:
+            return
+        fetch = DeviceToHost(drafted.tokens[0].device, self.runner.upload.staged)
+        values = fetch.add(torch.cat(drafted.tokens))
+        fetch.fetch()
+        tokens = values.value.tolist()
+        for holder, index in drafted.pending:
+            holder[index] = tokens[-1 - holder[index]]
+
+
+def _placeholder(index: int) -> int:
+    """A draft token still on the device (``index`` in the proposal's drafts): negative."""
+    return -1 - index
+
+
+@dataclass
+class _Drafted:
+    """A proposal's draft tokens on the device, and the host lists awaiting their values."""
+
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per forward
+    pending: list[tuple[list[int], int]] = field(default_factory=list)  # (list, index)
+    count: int = 0
+
+    def add(self, tokens: torch.Tensor) -> int:
+        """Register a forward's tokens; the proposal-wide index of the first."""
+        first = self.count
+        self.tokens.append(tokens)
+        self.count += tokens.shape[0]
+        return first
+
+    def patch(self, batch: StepBatch, sched: SchedulerOutput, upload) -> None:
+        """Put the draft tokens the batch's input holds as placeholders into its input ids."""
+        rows, sources, row0 = [], [], 0
+        for item in sched.scheduled:
+            start = item.request.num_computed_tokens
+            new = item.request.all_token_ids[start : start + item.num_new_tokens]
+            for j, token in enumerate(new):
+                if token < 0:
+                    rows.append(row0 + j)
+                    sources.append(-1 - token)
+            row0 += item.num_new_tokens
+        if not rows:
+            return
+        at, source = upload.upload([np.asarray(rows, np.int64), np.asarray(sources, np.int64)])
+        drafted = torch.cat(self.tokens) if len(self.tokens) > 1 else self.tokens[0]
+        batch.input_ids.index_copy_(0, at, drafted.index_select(0, source).to(torch.long))
 
 
 def make_proposer(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
+
+from slipstream.worker.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,6 @@ def num_blocks_for_budget(geometry: KVGeometry, budget_bytes: int) -> int:
     return budget_bytes // geometry.bytes_per_block
 
 
-def kv_budget_bytes(
-    memory_bytes: Optional[int], gpu_fraction: Optional[float], device: torch.device
-) -> int:
-    """The byte budget: an explicit size, or (GPU) a fraction of the memory still free."""
-    if gpu_fraction is not None and device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * gpu_fraction)
-    if memory_bytes is None:
-        raise ValueError("set kv_cache_memory_bytes (or gpu_memory_utilization on GPU)")
-    return memory_bytes
-
-
 class KVCache:
     """One tensor for the whole cache: ``[2, layers, blocks, block_size, kv_heads, head_dim]``."""
 
@@ -79,15 +68,14 @@ class KVCache:
         """Copy-on-write of forked sequences: block ``dst`` := block ``src``, every layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.data.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.data.device)
+        src, dst = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), self.data.device)
         self.data.index_copy_(2, dst, self.data.index_select(2, src))
 
     def copy_blocks_out(self, block_ids: list[int]) -> torch.Tensor:
         """Gather blocks for swapping: ``[2, layers, n, block_size, Hkv, D]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        idx = to_device(torch.tensor(block_ids, dtype=torch.long), self.data.device)
         return self.data.index_select(2, idx)
 
     def copy_blocks_in(self, block_ids: list[int], payload: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        idx = to_device(torch.tensor(block_ids, dtype=torch.long), self.data.device)
         self.data.index_copy_(2, idx, payload.to(self.data.device))

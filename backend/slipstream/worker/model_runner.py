@@ -1,4 +1,8 @@
-"""Packs a scheduled step into one ragged batch and runs the model on the paged KV cache."""
+"""Packs a scheduled step into one ragged batch and runs the model on the paged KV cache.
+
+A step's inputs are built on the host (lists, then numpy) and reach the device through
+``transfer.HostToDevice``: on a GPU one pinned buffer and one non-blocking copy, so packing a
+step never waits on the device; on CPU the arrays are wrapped as they are."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from slipstream.worker.cuda_graphs import DecodeGraphRunner
 from slipstream.worker.kv_cache import KVCache
 from slipstream.worker.lora.layers import LoraLayers, LoraMapping
 from slipstream.worker.model.forward import ModelForward
+from slipstream.worker.transfer import HostToDevice
 
 
 @dataclass
@@ -25,6 +30,9 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[list[int]]  # per scheduled request: the rows whose logits it samples
+    # the rows whose logits the step returns: sampled rows, then prompt-logprob rows ([0]
+    # when there are none: the forward keeps one)
+    keep: torch.Tensor
     lora: LoraMapping = field(default_factory=LoraMapping)  # rows per LoRA adapter
     # per scheduled request: the rows whose logits score its next prompt token (prompt_logprobs)
     prompt_rows: Optional[list[list[int]]] = None
@@ -48,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.geometry.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.upload = HostToDevice(device)  # the step's inputs, in one copy
         ops = get_ops(device, attention_ops)
         self.forward = ModelForward.select(
             model, kv_cache, ops, device, fast_forward, fuse=lora is None
@@ -127,8 +136,10 @@ class ModelRunner:
         self._add_padding(sched, ids, pos, slots, q_lens, seq_lens, tables)
         verify.extend([False] * (len(q_lens) - len(verify)))  # padding rows
         prompt.extend([True] * (len(q_lens) - len(prompt)))
+        keep = [r for rows in sample_rows for r in rows]
+        keep += [r for rows in prompt_rows for r in rows]
         batch = self._to_batch(
-            ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt
+            ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt, keep
         )
         batch.prompt_rows = prompt_rows
         if self.lora is not None:
@@ -158,7 +169,7 @@ class ModelRunner:
             tables.append([0] * -(-width // self.block_size))
 
     def _to_batch(
-        self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt
+        self, ids, pos, slots, q_lens, seq_lens, tables, sample_rows, verify, prompt, keep
     ) -> StepBatch:
         width = max(len(t) for t in tables)
         table_arr = np.full((len(tables), width), -1, dtype=np.int32)
@@ -166,12 +177,22 @@ class ModelRunner:
             table_arr[i, : len(t)] = t
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        dev = self.device
+        ids_t, pos_t, slots_t, cu_t, lens_t, tables_t, keep_t = self.upload.upload(
+            [
+                np.asarray(ids, dtype=np.int64),
+                np.asarray(pos, dtype=np.int64),
+                np.asarray(slots, dtype=np.int64),
+                cu,
+                np.asarray(seq_lens, dtype=np.int32),
+                table_arr,
+                np.asarray(keep if keep else [0], dtype=np.int64),
+            ]
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
+            slot_mapping=slots_t,
+            cu_seqlens_q=cu_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(seq_lens),
             block_size=self.block_size,
@@ -180,21 +201,16 @@ class ModelRunner:
             verify_host=verify,
             prompt_host=prompt,
         )
-        return StepBatch(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            meta,
-            sample_rows,
-        )
+        return StepBatch(ids_t, pos_t, meta, sample_rows, keep_t)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Forward the packed batch; logits (fp32) only for the rows that are sampled, then
         those of the prompt-logprob rows (``batch.prompt_rows``, in request order)."""
-        rows = [r for rows in batch.sample_rows for r in rows]
-        rows += [r for rows in batch.prompt_rows or [] for r in rows]
+        num_rows = sum(len(r) for r in batch.sample_rows)
+        num_rows += sum(len(r) for r in batch.prompt_rows or [])
         meta = batch.meta
-        if self.graphs is not None and meta.decode_only and rows:
+        if self.graphs is not None and meta.decode_only and num_rows:
             logits = self.graphs(
                 batch.input_ids,
                 batch.positions,
@@ -202,16 +218,15 @@ class ModelRunner:
                 meta.block_tables,
                 meta.seq_lens,
             )
-            return logits[torch.tensor(rows, device=self.device)].float()
-        keep = torch.tensor(rows if rows else [0], dtype=torch.long, device=self.device)
+            return logits.index_select(0, batch.keep).float()
         if self.lora is not None:
             self.lora.activate(batch.lora)
         try:
-            logits = self.forward(batch.input_ids, batch.positions, meta, keep).float()
+            logits = self.forward(batch.input_ids, batch.positions, meta, batch.keep).float()
         finally:
             if self.lora is not None:
                 self.lora.deactivate()
-        return logits if rows else logits[:0]
+        return logits if num_rows else logits[:0]
 
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[list[int]]]:
         """Logits of the sampled rows, and which rows each scheduled request owns."""

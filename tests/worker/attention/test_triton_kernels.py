@@ -1,16 +1,14 @@
-"""The OpenAI Triton kernels against the torch reference, run by the Triton interpreter on CPU.
+"""The OpenAI Triton kernels against the torch reference: run by the Triton interpreter on CPU
+(the cpu tier; tests/conftest.py sets TRITON_INTERPRET before this module imports the
+kernels), compiled on the GPU in the cuda tier (``pytest --device cuda``).
 
 Small shapes on purpose (the interpreter runs one program at a time), with tiny tiles
 (block_size 4, BLOCK_N 8/16) so that a few dozen tokens still cross page, tile and split
 boundaries.
 """
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -45,6 +43,10 @@ def make_block_tables(seq_lens, num_blocks, width=None, seed=0):
     return bt
 
 
+def to(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
 def check(out, expect, dtype):
     assert out.dtype == expect.dtype and out.shape == expect.shape
     assert torch.isfinite(out.float()).all()
@@ -64,7 +66,7 @@ def check(out, expect, dtype):
         (torch.float32, torch.bfloat16),
     ],
 )
-def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype):
+def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype, tier_device):
     t, hkv, d, nb = 7, 3, 80, 6
     g = torch.Generator().manual_seed(3)
     # Non-contiguous key/value rows (views of a packed qkv-like tensor).
@@ -72,9 +74,12 @@ def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype):
     key, value = packed[:, :hkv], packed[:, hkv : 2 * hkv]
     slots = torch.tensor([5, -1, 0, 23, 12, -1, 8], dtype=torch.int64)
     kc_ref, vc_ref = make_cache(nb, hkv, d, cache_dtype, seed=4)
-    kc, vc = kc_ref.clone(), vc_ref.clone()
+    kc, vc = to(tier_device, kc_ref.clone(), vc_ref.clone())
     ref.store_kv(key, value, kc_ref, vc_ref, slots)
-    tk.store_kv(key, value, kc, vc, slots)
+    on_device = packed.to(tier_device)  # still non-contiguous views there
+    dev_key, dev_value = on_device[:, :hkv], on_device[:, hkv : 2 * hkv]
+    tk.store_kv(dev_key, dev_value, kc, vc, slots.to(tier_device))
+    kc, vc = kc.cpu(), vc.cpu()
     if src_dtype == torch.float32 and cache_dtype == torch.bfloat16:
         # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): 1 ulp.
         torch.testing.assert_close(kc, kc_ref, atol=0, rtol=2**-7)
@@ -104,13 +109,14 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,hkv,d,kw", DECODE_CASES)
-def test_decode_matches_reference(h, hkv, d, kw, dtype):
+def test_decode_matches_reference(h, hkv, d, kw, dtype, tier_device):
     seq_lens_list = [1, 4, 5, 17, 31]  # page/tile boundaries, a single-token context
     nb = 24
     kc, vc = make_cache(nb, hkv, d, dtype, seed=h + d)
     bt = make_block_tables(seq_lens_list, nb, width=10)
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
     q = torch.randn(len(seq_lens_list), h, d, generator=torch.Generator().manual_seed(7)).to(dtype)
+    kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
     scale = d**-0.5
     expect = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, scale, **kw)
     for splits in (1, 3):  # direct store, and flash-decoding split + log-sum-exp reduce
@@ -120,7 +126,7 @@ def test_decode_matches_reference(h, hkv, d, kw, dtype):
         check(out, expect, dtype)
 
 
-def test_decode_default_tiles_and_splits():
+def test_decode_default_tiles_and_splits(tier_device):
     """The wrapper's own heuristics (no overrides) on a longer context."""
     h, hkv, d, nb = 9, 3, 64, 60
     kc, vc = make_cache(nb, hkv, d, torch.float32, seed=1)
@@ -128,11 +134,12 @@ def test_decode_default_tiles_and_splits():
     bt = make_block_tables(lens, nb)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(2, h, d)
+    kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
     expect = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.125)
     check(tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.125), expect, torch.float32)
 
 
-def test_decode_padding_rows_are_zero_not_nan():
+def test_decode_padding_rows_are_zero_not_nan(tier_device):
     """CUDA-graph padding rows (seq_len 1, block table of -1) must give finite output even
     when the cache holds NaN garbage, and must not disturb the real rows."""
     h, hkv, d, nb = 4, 2, 32, 8
@@ -146,6 +153,7 @@ def test_decode_padding_rows_are_zero_not_nan():
             vc[blk] = float("nan")
     seq_lens = torch.tensor([6, 1, 1], dtype=torch.int32)
     q = torch.randn(3, h, d)
+    kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
     for splits in (1, 2):
         out = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.2, num_splits=splits, block_n=8)
         assert torch.isfinite(out).all()
@@ -177,12 +185,13 @@ def ragged_batch(h, d, dtype, seed=11):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,hkv,d,kw", PREFILL_CASES)
-def test_prefill_matches_reference(h, hkv, d, kw, dtype):
+def test_prefill_matches_reference(h, hkv, d, kw, dtype, tier_device):
     nb = 24
     kc, vc = make_cache(nb, hkv, d, dtype, seed=h * d)
     q, cu, q_lens, lens = ragged_batch(h, d, dtype)
     bt = make_block_tables(lens, nb, width=6)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kc, vc, q, cu, bt, seq_lens = to(tier_device, kc, vc, q, cu, bt, seq_lens)
     scale = d**-0.5
     expect = ref.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, scale, **kw)
     # Tiles of 16 flattened (token, head) rows and 8 keys: several query and KV tiles per seq.
@@ -203,12 +212,13 @@ def test_prefill_matches_reference(h, hkv, d, kw, dtype):
     check(out, expect, dtype)
 
 
-def test_prefill_default_tiles_without_host_lists():
+def test_prefill_default_tiles_without_host_lists(tier_device):
     h, hkv, d, nb = 9, 3, 64, 24
     kc, vc = make_cache(nb, hkv, d, torch.float32, seed=5)
     q, cu, _, lens = ragged_batch(h, d, torch.float32)
     bt = make_block_tables(lens, nb)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kc, vc, q, cu, bt, seq_lens = to(tier_device, kc, vc, q, cu, bt, seq_lens)
     expect = ref.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, 0.125)
     check(tk.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, 0.125), expect, torch.float32)
 
@@ -220,8 +230,8 @@ def _meta(q_lens, lens, bt, slots):
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return AttentionMetadata(
         slot_mapping=slots,
-        cu_seqlens_q=cu,
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=cu.to(bt.device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=bt.device),
         block_tables=bt,
         max_seqlen_q=max(q_lens),
         max_seqlen_k=max(lens),
@@ -232,12 +242,14 @@ def _meta(q_lens, lens, bt, slots):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_then_paged_attention_steps(dtype):
+def test_store_then_paged_attention_steps(dtype, tier_device):
     """A mixed (chunked-prefill + decode) step, then a decode-only step, through
     ``paged_attention`` on both paths, each path writing its own cache with its own store_kv."""
     h, hkv, d, nb = 9, 3, 64, 20
     g = torch.Generator().manual_seed(21)
-    caches = {name: make_cache(nb, hkv, d, dtype, seed=2) for name in ("ref", "tk")}
+    caches = {
+        name: to(tier_device, *make_cache(nb, hkv, d, dtype, seed=2)) for name in ("ref", "tk")
+    }
     ops = {"ref": ref, "tk": tk}
     # Step 1: seq0 has 5 cached tokens and appends 6; seq1 has 9 cached and decodes 1.
     q_lens, lens = [6, 1], [11, 10]
@@ -246,7 +258,8 @@ def test_store_then_paged_attention_steps(dtype):
     for i, (n, total) in enumerate(zip(q_lens, lens)):
         for pos in range(total - n, total):
             slots.append(int(bt[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
-    slots = torch.tensor(slots, dtype=torch.int64)
+    slots = torch.tensor(slots, dtype=torch.int64, device=tier_device)
+    bt = bt.to(tier_device)
     steps = [(_meta(q_lens, lens, bt, slots), sum(q_lens))]
     # Step 2: decode-only, one new token each (seq0 crosses into its third page).
     lens2 = [12, 11]
@@ -256,12 +269,16 @@ def test_store_then_paged_attention_steps(dtype):
             for i, n in enumerate(lens2)
         ],
         dtype=torch.int64,
+        device=tier_device,
     )
     steps.append((_meta([1, 1], lens2, bt, slots2), 2))
     for meta, t in steps:
-        q = torch.randn(t, h, d, generator=g).to(dtype)
-        k = torch.randn(t, hkv, d, generator=g).to(dtype)
-        v = torch.randn(t, hkv, d, generator=g).to(dtype)
+        q, k, v = to(
+            tier_device,
+            torch.randn(t, h, d, generator=g).to(dtype),
+            torch.randn(t, hkv, d, generator=g).to(dtype),
+            torch.randn(t, hkv, d, generator=g).to(dtype),
+        )
         outs = {}
         for name in ("ref", "tk"):
             kc, vc = caches[name]

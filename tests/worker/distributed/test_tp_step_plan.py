@@ -9,12 +9,14 @@ from slipstream.worker.distributed import step_plan
 from slipstream.worker.distributed.step_plan import PlanKind, StepPlan
 from slipstream.worker.kv_cache import KVCache, KVGeometry
 from slipstream.worker.model_runner import ModelRunner
+from slipstream.worker.transfer import HostToDevice
 
 
 def _batch():
     """A runner's batch of a prompt chunk and a decode row (packed as the runner packs)."""
     runner = ModelRunner.__new__(ModelRunner)  # prepare() needs only these
     runner.block_size, runner.lora, runner.device = 4, None, torch.device("cpu")
+    runner.upload = HostToDevice(runner.device)
     first = Request("a", list(range(100, 110)), SamplingParams(max_tokens=4))
     first.block_table = [3, 5, 7]
     second = Request("b", [7, 8, 9], SamplingParams(max_tokens=4, prompt_logprobs=1))

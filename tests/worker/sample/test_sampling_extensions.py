@@ -13,23 +13,28 @@ import torch
 from slipstream import EngineConfig, SamplingParams
 from slipstream.core.request import TokenLogprob
 from slipstream.engine import LLMEngine
-from support import hf_greedy, reference_model, tiny_model_dir
+from support import SAMPLERS, engine_with_sampler, hf_greedy, reference_model, tiny_model_dir
 
 PROMPT = [1200, 305, 7781, 42, 999, 15000, 23]
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir("llama")),
-            block_size=4,
-            max_num_batched_tokens=64,
-            max_num_seqs=8,
-            max_model_len=256,
-            num_gpu_blocks_override=200,
-        )
+@pytest.fixture(scope="module", params=SAMPLERS)
+def engine(request, tier_device) -> LLMEngine:
+    return engine_with_sampler(
+        request.param,
+        tier_device,
+        lambda device: LLMEngine(
+            EngineConfig(
+                model=str(tiny_model_dir("llama")),
+                block_size=4,
+                max_num_batched_tokens=64,
+                max_num_seqs=8,
+                max_model_len=256,
+                num_gpu_blocks_override=200,
+                **device,
+            )
+        ),
     )
 
 

@@ -15,7 +15,7 @@ from slipstream.core.structured_outputs import StructuredOutputsParams
 from slipstream.engine import LLMEngine
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
 from slipstream.worker.sample.structured_output import GrammarCompiler
-from support import random_workload, tiny_model_dir
+from support import SAMPLERS, engine_with_sampler, random_workload, tiny_model_dir
 
 pytest.importorskip("llguidance")
 
@@ -51,9 +51,9 @@ def make_engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings))
 
 
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return make_engine()
+@pytest.fixture(scope="module", params=SAMPLERS)
+def engine(request, tier_device) -> LLMEngine:
+    return engine_with_sampler(request.param, tier_device, lambda device: make_engine(**device))
 
 
 def constrained(spec: dict, **kw) -> SamplingParams:

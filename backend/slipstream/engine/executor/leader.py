@@ -262,6 +262,9 @@ class TensorParallelLeader:
         if report.kind is ReportKind.BEAT:
             self._beats[report.rank] = now
         elif report.kind is ReportKind.READY:
+            # silence is counted from here: a rank that hangs before its first heartbeat
+            # reaches rank 0 is seen as well
+            self._beats.setdefault(report.rank, now)
             with self._ready_changed:
                 self._ready.add(report.rank)
                 self._ready_changed.notify_all()

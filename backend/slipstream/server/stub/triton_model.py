@@ -38,6 +38,7 @@ from slipstream.server.stub import embedding_request, model_config
 from slipstream.server.stub.cancel_polls import CancelPolls
 from slipstream.server.stub.deadlines import request_deadline
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
+from slipstream.server.stub.instance_device import instance_device
 from slipstream.server.stub.lifecycle import HttpStopProbe, Watchdog, triton_exit_timeout
 from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
 from slipstream.server.stub.request_parser import (
@@ -140,7 +141,9 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.incoming = queue.Queue()
         self.wake = threading.Event()  # set by execute and by the engine loop on new outputs
-        engine_config = EngineConfig.from_dict(settings.engine)
+        engine = dict(settings.engine)
+        engine["device"] = instance_device(args, str(engine.get("device") or "auto"))
+        engine_config = EngineConfig.from_dict(engine)
         model_config.check_instance_kind(args.get("model_instance_kind", ""), engine_config)
         keep_gpu_compiler_out(resolve_device(engine_config.device))
         self.max_queue_size = engine_config.max_queue_size
@@ -175,7 +178,7 @@ class TritonPythonModel:
             target=self._sender_loop, name="slipstream-sender", daemon=True
         )
         self.sender_thread.start()
-        self.logger.log_info(f"slipstream engine ready: {settings.engine}")
+        self.logger.log_info(f"slipstream engine ready: {engine}")
 
     @staticmethod
     def _make_kv_events(settings, engine_config):

@@ -118,7 +118,8 @@ class StepPlan(msgspec.Struct, array_like=True):
             verify_host=self.verify,
             prompt_host=self.prompt,
         )
-        return StepBatch(ids, pos, meta, [self.rows])
+        keep = torch.tensor(self.rows or [0], dtype=torch.long, device=device)
+        return StepBatch(ids, pos, meta, [self.rows], keep)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from slipstream.worker.lora.adapter import LoraAdapter, load_adapter
+from slipstream.worker.transfer import to_device
 
 
 @dataclass
@@ -124,7 +125,7 @@ class LoraLayers:
             mask[
                 start - first : start - first + count, slot * self.rank : (slot + 1) * self.rank
             ] = 1
-        return LoraMapping(slice(first, last), mask=mask.to(device))
+        return LoraMapping(slice(first, last), mask=to_device(mask, device))
 
     def activate(self, mapping: LoraMapping) -> None:
         self.mapping = mapping

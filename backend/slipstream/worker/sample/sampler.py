@@ -17,15 +17,18 @@ random generators rewound) and only the requests whose own rows fail are reporte
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Iterator, Optional, Protocol
 
+import numpy as np
 import torch
 
 from slipstream.core.request import Request, TokenLogprob
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.worker.sample.structured_output import apply_grammar_masks
 from slipstream.worker.sample.token_draw import compiled, sample_rows
+from slipstream.worker.transfer import DeviceToHost, HostToDevice
 
 _FINITE = torch.finfo(torch.float32).max
 PLACEHOLDER_TOKEN = 0  # the token a failed row holds; it must never be appended
@@ -100,6 +103,38 @@ class PerRequestError(RuntimeError):
         super().__init__("; ".join(f"{rid}: {msg}" for rid, msg in self.failures.items()))
 
 
+class PendingSample(Protocol):
+    def result(self) -> SampleResult:
+        """The step's tokens once its ``DeviceToHost`` has fetched; raises
+        ``PerRequestError`` when some requests' rows could not be sampled."""
+
+
+class TokenSampler(Protocol):
+    """What the model executor samples with: ``Sampler`` (CPU) or ``DeviceSampler``."""
+
+    def launch(
+        self, logits: torch.Tensor, reqs: list, fetch: DeviceToHost, want_logprobs: bool = True
+    ) -> PendingSample:
+        """Queue the step's sampling; what it reads back goes through ``fetch``."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's random stream."""
+
+
+@dataclass
+class _Sampled:
+    """A sampling already done (the CPU sampler samples where the logits are)."""
+
+    done: Optional[SampleResult] = None
+    error: Optional[PerRequestError] = None
+
+    def result(self) -> SampleResult:
+        if self.error is not None:
+            raise self.error
+        assert self.done is not None  # one of the two is set
+        return self.done
+
+
 def _logit_stats(logits: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(each row's argmax, its log-sum-exp) in one compiled pass over the rows, or
     (None, None) where the compiled kernels do not take these logits (torch's operators then)."""
@@ -140,6 +175,15 @@ class Sampler:
         except Exception:  # noqa: BLE001 - which rows are to blame is found below
             self._restore(saved)
             return self._sample_rows_apart(logits, reqs, want_logprobs)
+
+    def launch(
+        self, logits: torch.Tensor, reqs: list, fetch: DeviceToHost, want_logprobs: bool = True
+    ) -> _Sampled:
+        """``TokenSampler.launch``: samples at once (nothing to bring back on CPU)."""
+        try:
+            return _Sampled(self(logits, reqs, want_logprobs))
+        except PerRequestError as err:
+            return _Sampled(error=err)
 
     def _generator_states(self, reqs: list) -> list:
         gens = {id(g): g for g in (self._generator(r) for r in reqs if not r.params.greedy)}
@@ -245,20 +289,15 @@ class Sampler:
     def _apply_constraints(logits: torch.Tensor, reqs: list) -> None:
         """allowed_token_ids, bad_words and logit_bias, in place (rows of one request that
         verify draft tokens each see the drafts before them as generated)."""
-        row_in_request = 0
-        for i, req in enumerate(reqs):
-            row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+        for i, req, generated in vocabulary_constrained(reqs):
             p = req.params
-            if not p.uses_vocabulary_constraints:
-                continue
             if p.allowed_token_ids:
                 keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
                 masked = torch.full_like(logits[i], float("-inf"))
                 masked[keep] = logits[i, keep]
                 logits[i] = masked
             if p.bad_words_token_ids:
-                generated = req.output_token_ids + list(req.spec_token_ids[:row_in_request])
-                banned = banned_next_tokens(p.bad_words_token_ids, generated)
+                banned = banned_next_tokens(p.bad_words_token_ids, generated())
                 if banned:
                     logits[i, banned] = float("-inf")
             if p.logit_bias:
@@ -336,20 +375,51 @@ def _ranked(row_logprobs: torch.Tensor, sampled: float, top_n: int) -> TokenLogp
     return TokenLogprob(sampled, rank, top)
 
 
-def prompt_logprobs(
-    logits: torch.Tensor, prompt_token_ids: list[int], first: int, top_n: int
-) -> list[TokenLogprob]:
-    """vLLM's ``prompt_logprobs``: row j of ``logits`` scores prompt token ``first + j``; each
-    entry is that token's logprob under the raw model distribution, its rank and the top-N."""
-    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
-    targets = torch.tensor(prompt_token_ids[first : first + logprobs.shape[0]], dtype=torch.long)
-    values = logprobs.gather(1, targets[:, None])
-    ranks = (logprobs >= values).sum(dim=1).tolist()
-    tops: list[tuple[tuple[int, float], ...]] = [()] * len(ranks)
-    if top_n > 0:
-        top_values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
-        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
-    return [TokenLogprob(v, rank, top) for v, rank, top in zip(values[:, 0].tolist(), ranks, tops)]
+class PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` of one request's rows, worked out where the logits are: row
+    j of ``logits`` scores prompt token ``first + j``; each entry is that token's logprob under
+    the raw model distribution, its rank and the top-N. ``result()`` once ``fetch`` fetched."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        prompt_token_ids: list[int],
+        first: int,
+        top_n: int,
+        upload: HostToDevice,
+        fetch: DeviceToHost,
+    ) -> None:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = upload.tensor(prompt_token_ids[first : first + logprobs.shape[0]], np.int64)
+        values = logprobs.gather(1, targets[:, None])
+        self.values = fetch.add(values[:, 0])
+        self.ranks = fetch.add((logprobs >= values).sum(dim=1))
+        self.top = None
+        if top_n > 0:
+            top_values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
+            self.top = (fetch.add(top_ids), fetch.add(top_values))
+
+    def result(self) -> list[TokenLogprob]:
+        values, ranks = self.values.value.tolist(), self.ranks.value.tolist()
+        tops: list[tuple[tuple[int, float], ...]] = [()] * len(ranks)
+        if self.top is not None:
+            ids, top_values = (p.value.tolist() for p in self.top)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids, top_values)]
+        return [TokenLogprob(v, rank, top) for v, rank, top in zip(values, ranks, tops)]
+
+
+def vocabulary_constrained(reqs: list) -> Iterator[tuple[int, Request, Callable[[], list]]]:
+    """The rows whose requests use vocabulary constraints: (row, request, the tokens its bad
+    words look back on -- its output and, on a row verifying drafts, the drafts before it)."""
+    row_in_request = 0
+    for i, req in enumerate(reqs):
+        row_in_request = row_in_request + 1 if i and reqs[i - 1] is req else 0
+        if req.params.uses_vocabulary_constraints:
+            yield i, req, functools.partial(_generated, req, row_in_request)
+
+
+def _generated(req: Request, drafts: int) -> list:
+    return req.output_token_ids + list(req.spec_token_ids[:drafts])
 
 
 def banned_next_tokens(bad_words_token_ids: list, generated: list) -> list:

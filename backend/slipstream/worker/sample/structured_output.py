@@ -187,31 +187,67 @@ def without_additional_properties(schema: Any) -> Any:
     return schema
 
 
+@dataclass
+class GrammarMasks:
+    """The allowed tokens of a batch's constrained rows, as llguidance computes them."""
+
+    rows: list[int]  # rows with a grammar whose mask was computed
+    bitmask: np.ndarray  # [len(rows), words] int32: bit t of a row's little-endian words = t
+    failures: dict[int, str]  # rows whose request no longer follows its grammar -> message
+
+    def blocked(self, vocab: int) -> np.ndarray:
+        """[len(rows), vocab] bool: the tokens each row may not take."""
+        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
+        return bits[:, :vocab] == 0
+
+
+def grammar_masks(reqs: list, vocab: int) -> Optional[GrammarMasks]:
+    """Bring each constrained request's matcher up to date and compute its mask (None: no row
+    has a grammar). A request whose tokens no longer follow its grammar is reported in
+    ``failures``, not masked. Raises ``ValueError`` when a constrained request owns several
+    rows (draft verification)."""
+    rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+    if not rows:
+        return None
+    if len({id(reqs[i]) for i in rows}) != len(rows):
+        raise ValueError("a request with structured outputs cannot verify draft tokens")
+    failures: dict[int, str] = {}
+    synced = []
+    for i in rows:
+        try:
+            reqs[i].grammar.sync(reqs[i])
+        except ValueError as e:
+            failures[i] = str(e)
+            continue
+        synced.append(i)
+    bitmask = np.full((len(synced), (vocab + 31) // 32), -1, dtype=np.int32)
+    matchers = [(reqs[i].grammar.matcher, n) for n, i in enumerate(synced)]
+    if matchers:
+        _fill_bitmask(matchers, bitmask)
+    kept = []
+    for n, i in enumerate(synced):
+        matcher = reqs[i].grammar.matcher
+        if matcher.is_error():
+            failures[i] = f"structured output failed: {matcher.get_error()}"
+        else:
+            kept.append(n)
+    return GrammarMasks([synced[n] for n in kept], bitmask[kept], failures)
+
+
 def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> None:
     """Mask, in place, the rows of requests that carry a grammar (``req.grammar``): one
     bitmask tensor for those rows, the other rows untouched. Raises ``ValueError`` when a
     request's tokens no longer follow its grammar (the sampler then fails that request)."""
-    rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
-    if not rows:
+    masks = grammar_masks(reqs, logits.shape[-1])
+    if masks is None:
         return
-    if len({id(reqs[i]) for i in rows}) != len(rows):
-        raise ValueError("a request with structured outputs cannot verify draft tokens")
-    vocab = logits.shape[-1]
-    bitmask = np.full((len(rows), (vocab + 31) // 32), -1, dtype=np.int32)
-    matchers = []
-    for n, i in enumerate(rows):
-        state = reqs[i].grammar
-        state.sync(reqs[i])
-        matchers.append((state.matcher, n))
-    _fill_bitmask(matchers, bitmask)
-    for matcher, _ in matchers:
-        if matcher.is_error():
-            raise ValueError(f"structured output failed: {matcher.get_error()}")
+    if masks.failures:
+        raise ValueError(next(iter(masks.failures.values())))
     # numpy, in place, one row at a time: a few torch ops over the batch cost ~25x more on a
     # loaded 2-core machine (each one waits for torch's whole thread pool).
-    blocked = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    blocked = masks.blocked(logits.shape[-1])
     view = logits.numpy()
-    for n, i in enumerate(rows):
+    for n, i in enumerate(masks.rows):
         np.copyto(view[i], -np.inf, where=blocked[n])
 
 
