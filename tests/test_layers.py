@@ -62,3 +62,32 @@ def test_layer_checker_sees_a_forbidden_import(tmp_path):
 
 def test_engine_package_imports_no_server_or_benchmark():
     assert _violations("engine", FORBIDDEN_FOR_LOWER_LAYERS) == []
+
+
+# The stub speaks its own request vocabulary; TensorRT-LLM's (server/trtllm) is built on it and
+# the composition root (server/triton_model, server/model_interfaces) wires the two. The one
+# exception: the legacy name old model.py files import, looked up on first use.
+ABOVE_THE_STUB = (
+    "slipstream.server.trtllm",
+    "slipstream.server.triton_model",
+    "slipstream.server.model_interfaces",
+)
+LEGACY_STUB_NAME = "server/stub/triton_model.py"
+
+
+def test_the_stub_imports_nothing_built_on_it():
+    found = [
+        v for v in _violations("server/stub", ABOVE_THE_STUB) if not v.startswith(LEGACY_STUB_NAME)
+    ]
+    assert found == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                found += [f"{path.relative_to(PACKAGE)}: {node.module}.{n}" for n in private]
+    assert found == []

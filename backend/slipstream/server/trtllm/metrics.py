@@ -14,6 +14,7 @@ import time
 from typing import Callable, Dict, Tuple
 
 from slipstream.core.stats import StatsSnapshot
+from slipstream.server.stub.metrics import FamilyLimits, MetricFactory
 
 TOKEN_LEN_BUCKETS = [10.0, 50.0, 100.0, 500.0, 1000.0]  # TRT-LLM's token-length buckets
 
@@ -64,7 +65,9 @@ def gauge_families(max_num_seqs: int, block_size: int) -> Dict[str, Tuple[str, s
 
 
 class TrtllmFamilies:
-    def __init__(self, factory, post: Callable, *, max_num_seqs: int, block_size: int) -> None:
+    def __init__(
+        self, factory: MetricFactory, post: Callable, *, max_num_seqs: int, block_size: int
+    ) -> None:
         self._post = post
         self._gauges = []  # (metric, reader)
         for family, (desc, key, readers) in gauge_families(max_num_seqs, block_size).items():
@@ -100,3 +103,10 @@ class TrtllmFamilies:
             return
         self._post(self._input_len.observe, float(out.num_prompt_tokens or track.num_prompt_tokens))
         self._post(self._output_len.observe, float(track.num_output_tokens))
+
+
+def trtllm_families(factory: MetricFactory, post: Callable, limits: FamilyLimits) -> TrtllmFamilies:
+    """The ``trtllm`` set (``metric_families``), as the stub's ``ModelMetrics`` builds it."""
+    return TrtllmFamilies(
+        factory, post, max_num_seqs=limits.max_num_seqs, block_size=limits.block_size
+    )
