@@ -1,8 +1,7 @@
-"""An engine's health as its loop reports it, and the rule that counts failed steps.
-
-A step that raised, or in which every request that moved failed, is a failed step;
-``failure_threshold`` of them in a row make the engine DEAD (``EngineLoop`` then ends every
-request and refuses new ones; the supervisor restarts it).
+"""An engine's health as its loop reports it, and the rule that tells a broken engine from a
+broken request (``StepFailures``): once it says so the engine is DEAD (``EngineLoop`` then ends
+every request and refuses new ones; the supervisor restarts it, or the server goes away for
+its orchestrator to replace).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Optional, Sequence
 
 from slipstream.core.request import FinishReason, RequestOutput
 
-DEFAULT_FAILURE_THRESHOLD = 5  # failed steps in a row that mean the engine itself is broken
+DEFAULT_FAILURE_THRESHOLD = 5  # failed steps (or requests) in a row that mean a broken engine
 
 
 class HealthState(str, enum.Enum):
@@ -41,28 +40,41 @@ class EngineDeadError(RuntimeError):
 
 
 class StepFailures:
-    """Counts failed steps in a row; says when they mean the engine is broken."""
+    """Says when failures mean the engine itself is broken, not a request: ``threshold``
+    failed steps in a row, or ``threshold`` different requests failing inside the engine
+    with none served in between (the window every failing request belongs to).
+
+    A step fails when it raised (``error``) or every output it made is an error; one with
+    any good output served a request and closes the window; one with no outputs (prefill
+    chunks, nothing to do) says nothing. The second rule is what sees a forward that fails
+    for everyone: the engine retries a failed batch one request at a time, so each request
+    fails alone, and a batch of them makes only one failed step. One request that breaks the
+    forward by itself still fails alone and the engine serves on: the requests beside it are
+    served, or the next one is."""
 
     def __init__(self, threshold: int = DEFAULT_FAILURE_THRESHOLD) -> None:
         self.threshold = threshold
+        self.failed_requests: set[str] = set()  # failed inside the engine since one was served
 
     def record(
         self, health: Health, outputs: Sequence[RequestOutput], error: Optional[str]
     ) -> tuple[Health, Optional[str]]:
-        """The health after one step, and why the engine is dead (None: it serves on).
-
-        A step that raised (``error``), or whose every output is an error, failed; one with
-        any good output succeeded; one with no outputs (prefill chunks, nothing to do) says
-        nothing."""
-        if error is None and outputs:
-            if all(o.finish_reason is FinishReason.ERROR for o in outputs):
-                error = outputs[0].error
-            elif health.consecutive_failures:
-                return Health(HealthState.HEALTHY), None
-        if error is None:
+        """The health after one step, and why the engine is dead (None: it serves on)."""
+        failed = [o for o in outputs if o.finish_reason is FinishReason.ERROR]
+        if error is None and len(failed) < len(outputs):  # a request was served
+            self.failed_requests.clear()
+            return (Health(HealthState.HEALTHY) if health.consecutive_failures else health), None
+        if error is None and not outputs:
             return health, None
+        error = error or failed[0].error
+        self.failed_requests.update(o.request_id for o in failed)
         count = health.consecutive_failures + 1
         failing = Health(HealthState.HEALTHY, count, error)
-        if count < self.threshold:
-            return failing, None
-        return failing, f"{count} engine steps in a row failed; last error: {error}"
+        if count >= self.threshold:
+            return failing, f"{count} engine steps in a row failed; last error: {error}"
+        if len(self.failed_requests) >= self.threshold:
+            return failing, (
+                f"{len(self.failed_requests)} requests in a row failed in the engine, none "
+                f"served in between; last error: {error}"
+            )
+        return failing, None

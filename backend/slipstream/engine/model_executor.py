@@ -75,7 +75,7 @@ class ModelExecutor:
         rows = _fan_out(sched, logits, sample_rows)
         beams = [_in_beam_search(item.request) for item in sched.scheduled]
         if any(beams):  # beam slots are ranked by their group, not sampled
-            rows = _offer_beams(rows)
+            rows = _offer_beams(rows, self.sampler)
             rows.per_request = [[] if beam else r for r, beam in zip(rows.per_request, beams)]
         failed: dict[str, str] = {}
         result: Optional[SampleResult] = None
@@ -138,22 +138,17 @@ def _fan_out(sched: SchedulerOutput, logits: torch.Tensor, sample_rows: list[lis
     return _Rows(logits[index], rows_out, owners)
 
 
-def _offer_beams(rows: _Rows) -> _Rows:
-    """Each beam slot's row offers its group the best continuations (log-probabilities of the
-    raw distribution; stop tokens masked before ``min_tokens``), all beam rows of the step
-    in one log-softmax and top-k. Returns the other rows, to be sampled."""
+def _offer_beams(rows: _Rows, sampler: Sampler) -> _Rows:
+    """Each beam slot's row offers its group the best continuations (``Sampler.beam_logprobs``:
+    the distribution with what beam search applies), all beam rows of the step in one top-k.
+    Returns the other rows, to be sampled."""
     logits, owners = rows.logits, rows.owners
     picks = [i for i, r in enumerate(owners) if _in_beam_search(r)]
     rest = [i for i, r in enumerate(owners) if not _in_beam_search(r)]
     if not picks:  # the beam slots of this step are prefill chunks short of their end
         return rows
     index = torch.tensor(picks, dtype=torch.long, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    for row, i in enumerate(picks):
-        req = owners[i]
-        beam = _beam(req)
-        if req.num_output_tokens < req.params.min_tokens and beam.stop_ids:
-            logprobs[row, sorted(beam.stop_ids)] = float("-inf")
+    logprobs = sampler.beam_logprobs(logits.index_select(0, index), [owners[i] for i in picks])
     width = max(_beam(owners[i]).num_candidates for i in picks)
     top_values, top_ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
     values: list[list[float]] = top_values.tolist()

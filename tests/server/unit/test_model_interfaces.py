@@ -61,6 +61,7 @@ def test_the_native_interface_keeps_the_native_rules(tmp_path):
         {**PROMPT, "stop_words": np.array([b"", b"end"], np.object_), "end_id": np.array([7])},
         0,
         model(),
+        OUTPUTS,
     )
     assert translation.row.inputs["stop_words"].tolist() == [b"end"]
     assert translation.row.end_ids == [7]

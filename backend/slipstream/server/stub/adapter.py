@@ -35,7 +35,7 @@ from slipstream.server.stub import model_config
 from slipstream.server.stub.extensions import Extensions
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE, engine_problem
 from slipstream.server.stub.intake import RequestIntake
-from slipstream.server.stub.lifecycle import Watchdog
+from slipstream.server.stub.lifecycle import Watchdog, stop_server
 from slipstream.server.stub.metrics import FamilyLimits, ModelMetrics, NoMetrics
 from slipstream.server.stub.request_interface import ModelContext
 from slipstream.server.stub.sender import ResponseSender
@@ -44,6 +44,10 @@ from slipstream.server.stub.wire import ErrorCode, error_response, send_final
 from slipstream.worker.device import keep_gpu_compiler_out, resolve_device
 
 SHUTTING_DOWN = "the server is shutting down"
+# Between asking Triton to stop and ending the stub (the watchdog then kills the server): the
+# time its frontends have to pass on the error responses of the requests that were in flight
+# (a client whose connection drops first reads "Stream removed" instead of why it failed).
+RESPONSE_GRACE_S = 1.0
 
 
 class TritonAdapter:
@@ -64,6 +68,7 @@ class TritonAdapter:
             pb_utils.get_model_dir() if hasattr(pb_utils, "get_model_dir") else None,
         )
         self.healthy = True
+        self.gave_up = False  # the engine is beyond repair: the server is being taken down
         self.logger = pb_utils.Logger
         self.wake = threading.Event()  # the sender's: new requests, new engine outputs
         engine_config = EngineConfig.from_dict(settings.engine)
@@ -198,7 +203,9 @@ class TritonAdapter:
     def _give_up(self, health: Health) -> None:
         """The engine keeps dying: take the server down so that a fresh one replaces it
         (with Triton 2.51 the only way to stop reporting READY). Requests in flight have
-        their errors; let the sender deliver them first."""
+        their errors: once the sender has handed them to Triton, Triton is asked to stop (it
+        stops answering ready at once and passes on the responses it holds), and after
+        ``RESPONSE_GRACE_S`` this stub ends: the watchdog then takes the server down."""
         self.logger.log_error(f"slipstream: {health.error}")
         if self.settings.health_check:  # vllm_backend's way: unloaded, the server stays up
             self._check_health([])
@@ -208,19 +215,24 @@ class TritonAdapter:
             return
         deadline = time.monotonic() + 5.0
         while self.sender.num_active and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
+        self.gave_up = True
         self.watchdog.fatal(health.error or "engine dead")
+        stop_server()
+        time.sleep(RESPONSE_GRACE_S)
         os._exit(1)
 
     # ----------------------------------------------------------------- finalize
     def finalize(self) -> None:
         started = time.monotonic()
         self.logger.log_info("slipstream: finalize, stopping the engine")
-        self.engine.shutdown()  # aborts what is left: every stream ends, the sender sends FINAL
+        # aborts what is left: every stream ends, the sender sends FINAL (a dead engine's
+        # thread may be stuck in a hung step: it is not waited for)
+        self.engine.shutdown(timeout=1.0 if self.gave_up else 30.0)
         if self.kv_events is not None:
             self.kv_events.shutdown()
         self.sender.stop(timeout=30)
         self.metrics.stop()
-        if self.watchdog is not None:
+        if self.watchdog is not None and not self.gave_up:  # else it takes the server down
             self.watchdog.goodbye()
         self.logger.log_info(f"slipstream: finalized in {time.monotonic() - started:.2f} s")

@@ -45,6 +45,7 @@ class RowRequest:
     inputs: Mapping[str, np.ndarray]
     parameters: Any  # the request's parameters (a JSON string or a dict)
     sender: Any  # its response sender (a row's, for batched requests)
+    requested_outputs: frozenset[str]  # the outputs the request names (all, when none)
     arrival: float
     batch_index: int
     deadline: Optional[Deadline]
@@ -94,7 +95,15 @@ class RequestIntake:
         for index, (row, row_sender) in enumerate(zip(rows, senders)):
             self._submit(
                 interface,
-                RowRequest(row, request.parameters(), row_sender, arrival, index, deadline),
+                RowRequest(
+                    row,
+                    request.parameters(),
+                    row_sender,
+                    frozenset(requested),
+                    arrival,
+                    index,
+                    deadline,
+                ),
             )
 
     def _read_inputs(self, request) -> dict[str, np.ndarray]:
@@ -114,7 +123,9 @@ class RequestIntake:
                 return
             if "embedding_request" in row.inputs:
                 raise BadRequestError(f"Model {self.model_name} does not support 'embed' request")
-            translation = interface.translate(row.inputs, row.batch_index, self.model)
+            translation = interface.translate(
+                row.inputs, row.batch_index, self.model, row.requested_outputs
+            )
             parsed = self._parse(translation.row.inputs, row.parameters, translation.row.parameters)
             stream = self.engine.submit(
                 parsed.prompt, parsed.params, **_submit_options(parsed.options)

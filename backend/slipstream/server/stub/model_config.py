@@ -58,7 +58,9 @@ SERVER_PARAMETERS = {
     "REPORT_CUSTOM_METRICS": "",
     "ENABLE_VLLM_HEALTH_CHECK": "false",
     "metric_families": "",
-    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    # failed engine steps in a row, or requests failing in it with none served between,
+    # that make it dead (engine/health.py)
+    "engine_failure_threshold": "5",
     # Engine restarts inside the stub within 10 minutes before the server is taken down. 0:
     # a dead engine takes the server down at once, as a crash does (Triton 2.51 cannot make a
     # model not ready otherwise; its supervisor then restarts it).
@@ -97,7 +99,7 @@ class ModelSettings:
     metric_families: tuple  # which of METRIC_FAMILIES to export
     health_check: bool  # ENABLE_VLLM_HEALTH_CHECK
     max_logprobs: int
-    engine_failure_threshold: int  # failed engine steps in a row that make it dead
+    engine_failure_threshold: int  # failed steps (or requests) in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
     step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)

@@ -95,8 +95,15 @@ class RequestInterface(Protocol):
         ...
 
     def translate(
-        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
-    ) -> Translation: ...
+        self,
+        row: Mapping[str, np.ndarray],
+        batch_index: int,
+        model: ModelContext,
+        requested_outputs: Collection[str],
+    ) -> Translation:
+        """One row (its index in the request) in the stub's vocabulary; raises
+        ``BadRequestError`` naming what it cannot honour."""
+        ...
 
     def overloaded_text(self, max_queue_size: int) -> Optional[str]:
         """The error text of a full queue, when this vocabulary has its own."""
@@ -128,7 +135,11 @@ class NativeInterface:
         return [dict(inputs)]
 
     def translate(
-        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
+        self,
+        row: Mapping[str, np.ndarray],
+        batch_index: int,
+        model: ModelContext,
+        requested_outputs: Collection[str],
     ) -> NativeTranslation:
         return NativeTranslation(native_row(row))
 

@@ -157,6 +157,7 @@ class TrtllmOptions:
     num_return_sequences: int = 1  # > 1: one response stream per sequence, as TRT-LLM sends
     beam_width: int = 1  # > 1: every beam in one response, [1, beam_width, ...]
     return_perf_metrics: bool = False
+    sequence_length: bool = False  # emit sequence_length (the request names it)
 
 
 @dataclass
@@ -235,7 +236,7 @@ def translate(
     native = native_row(inputs)  # stop words and end_id, as the stub reads them
     native.parameters = params
     if trtllm_defaults:
-        _trtllm_semantics(native.inputs)
+        _trtllm_semantics(native.inputs, beam_width)
     return TranslatedRow(native, opts)
 
 
@@ -314,8 +315,8 @@ def _bad_words_and_bias(
             params["logit_bias"] = bias
 
 
-def _trtllm_semantics(inputs: Dict[str, np.ndarray]) -> None:
-    if "sampling_parameters" not in inputs:
+def _trtllm_semantics(inputs: Dict[str, np.ndarray], beam_width: int) -> None:
+    if "sampling_parameters" not in inputs and beam_width == 1:  # beams are never sampled
         greedy_unless_sampling(inputs)
     if (
         "stream" in inputs

@@ -84,7 +84,11 @@ class TrtllmInterface:
         return split_rows(inputs, model.batched)
 
     def translate(
-        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
+        self,
+        row: Mapping[str, np.ndarray],
+        batch_index: int,
+        model: ModelContext,
+        requested_outputs: Collection[str],
     ) -> Translation:
         translated = translate(
             row,
@@ -93,6 +97,7 @@ class TrtllmInterface:
             with_indices=model.batched,
             trtllm_defaults=self.trtllm_semantics,
         )
+        translated.options.sequence_length = "sequence_length" in requested_outputs
         _check_outputs(translated, model)
         return TrtllmTranslation(translated)
 
@@ -109,7 +114,11 @@ class LlmapiInterface(TrtllmInterface):
         return True
 
     def translate(
-        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
+        self,
+        row: Mapping[str, np.ndarray],
+        batch_index: int,
+        model: ModelContext,
+        requested_outputs: Collection[str],
     ) -> Translation:
         translated = llmapi.translate(row)
         _check_outputs(translated, model)

@@ -13,6 +13,8 @@ builds. Pure Python (no Triton).
   ``sequence_index`` (``finals``);
 * ``return_perf_metrics``: ``kv_cache_*_blocks``, ``*_time_ns``, ``acceptance_rate``,
   ``total_*draft_tokens`` [1, 1] on the request's last response(s);
+* ``sequence_length`` INT32 [1, 1] (beam search [1, beams]) when the request names it: the
+  tokens its text holds (the prompt's too when the prompt is prepended, as TRT-LLM counts);
 * ``end_id``'s text is not emitted (the stub's ``ResponseBuilder`` drops it).
 
 ``OUTPUTS`` are the outputs a model declares for them.
@@ -58,6 +60,9 @@ OUTPUTS: tuple[Mapping[str, object], ...] = (
         )
     ],
     {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    # the tokens of each returned sequence's text (beams: [1, beams]), as TensorRT-LLM's model
+    # reports beside its token ids
+    {"name": "sequence_length", "data_type": "TYPE_INT32", "dims": [-1]},
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
 )
 
@@ -82,7 +87,7 @@ class TrtllmResponses:
         outputs = self.inner.delta(out)
         if self.options.num_return_sequences > 1:  # only the sequence that moved
             outputs = _one_sequence(outputs, out.index, self.options.num_return_sequences)
-        return self._extend(outputs, out, list(out.logprobs or []))
+        return self._extend(outputs, out, list(out.logprobs or []), len(out.token_ids))
 
     def absorb(self, out) -> None:
         self.inner.absorb(out)
@@ -93,7 +98,8 @@ class TrtllmResponses:
         self.logprobs.extend(out.logprobs or [])
         if self.options.beam_width > 1:
             return self._beams(outputs, out)
-        return self._extend(outputs, out, self.logprobs)
+        length = len(self.inner.sequences[out.index].token_ids) + self._prompt_tokens(out)
+        return self._extend(outputs, out, self.logprobs, length)
 
     def finals(self, out) -> List[Dict[str, np.ndarray]]:
         """The last responses of a request that is not streamed: one, or with
@@ -107,7 +113,8 @@ class TrtllmResponses:
         for i, seq in enumerate(self.inner.sequences):
             one = _one_sequence(outputs, i, n)
             seq_out = dataclasses.replace(out, index=i, cumulative_logprob=seq.cumulative_logprob)
-            responses.append(self._extend(one, seq_out, seq.logprobs))
+            length = len(seq.token_ids) + self._prompt_tokens(out)
+            responses.append(self._extend(one, seq_out, seq.logprobs, length))
         return responses
 
     def _snapshot(self, out) -> Dict[str, np.ndarray]:
@@ -119,6 +126,7 @@ class TrtllmResponses:
                     [b.logprobs for b in out.beams], [b.cumulative_logprob for b in out.beams]
                 )
             )
+        self._lengths(outputs, [len(b.token_ids) for b in out.beams])
         return self._indices(outputs, out)
 
     def _beams(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
@@ -127,17 +135,30 @@ class TrtllmResponses:
             outputs.update(
                 _log_prob_table([b.logprobs for b in beams], [b.cumulative_logprob for b in beams])
             )
+        prompt = self._prompt_tokens(out)
+        self._lengths(outputs, [len(b.token_ids) + prompt for b in beams])
         return self._indices(self._perf(outputs, out), out)
 
     def _extend(
-        self, outputs: Dict[str, np.ndarray], out, logprobs: Sequence[float]
+        self, outputs: Dict[str, np.ndarray], out, logprobs: Sequence[float], length: int
     ) -> Dict[str, np.ndarray]:
+        """``length``: the tokens this response's text holds (``sequence_length``)."""
+        self._lengths(outputs, [length])
         if self.options.return_log_probs:
             outputs["cum_log_probs"] = np.array([[out.cumulative_logprob]], dtype=np.float32)
             outputs["output_log_probs"] = np.array(
                 [[[float(x) for x in logprobs]]], dtype=np.float32
             ).reshape(1, 1, -1)
         return self._indices(self._perf(outputs, out), out)
+
+    def _prompt_tokens(self, out) -> int:
+        """The prompt's tokens when a final text starts with the prompt (TensorRT-LLM's
+        ``sequence_length`` counts them then: its output ids hold the prompt)."""
+        return 0 if self.inner.options.exclude_input_in_output else int(out.num_prompt_tokens)
+
+    def _lengths(self, outputs: Dict[str, np.ndarray], lengths: Sequence[int]) -> None:
+        if self.options.sequence_length:  # [1, beams], as TensorRT-LLM's
+            outputs["sequence_length"] = np.array([list(lengths)], dtype=np.int32)
 
     def _indices(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
         if self.options.with_indices:
