@@ -8,26 +8,17 @@ import weakref
 
 import pytest
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.core.request import RequestOutput
 from slipstream.engine import LLMEngine, merge_output
 from slipstream.engine.loop import EngineLoop, OverloadedError
-from support import tiny_model_dir
+from support import tiny_engine_config
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def config(**overrides):
-    settings = dict(
-        model=str(tiny_model_dir("llama")),
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        max_model_len=256,
-        num_gpu_blocks_override=300,
-    )
-    settings.update(overrides)
-    return EngineConfig(**settings)
+    return tiny_engine_config(**overrides)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.engine import LLMEngine
-from support import reference_model, tiny_model_dir
+from support import reference_model, tiny_engine_config, tiny_model_dir
 
 # A prompt on which the tiny model's plain beams repeat their own tokens (so that every
 # penalty changes the scores of the tokens the beams hold).
@@ -23,16 +23,7 @@ BEAM = dict(beam_width=3, n=3, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir("llama")),
-            block_size=4,
-            max_num_batched_tokens=64,
-            max_num_seqs=8,
-            max_model_len=512,
-            num_gpu_blocks_override=400,
-        )
-    )
+    return LLMEngine(tiny_engine_config(max_model_len=512, num_gpu_blocks_override=400))
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,14 @@ from slipstream.core.request import FinishReason, RequestOutput
 from slipstream.engine import merge_output
 from slipstream.engine.health import Health, HealthState, StepFailures
 from slipstream.engine.loop import EngineLoop
-from support import tiny_model_dir
+from support import tiny_engine_config
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 POISON_LEN = 40  # prompts this long break the forward (a fault of one request's own)
 
 
 def config(**overrides) -> EngineConfig:
-    settings = dict(
-        model=str(tiny_model_dir("llama")),
-        block_size=4,
-        max_num_batched_tokens=256,
-        max_num_seqs=8,
-        max_model_len=256,
-        num_gpu_blocks_override=300,
-    )
-    return EngineConfig(**{**settings, **overrides})
+    return tiny_engine_config(max_num_batched_tokens=256, **overrides)
 
 
 def collect(stream, timeout=60) -> RequestOutput:

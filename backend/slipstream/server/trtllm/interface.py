@@ -90,16 +90,22 @@ class TrtllmInterface:
         model: ModelContext,
         requested_outputs: Collection[str],
     ) -> Translation:
-        translated = translate(
+        translated = self.translate_row(row, batch_index, model)
+        translated.options.sequence_length = "sequence_length" in requested_outputs
+        _check_outputs(translated, model)
+        return TrtllmTranslation(translated)
+
+    def translate_row(
+        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
+    ) -> TranslatedRow:
+        """One row of this vocabulary mapped onto the stub's."""
+        return translate(
             row,
             model.encode,
             batch_index=batch_index,
             with_indices=model.batched,
             trtllm_defaults=self.trtllm_semantics,
         )
-        translated.options.sequence_length = "sequence_length" in requested_outputs
-        _check_outputs(translated, model)
-        return TrtllmTranslation(translated)
 
     def overloaded_text(self, max_queue_size: int) -> Optional[str]:
         return trtllm_queue_full(max_queue_size) if self.trtllm_semantics else None
@@ -113,16 +119,10 @@ class LlmapiInterface(TrtllmInterface):
     def claims(self, inputs: Mapping[str, np.ndarray], requested_outputs: Collection[str]) -> bool:
         return True
 
-    def translate(
-        self,
-        row: Mapping[str, np.ndarray],
-        batch_index: int,
-        model: ModelContext,
-        requested_outputs: Collection[str],
-    ) -> Translation:
-        translated = llmapi.translate(row)
-        _check_outputs(translated, model)
-        return TrtllmTranslation(translated)
+    def translate_row(
+        self, row: Mapping[str, np.ndarray], batch_index: int, model: ModelContext
+    ) -> TranslatedRow:
+        return llmapi.translate(row)
 
 
 def _check_outputs(translated: TranslatedRow, model: ModelContext) -> None:
