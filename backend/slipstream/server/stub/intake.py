@@ -45,7 +45,7 @@ class RowRequest:
     inputs: Mapping[str, np.ndarray]
     parameters: Any  # the request's parameters (a JSON string or a dict)
     sender: Any  # its response sender (a row's, for batched requests)
-    requested_outputs: frozenset[str]  # the outputs the request names (all, when none)
+    requested_outputs: frozenset[str]  # the outputs the client named (none: any)
     arrival: float
     batch_index: int
     deadline: Optional[Deadline]
@@ -80,7 +80,7 @@ class RequestIntake:
             return
         try:
             inputs = self._read_inputs(request)
-            requested = request.requested_output_names()
+            requested = self._named_outputs(request)
             interface = self.interfaces.pick(inputs, requested)
             rows = interface.split_rows(inputs, requested, self.model)
         except Exception as e:  # never let one request take the batch down
@@ -99,12 +99,18 @@ class RequestIntake:
                     row,
                     request.parameters(),
                     row_sender,
-                    frozenset(requested),
+                    requested,
                     arrival,
                     index,
                     deadline,
                 ),
             )
+
+    def _named_outputs(self, request) -> frozenset[str]:
+        """The outputs the client named: Triton lists every declared output when it names
+        none, which names nothing in particular."""
+        requested = frozenset(request.requested_output_names())
+        return frozenset() if requested == self.model.output_names else requested
 
     def _read_inputs(self, request) -> dict[str, np.ndarray]:
         inputs = {}
