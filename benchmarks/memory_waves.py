@@ -42,7 +42,7 @@ import os, sys, threading, time, tracemalloc
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401
 
 def _snapshots(trigger, out):
     n = 0

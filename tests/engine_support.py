@@ -6,22 +6,13 @@ from __future__ import annotations
 
 from slipstream import EngineConfig
 from slipstream.engine import LLMEngine
-from support import tiny_model_dir
+from support import tiny_engine_config, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def config(**overrides):
-    settings = dict(
-        model=str(tiny_model_dir("llama")),
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        max_model_len=256,
-        num_gpu_blocks_override=300,
-    )
-    settings.update(overrides)
-    return EngineConfig(**settings)
+def config(**overrides) -> EngineConfig:
+    return tiny_engine_config(**overrides)
 
 
 def make_engine(arch="llama", **overrides) -> LLMEngine:

@@ -1,5 +1,8 @@
-"""An engine fault a real-server test can switch on: the model's forward raises or never
-returns while a file says so (the stub reads ``SLIPSTREAM_FAULT_FILE`` from its environment)."""
+"""An engine fault a real-server test can switch on while a file says so (the stub reads
+``SLIPSTREAM_FAULT_FILE`` from its environment): ``raise`` (the forward raises on every step),
+``block`` (it never returns), ``sampler`` (the sampler raises on every step), ``poison N``
+(the forward raises whenever a request with a prompt of N tokens or more is in the batch: one
+request that alone breaks the forward)."""
 
 from __future__ import annotations
 
@@ -17,31 +20,47 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401
 from slipstream.worker.model_runner import ModelRunner  # noqa: E402
+from slipstream.worker.sample.sampler import Sampler  # noqa: E402
 
 
 def _fault():
     try:
         with open(os.environ["SLIPSTREAM_FAULT_FILE"]) as f:
-            return f.read().strip()
+            return f.read().split()
     except OSError:
-        return ""
+        return []
+
+
+def _poisoned(sched, min_tokens):
+    return any(item.request.num_prompt_tokens >= min_tokens for item in sched.scheduled)
 
 
 def _faulty(method):
-    def run(self, *args, **kwargs):
+    def run(self, sched, *args, **kwargs):
         kind = _fault()
-        if kind == "raise":
+        if kind == ["raise"]:
             raise RuntimeError("injected fault: the device is lost")
-        if kind == "block":
+        if kind == ["block"]:
             threading.Event().wait()  # a kernel that never returns
+        if kind[:1] == ["poison"] and _poisoned(sched, int(kind[1])):
+            raise RuntimeError("injected fault: this request breaks the forward")
+        return method(self, sched, *args, **kwargs)
+    return run
+
+
+def _faulty_sampler(method):
+    def run(self, *args, **kwargs):
+        if _fault() == ["sampler"]:
+            raise RuntimeError("injected fault: the sampler's kernel failed")
         return method(self, *args, **kwargs)
     return run
 
 
 ModelRunner.execute = _faulty(ModelRunner.execute)
 ModelRunner.execute_with_prompt_logits = _faulty(ModelRunner.execute_with_prompt_logits)
+Sampler._sample = _faulty_sampler(Sampler._sample)
 """
 
 

@@ -103,6 +103,22 @@ def engine_with_sampler(sampler: str, device: torch.device, make):
     return engine
 
 
+def tiny_engine_config(**overrides):
+    """The tiny llama's engine settings most engine tests use (4-token blocks, 8 sequences,
+    256-token context, a fixed pool of 300 blocks); ``overrides``: more EngineConfig."""
+    from slipstream import EngineConfig
+
+    settings = dict(
+        model=str(tiny_model_dir("llama")),
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        num_gpu_blocks_override=300,
+    )
+    return EngineConfig(**{**settings, **overrides})
+
+
 def chunked_engine(arch: str, **settings):
     """An engine on the tiny ``arch`` whose steps chunk prompts and mix them with decode rows
     (48-token steps, 4-token blocks), for ``step_logits``; ``settings``: more EngineConfig."""

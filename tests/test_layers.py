@@ -114,3 +114,39 @@ def test_the_private_name_check_sees_an_import_and_an_attribute(tmp_path):
         "slipstream.b: from slipstream.a import _helper",
         "slipstream.c: slipstream.a._helper",
     ]
+
+
+# The stub speaks its own request vocabulary; TensorRT-LLM's (server/trtllm) is built on it and
+# the composition root (server/triton_model, server/model_interfaces) wires the two. The one
+# exception: the legacy name old model.py files import, looked up on first use.
+ABOVE_THE_STUB = (
+    "slipstream.server.trtllm",
+    "slipstream.server.triton_model",
+    "slipstream.server.model_interfaces",
+)
+LEGACY_STUB_NAME = "server/stub/triton_model.py"
+
+
+def test_the_stub_imports_nothing_built_on_it():
+    found = [
+        v for v in _violations("server/stub", ABOVE_THE_STUB) if not v.startswith(LEGACY_STUB_NAME)
+    ]
+    assert found == []
+
+
+TESTS = PACKAGE.parents[1] / "tests"
+
+
+def test_no_test_module_imports_another():
+    """Tests share fixtures through conftest.py and helpers through *_support modules."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            found += [f"{path.relative_to(TESTS)}: {n}" for n in names if n.startswith("test_")]
+    assert found == []

@@ -10,6 +10,7 @@ from support import ROOT
 SAMPLES = {
     "ensemble": ROOT / "samples" / "trtllm_model_repository",
     "tensorrt_llm": ROOT / "samples" / "trtllm_llmapi_model_repository",
+    "tensorrt_llm_stream": ROOT / "samples" / "trtllm_llmapi_streaming_model_repository",
     "ensemble_stream": ROOT / "samples" / "trtllm_streaming_model_repository",
     "ensemble_queue": ROOT / "samples" / "trtllm_streaming_model_repository",
     "unbatched": ROOT / "model_repository",

@@ -35,13 +35,13 @@ import os, sys
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-from slipstream.server.stub.triton_model import TritonPythonModel as _Adapter
+from slipstream.server.triton_model import TritonPythonModel as _Adapter
 
 
 class TritonPythonModel(_Adapter):
     checks = 0
 
-    def _engine_problem(self):
+    def engine_problem(self):
         type(self).checks += 1
         return "Simulated engine check_health() failure" if self.checks > 1 else None
 """

@@ -54,7 +54,7 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings:
     }
 
 
-# As the server's stub process runs it (server/stub/triton_model.py: OpenAI Triton kept out
+# As the server's stub process runs it (server/stub/adapter.py: OpenAI Triton kept out
 # on a machine without CUDA). weights_mb: every parameter at its format's bytes (int8: one and
 # a float32 scale per 32, and the float32 columns of the outlier channels kept out of the
 # blocks), a tied embedding counted once.

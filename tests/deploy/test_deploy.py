@@ -422,7 +422,7 @@ def test_image_installs_the_backend_where_triton_looks_for_backends():
     backend = [c for c in copies if c[-1] == "/opt/tritonserver/backends/slipstream/model.py"]
     assert backend, "no Python-based backend in /opt/tritonserver/backends/slipstream"
     source = (ROOT / backend[0][0]).read_text()
-    assert "from slipstream.server.stub.triton_model import TritonPythonModel" in source
+    assert "from slipstream.server.triton_model import TritonPythonModel" in source
 
 
 def test_image_healthcheck_probes_server_readiness():

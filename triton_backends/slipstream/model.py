@@ -2,7 +2,7 @@
 ``/opt/tritonserver/backends/slipstream/`` (``slipstream serve`` assembles it by itself), then a
 model directory needs only ``config.pbtxt`` with ``backend: "slipstream"`` and ``1/model.json``
 (vLLM engine arguments), as with Triton's vLLM backend. The adapter lives in the package
-(``slipstream.server.stub.triton_model``), which must be importable by Triton's Python."""
+(``slipstream.server.triton_model``), which must be importable by Triton's Python."""
 
 import os
 import sys
@@ -13,4 +13,4 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401

@@ -69,6 +69,15 @@ def _check_number(
     setattr(params, name, float(value))
 
 
+# What beam search refuses (sampling truncations it does not apply): name, values meaning
+# "off", the default a client should leave it at.
+_BEAM_TRUNCATIONS: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("top_k", (0, -1), "0 (or -1)"),
+    ("top_p", (1.0,), "1.0"),
+    ("min_p", (0.0,), "0.0"),
+)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -156,8 +165,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {show(self.ignore_eos)}")
         self._validate_logprobs()
         self._validate_parallel_sampling()
-        self._validate_beam_search()
         _check_number(self, "min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        self._validate_beam_search()
         self._validate_token_constraints()
         self._validate_output_switches()
         self._validate_names()
@@ -295,12 +304,20 @@ class SamplingParams:
                 "best_of cannot be combined with beam search (beam_width is the "
                 "number of sequences kept)"
             )
-        # The beams are ranked on the model's own log-probabilities: what reshapes or
-        # constrains the distribution per sequence has no meaning across beams here.
+        # Beams are ranked on log-probabilities with the temperature, penalties, logit bias,
+        # bad words, allowed ids and min_tokens applied (as TensorRT-LLM applies them to
+        # beams); truncating the distribution is sampling's, which beam search does not do.
         if self.stop or self.structured_outputs is not None or self.prompt_logprobs is not None:
             raise ValueError(
                 "beam search does not support stop strings, structured outputs or prompt_logprobs"
             )
+        for name, unset, value in _BEAM_TRUNCATIONS:
+            if getattr(self, name) not in unset:
+                raise ValueError(
+                    f"beam search does not apply {name} (beams are ranked on the whole "
+                    f"distribution, as TensorRT-LLM's and vLLM's beam search rank them): "
+                    f"leave it at {value}, got {show(getattr(self, name))}"
+                )
 
     def _validate_seed(self) -> None:
         if self.seed is None:

@@ -88,7 +88,7 @@ class ModelExecutor:
         beams = [_in_beam_search(item.request) for item in sched.scheduled]
         offers: Optional[_BeamOffers] = None
         if any(beams):  # beam slots are ranked by their group, not sampled
-            rows, offers = _offer_beams(rows, upload, fetch)
+            rows, offers = _offer_beams(rows, self.sampler, upload, fetch)
             rows.per_request = [[] if beam else r for r, beam in zip(rows.per_request, beams)]
         pending = self.sampler.launch(rows.logits, rows.owners, fetch) if rows.owners else None
         prompts = [
@@ -188,34 +188,21 @@ class _BeamOffers:
 
 
 def _offer_beams(
-    rows: _Rows, upload: HostToDevice, fetch: DeviceToHost
+    rows: _Rows, sampler: TokenSampler, upload: HostToDevice, fetch: DeviceToHost
 ) -> tuple[_Rows, Optional[_BeamOffers]]:
-    """Each beam slot's row offers its group the best continuations (log-probabilities of the
-    raw distribution; stop tokens masked before ``min_tokens``), all beam rows of the step
-    in one log-softmax and top-k. Returns the other rows, to be sampled, and the offers."""
+    """Each beam slot's row offers its group the best continuations (``beam_logprobs``: the
+    distribution with what beam search applies), all beam rows of the step in one top-k.
+    Returns the other rows, to be sampled, and the offers."""
     logits, owners = rows.logits, rows.owners
     picks = [i for i, r in enumerate(owners) if _in_beam_search(r)]
     rest = [i for i, r in enumerate(owners) if not _in_beam_search(r)]
     if not picks:  # the beam slots of this step are prefill chunks short of their end
         return rows, None
-    vocab = logits.shape[-1]
-    stops = [
-        row * vocab + t
-        for row, i in enumerate(picks)
-        if owners[i].num_output_tokens < owners[i].params.min_tokens
-        for t in sorted(_beam(owners[i]).stop_ids)
-        if t < vocab
-    ]
-    index, stop_at, keep = upload.upload(
-        [
-            np.asarray(picks, dtype=np.int64),
-            np.asarray(stops, dtype=np.int64),
-            np.asarray(rest, dtype=np.int64),
-        ]
+    index, keep = upload.upload(
+        [np.asarray(picks, dtype=np.int64), np.asarray(rest, dtype=np.int64)]
     )
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    if stops:
-        logprobs.view(-1).index_fill_(0, stop_at, float("-inf"))
+    logprobs = sampler.beam_logprobs(logits.index_select(0, index), [owners[i] for i in picks])
+    vocab = logprobs.shape[-1]
     width = max(_beam(owners[i]).num_candidates for i in picks)
     top_values, top_ids = logprobs.topk(min(width, vocab), dim=-1)
     offers = _BeamOffers([owners[i] for i in picks], fetch.add(top_values), fetch.add(top_ids))

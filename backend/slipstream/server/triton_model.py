@@ -1,5 +1,14 @@
-"""Where the Triton adapter lived before ``slipstream.server.stub.triton_model``: model
-repositories and backend directories written before the move import it from here (a
-``model.py`` is copied out of the package, so an upgrade does not rewrite it)."""
+"""The ``TritonPythonModel`` a Slipstream model directory's ``1/model.py`` re-exports: the
+composition root above the stub's adapter (``server/stub``) and TensorRT-LLM's interfaces
+(``server/trtllm``), which it wires in (``model_interfaces``). Imported only inside the
+Python-backend stub.
 
-from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: F401
+Older model.py files import ``slipstream.server.stub.triton_model`` (or this module, where the
+adapter lived before the stub had its room): both give this class."""
+
+from slipstream.server.model_interfaces import EXTENSIONS
+from slipstream.server.stub.adapter import TritonAdapter
+
+
+class TritonPythonModel(TritonAdapter):
+    extensions = EXTENSIONS

@@ -1,5 +1,5 @@
 """Triton loads this file; the adapter lives in the package
-(``slipstream.server.stub.triton_model``)."""
+(``slipstream.server.triton_model``)."""
 
 import os
 import sys
@@ -10,4 +10,4 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
 
-from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: E402,F401
+from slipstream.server.triton_model import TritonPythonModel  # noqa: E402,F401

@@ -662,6 +662,121 @@ def test_llmapi_streaming_on_the_unary_model_is_refused(server):
     assert status == 400 and "decoupled mode" in body
 
 
+def test_llmapi_streaming_model_takes_the_unary_models_sampling_params(server, reference):
+    """`end_to_end_test.py --test-llmapi --streaming` with `--sampling-params` against the
+    decoupled LLM-API sample (samples/trtllm_llmapi_streaming_model_repository): the same
+    `sampling_param_*` inputs as the unary model, each response the whole text so far, the
+    last one the greedy continuation. Before: no streaming LLM-API model was shipped; the
+    streaming ensemble answered "unexpected inference input 'sampling_param_temperature'"."""
+    inputs = {
+        "text_input": np.array([PROMPTS[2]], dtype=object),
+        "streaming": np.array([True]),
+        "sampling_param_max_tokens": np.array([OUTPUT_LEN], np.int32),
+        "sampling_param_temperature": np.array([0.7], np.float32),
+        "sampling_param_top_k": np.array([1], np.int32),
+        "sampling_param_top_p": np.array([0.9], np.float32),
+        "sampling_param_seed": np.array([3], np.uint64),
+        "sampling_param_frequency_penalty": np.array([0.0], np.float32),
+        "sampling_param_presence_penalty": np.array([0.0], np.float32),
+        "return_finish_reason": np.array([True]),
+    }
+    results = stream_request(
+        server, "tensorrt_llm_stream", inputs, outputs=["text_output", "finish_reason"]
+    )
+    assert not any(isinstance(r, Exception) for r in results), results
+    texts = [r.as_numpy("text_output")[0].decode() for r in results]
+    assert texts[-1] == greedy_text(reference, PROMPTS[2])
+    assert all(texts[-1].startswith(t) for t in texts)  # the whole text so far, each time
+    assert results[-1].as_numpy("finish_reason")[0].decode() == "length"
+
+
+# ------------------------------------------------------------------------------- sequence_length
+def test_sequence_length_counts_the_tokens_of_each_text(server, reference):
+    """`sequence_length` (INT32 [1, beams]) as TensorRT-LLM's model reports it: the tokens of
+    the returned text, the prompt's included when the prompt is prepended; streamed, the
+    tokens of each response; beams, each beam's. Before: "unexpected inference output
+    'sequence_length' for model 'ensemble'"."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt_tokens = reference(PROMPTS[1]).num_prompt_tokens
+    names = [grpcclient.InferRequestedOutput(n) for n in ("text_output", "sequence_length")]
+    for exclude, expected in ((False, prompt_tokens + OUTPUT_LEN), (True, OUTPUT_LEN)):
+        inputs = prepare_inputs(PROMPTS[1], OUTPUT_LEN, exclude_input_in_output=exclude)
+        del inputs["stream"]
+        result = client.infer(
+            "ensemble", [prepare_tensor(k, v) for k, v in inputs.items()], outputs=names
+        )
+        assert result.as_numpy("sequence_length").tolist() == [[expected]]
+    inputs = prepare_inputs(PROMPTS[1], OUTPUT_LEN, beam_width=2)
+    del inputs["stream"]
+    result = client.infer(
+        "ensemble", [prepare_tensor(k, v) for k, v in inputs.items()], outputs=names
+    )
+    assert result.as_numpy("sequence_length").tolist() == [[prompt_tokens + OUTPUT_LEN] * 2]
+    streamed = stream_request(
+        server,
+        "ensemble_stream",
+        prepare_inputs(PROMPTS[1], OUTPUT_LEN, streaming=True),
+        outputs=["text_output", "sequence_length"],
+    )
+    assert not any(isinstance(r, Exception) for r in streamed), streamed
+    lengths = [int(r.as_numpy("sequence_length")[0][0]) for r in streamed]
+    assert sum(lengths) == OUTPUT_LEN and all(n >= 0 for n in lengths)
+
+
+def test_inflight_batcher_client_stop_request_is_refused_naming_the_interface(server):
+    """`inflight_batcher_llm_client.py --stop-after-ms ... --requested-outputs output_ids
+    sequence_length --model-name ensemble`: the request and its in-band stop (token ids) are
+    refused naming input_ids, not with Triton's "unexpected inference output
+    'sequence_length'"."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    request = {
+        "input_ids": np.array([[1, 2, 3]], np.int32),
+        "input_lengths": np.array([[3]], np.int32),
+        "request_output_len": np.array([[4]], np.int32),
+    }
+    stop = {**request, "stop": np.array([[True]], dtype=bool)}
+    outputs = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "sequence_length")]
+    for inputs in (request, stop):
+        with pytest.raises(InferenceServerException, match="input 'input_ids' is not supported"):
+            client.infer(
+                "ensemble", [prepare_tensor(k, v) for k, v in inputs.items()], outputs=outputs
+            )
+
+
+# ------------------------------------------------------------------------------- beam settings
+def test_beam_search_applies_or_refuses_each_sampling_setting_through_every_front_door(
+    server,
+):
+    """The rule lives in the engine's validation: through the ensemble's inputs a truncation
+    (top_k) is refused by name and the temperature is applied to the beams' scores; through
+    `generate`'s `sampling_parameters` the same. Before: both were ignored silently."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    names = [grpcclient.InferRequestedOutput(n) for n in ("text_output", "cum_log_probs")]
+
+    def beams(**extra):
+        inputs = prepare_inputs(PROMPTS[1], OUTPUT_LEN, beam_width=2, return_log_probs=True)
+        del inputs["stream"]
+        inputs.update(extra)
+        return client.infer(
+            "ensemble", [prepare_tensor(k, v) for k, v in inputs.items()], outputs=names
+        )
+
+    with pytest.raises(InferenceServerException, match="beam search does not apply top_k"):
+        beams(top_k=np.array([[5]], np.int32))
+    plain = beams(temperature=np.array([[1.0]], np.float32)).as_numpy("cum_log_probs")
+    sharp = beams(temperature=np.array([[0.5]], np.float32)).as_numpy("cum_log_probs")
+    assert plain.shape == sharp.shape == (1, 2) and not np.allclose(plain, sharp)
+    status, body = http_post(
+        server,
+        "/v2/models/unbatched/generate",
+        {
+            "text_input": PROMPTS[1],
+            "sampling_parameters": json.dumps({"beam_width": 2, "top_p": 0.5, "max_tokens": 4}),
+        },
+    )
+    assert status == 400 and "beam search does not apply top_p" in body, body
+
+
 # ------------------------------------------------------------------------------- refusals
 REFUSALS = {
     "beam_width 0": ({"beam_width": np.array([[0]], np.int32)}, "beam_width"),
@@ -851,6 +966,9 @@ def test_trtllm_metric_families(server, reference):
         "inflight_batcher_specific_metric=micro_batch_id",
         "general_type=iteration_counter",
         "general_type=timestamp",
+        "memory_type=cpu",
+        "memory_type=gpu",
+        "memory_type=pinned",
     }
     m = partial(metric, after, model="ensemble")
     assert m("nv_trt_llm_request_metrics", request_type="max") == ENGINE["max_num_seqs"]
@@ -864,6 +982,12 @@ def test_trtllm_metric_families(server, reference):
     )
     assert 0 <= m("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="fraction") <= 1
     assert m("nv_trt_llm_general_metrics", general_type="iteration_counter") > 0
+    # the serving process's memory in bytes: resident (the model, the KV cache, Python), and
+    # no GPU or pinned memory on a CPU-only machine
+    assert m("nv_trt_llm_runtime_memory_metrics", memory_type="cpu") > 50 * 2**20
+    if not torch.cuda.is_available():
+        assert m("nv_trt_llm_runtime_memory_metrics", memory_type="gpu") == 0
+        assert m("nv_trt_llm_runtime_memory_metrics", memory_type="pinned") == 0
     for family, label, value in (
         ("nv_llm_input_token_len", "total_input_tokens", prompt_tokens),
         ("nv_llm_output_token_len", "total_output_tokens", 6),

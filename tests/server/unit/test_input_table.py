@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from slipstream.server import model_interfaces
 from slipstream.server.stub import model_config
 from slipstream.server.stub.input_table import INPUTS, Reading, TritonType
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
@@ -60,7 +61,7 @@ def test_auto_complete_declares_every_row_in_table_order():
 
 
 def test_auto_complete_keeps_declared_inputs_and_frees_the_prompt_for_trtllm_clients():
-    config = model_config.auto_complete(
+    config = model_interfaces.auto_complete(
         Config({"input": [{"name": "stream"}], "max_batch_size": 8})
     )
     names = [e["name"] for e in config.inputs]

@@ -10,6 +10,9 @@ from slipstream.server.stub.engine_arg_reader import resolve_model, translate
 from slipstream.server.stub.model_config import load_settings
 from support import ROOT
 
+# The stub's modules that import triton_python_backend_utils (directly or through wire).
+TRITON_BOUND_STUB_MODULES = ("adapter", "intake", "sender", "wire")
+
 SAMPLE = {"model": "facebook/opt-125m", "gpu_memory_utilization": 0.5, "enforce_eager": True}
 
 
@@ -266,10 +269,12 @@ def test_install_backend_writes_the_backend_under_each_name(tmp_path, capsys):
     assert "installed" in capsys.readouterr().out
 
 
-def test_a_model_py_written_before_the_server_rooms_is_still_found_and_loads_the_adapter(
+def test_a_model_py_written_before_the_composition_root_is_still_found_and_loads_it(
     tmp_path, monkeypatch
 ):
-    """Repositories rendered before the move import ``slipstream.server.triton_model``."""
+    """Repositories rendered before import ``slipstream.server.stub.triton_model`` (or, before
+    the server's rooms, ``slipstream.server.triton_model``): both are the composition root's
+    class, TensorRT-LLM's interfaces wired in."""
     import importlib
     import shutil
     import sys
@@ -283,16 +288,19 @@ def test_a_model_py_written_before_the_server_rooms_is_still_found_and_loads_the
     old = model / "1" / "model.py"
     old.write_text(
         old.read_text().replace(
-            "slipstream.server.stub.triton_model", "slipstream.server.triton_model"
+            "slipstream.server.triton_model", "slipstream.server.stub.triton_model"
         )
     )
+    assert "slipstream.server.stub.triton_model" in old.read_text()
     assert [m.name for m in find_models(tmp_path / "old")] == ["slipstream"]
     # Outside a stub: a stand-in for the module only Triton's Python backend provides.
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mock.MagicMock())
     adapters = ("slipstream.server.triton_model", "slipstream.server.stub.triton_model")
+    bound = (*adapters, *(f"slipstream.server.stub.{m}" for m in TRITON_BOUND_STUB_MODULES))
     try:
-        old_path, current = (importlib.import_module(name) for name in adapters)
+        current, old_path = (importlib.import_module(name) for name in adapters)
         assert old_path.TritonPythonModel is current.TritonPythonModel
+        assert "trtllm" in current.TritonPythonModel.extensions.metric_families
     finally:  # bound to the stand-in: no later test may find them imported
-        for name in adapters:
+        for name in bound:
             sys.modules.pop(name, None)

@@ -6,15 +6,19 @@ import numpy as np
 import pytest
 
 from slipstream.core.request import FinishReason, RequestOutput
+from slipstream.server import model_interfaces
 from slipstream.server.stub import model_config
 from slipstream.server.stub.request_parser import BadRequestError, parse_request
+from slipstream.server.stub.responses import ResponseBuilder
+from slipstream.server.stub.row_sender import merge_rows
+from slipstream.server.trtllm import llmapi
 from slipstream.server.trtllm.inputs import (
     check_unsupported,
     split_rows,
     translate,
     trtllm_queue_full,
 )
-from slipstream.server.trtllm.outputs import TrtllmResponses, merge_rows
+from slipstream.server.trtllm.outputs import TrtllmResponses
 from support import ROOT
 
 
@@ -28,7 +32,7 @@ def i32(v):
 
 def parsed(row, **kw):
     t = translate(row, encode=lambda w: [ord(c) for c in w], **kw)
-    return t, parse_request(t.inputs, t.parameters)
+    return t, parse_request(t.row.inputs, t.row.parameters)
 
 
 def test_batched_request_splits_into_rows_without_the_batch_dimension():
@@ -179,10 +183,11 @@ def test_false_flags_and_neutral_values_are_accepted():
 
 def test_end_id_text_is_not_emitted():
     class Tok:
-        def decode(self, ids):
+        def decode(self, ids, **kw):
             return "<E>" if ids == [5] else "?"
 
-    t = translate({"text_input": s("hi"), "end_id": i32(5)})
+    t = translate({"text_input": s("hi"), "end_id": i32(5), "stream": np.array([True])})
+    assert t.row.end_ids == [5]
     out = RequestOutput(
         "r",
         text="ab<E>",
@@ -192,12 +197,8 @@ def test_end_id_text_is_not_emitted():
         finish_reason=FinishReason.STOP,
         cumulative_logprob=-0.75,
     )
-
-    class Inner:
-        def streamed(self, o):
-            return {"text_output": np.array([o.text.encode()], object)}
-
-    got = TrtllmResponses(Inner(), t.options, Tok()).streamed(out)
+    native = ResponseBuilder(parse_request(t.row.inputs, t.row.parameters), Tok(), t.row.end_ids)
+    got = TrtllmResponses(native, t.options).streamed(out)
     assert got["text_output"][0] == b"ab"
 
 
@@ -241,7 +242,7 @@ class FakeConfig:
 
 
 def test_auto_complete_keeps_a_configs_batch_size_and_decoupled_parameter():
-    config = model_config.auto_complete(
+    config = model_interfaces.auto_complete(
         FakeConfig({"max_batch_size": 64, "parameters": {"decoupled": {"string_value": "false"}}})
     )
     assert config.max_batch_size is None  # left as the config has it
@@ -267,20 +268,24 @@ def test_auto_complete_defaults_to_decoupled_without_batch_dimension():
 
 
 def test_trtllm_input_names_are_declared_once():
-    names = model_config.INPUT_NAMES
+    from slipstream.server.trtllm.inputs import INPUT_NAMES
+
+    names = model_config.INPUT_NAMES + INPUT_NAMES + llmapi.INPUT_NAMES
     assert len(names) == len(set(names))
 
 
 def test_vllm_layout_keeps_vllms_outputs_unless_trtllm_is_asked_for():
-    vllm = model_config.auto_complete(FakeConfig({"backend": "slipstream", "max_batch_size": 0}))
+    vllm = model_interfaces.auto_complete(
+        FakeConfig({"backend": "slipstream", "max_batch_size": 0})
+    )
     assert "cum_log_probs" not in {e["name"] for e in vllm.outputs}
-    trt = model_config.auto_complete(
+    trt = model_interfaces.auto_complete(
         FakeConfig(
             {"backend": "slipstream", "parameters": {"compatibility": {"string_value": "trtllm"}}}
         )
     )
     assert "cum_log_probs" in {e["name"] for e in trt.outputs}
-    own = model_config.auto_complete(FakeConfig({"backend": "python"}))
+    own = model_interfaces.auto_complete(FakeConfig({"backend": "python"}))
     assert "batch_index" in {e["name"] for e in own.outputs}
 
 
@@ -308,7 +313,7 @@ def test_shipped_llmapi_sample_checks_out():
     models = find_models(sample)
     assert [(m.name, m.backend) for m in models] == [("tensorrt_llm", "slipstream")]
     assert check_models(models)["tensorrt_llm"].interface == "llmapi"
-    config = model_config.auto_complete(
+    config = model_interfaces.auto_complete(
         FakeConfig(
             {"backend": "slipstream", "parameters": {"interface": {"string_value": "llmapi"}}}
         )

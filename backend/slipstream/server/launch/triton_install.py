@@ -37,9 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[4]
 BACKEND_NAME = "slipstream"
 BACKEND_SOURCE = REPO_ROOT / "triton_backends" / BACKEND_NAME / "model.py"
 # What triton_backends/slipstream/model.py says, for installs without the repository's files.
-BACKEND_MODEL_PY = (
-    "from slipstream.server.stub.triton_model import TritonPythonModel  # noqa: F401\n"
-)
+BACKEND_MODEL_PY = "from slipstream.server.triton_model import TritonPythonModel  # noqa: F401\n"
 
 
 class TritonServerError(RuntimeError):

@@ -25,7 +25,7 @@ from http import HTTPStatus
 from typing import Optional
 
 from slipstream.engine.admission import OVERLOADED, RETRY_AFTER_S
-from slipstream.engine.loop import ENGINE_FAILED, ENGINE_NOT_SERVING, SHUTTING_DOWN
+from slipstream.engine.health import ENGINE_FAILED, ENGINE_NOT_SERVING, SHUTTING_DOWN
 from slipstream.server.stub.health import UNHEALTHY_MESSAGE
 
 # A restarted engine serves again after a model load (seconds on CPU for the embedded

@@ -113,10 +113,12 @@ def parse_embedding_request(inputs: Mapping[str, np.ndarray], model_name: str) -
 class EmbeddingResponses:
     """The one response of a pooling request (the stub's response-builder interface)."""
 
-    streams = False
-
     def __init__(self, request: EmbeddingRequest) -> None:
         self.request = request
+
+    def streamed(self, out) -> None:
+        """Never asked: a pooling request is answered once, at its end (not streaming)."""
+        return None
 
     def absorb(self, out) -> None:
         """Nothing comes before the finished output."""

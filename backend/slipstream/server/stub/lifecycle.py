@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -85,6 +86,22 @@ class HttpStopProbe:
             return True
         except OSError:
             return False  # slow or unknown: not evidence of a stop
+
+
+def stop_server() -> bool:
+    """Ask tritonserver (this stub's parent) to stop, as SIGTERM does: it stops answering
+    ready at once, lets the responses already sent reach their clients, waits for what is in
+    flight, unloads its models (this one's ``finalize`` runs) and exits. False when the
+    parent is not a tritonserver that can be signalled."""
+    pid = os.getppid()
+    args = _cmdline(pid)
+    if pid <= 1 or not args or not os.path.basename(args[0]).startswith("tritonserver"):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        return False
+    return True
 
 
 def stub_shm_region() -> Optional[str]:

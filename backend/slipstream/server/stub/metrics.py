@@ -1,7 +1,8 @@
 """Custom Triton metrics of a Slipstream model, built on ``pb_utils.MetricFamily``.
 
-Sets of families, chosen per model (``metric_families``; ``trtllm``: TensorRT-LLM's
-``nv_trt_llm_*`` families, ``trtllm/metrics.py``):
+Sets of families, chosen per model (``metric_families``; a set another layer defines, e.g.
+``trtllm``: TensorRT-LLM's ``nv_trt_llm_*`` families in ``trtllm/metrics.py``, is handed in as
+a ``FamilyBuilder``):
 
 * ``slipstream_*``: engine gauges and counters refreshed from ``EngineLoop.stats()`` (a
   ``StatsSnapshot``), and
@@ -26,10 +27,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from slipstream.core.stats import StatsSnapshot
-from slipstream.server.trtllm.metrics import TrtllmFamilies
 
 # ---------------------------------------------------------------------------- the families
 PREFIX = "slipstream_"
@@ -275,6 +275,29 @@ class RequestTrack:
     tokens_by_sequence: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FamilyLimits:
+    """The engine's sizes some families report as constants."""
+
+    max_model_len: Optional[int] = 2048  # None: not set (the vllm families need it)
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_seqs: int = 0
+    max_loras: int = 0
+
+
+class MetricFamilies(Protocol):
+    """One set of families: refreshed from the engine's counters, told of each request's end."""
+
+    def update(self, stats: StatsSnapshot) -> None: ...
+
+    def on_finish(self, track: RequestTrack, out, now: float) -> None: ...
+
+
+# A set of families another layer defines: (its factory, the recorder's post, the limits).
+FamilyBuilder = Callable[["MetricFactory", Callable, FamilyLimits], MetricFamilies]
+
+
 class _SummaryFallback:
     def __init__(self, count, total) -> None:
         self.count, self.total = count, total
@@ -311,7 +334,7 @@ class _Recorder:
         self._thread.join(timeout)
 
 
-class _Factory:
+class MetricFactory:
     """Creates metrics of one label set, keeping their families alive."""
 
     def __init__(self, pb_utils, labels: Mapping[str, str]) -> None:
@@ -349,7 +372,7 @@ class _Factory:
 
 # ---------------------------------------------------------------------------- slipstream_*
 class SlipstreamFamilies:
-    def __init__(self, factory: _Factory, post: Callable) -> None:
+    def __init__(self, factory: MetricFactory, post: Callable) -> None:
         self._post = post
         self.gauges = {k: factory.metric(PREFIX + k, d, "GAUGE") for k, (d, _) in GAUGES.items()}
         self.counters = {
@@ -397,7 +420,7 @@ class SlipstreamFamilies:
 class VllmFamilies:
     def __init__(
         self,
-        factory: _Factory,
+        factory: MetricFactory,
         post: Callable,
         *,
         max_model_len: int,
@@ -554,44 +577,37 @@ class ModelMetrics:
         pb_utils,
         labels: Mapping[str, str],
         families: Sequence[str] = ("slipstream",),
-        *,
-        max_model_len: int = 2048,
-        block_size: int = 16,
-        num_blocks: int = 0,
-        max_num_seqs: int = 0,
-        max_loras: int = 0,
+        limits: FamilyLimits = FamilyLimits(),
+        builders: Optional[Mapping[str, FamilyBuilder]] = None,
     ) -> None:
+        """``builders``: the sets other layers define, by their ``metric_families`` name."""
         self._recorder = _Recorder()
-        self._factory = factory = _Factory(pb_utils, labels)  # its families must stay alive
-        self.families: list = []
+        self._factory = factory = MetricFactory(pb_utils, labels)  # its families must stay alive
+        self.families: list[MetricFamilies] = []
         try:
             if "slipstream" in families:
                 self.families.append(SlipstreamFamilies(factory, self._recorder.post))
             if "vllm" in families:
+                if limits.max_model_len is None:
+                    raise ValueError("the vllm metric families need max_model_len set")
                 # vLLM's own label (dashboards and endpoint pickers filter on it) beside
                 # Triton vLLM backend's model / version
-                self._vllm_factory = _Factory(
+                self._vllm_factory = MetricFactory(
                     pb_utils, {**labels, "model_name": labels.get("model", "")}
                 )
                 self.families.append(
                     VllmFamilies(
                         self._vllm_factory,
                         self._recorder.post,
-                        max_model_len=max_model_len,
-                        block_size=block_size,
-                        num_blocks=num_blocks,
-                        max_loras=max_loras,
+                        max_model_len=limits.max_model_len,
+                        block_size=limits.block_size,
+                        num_blocks=limits.num_blocks,
+                        max_loras=limits.max_loras,
                     )
                 )
-            if "trtllm" in families:
-                self.families.append(
-                    TrtllmFamilies(
-                        factory,
-                        self._recorder.post,
-                        max_num_seqs=max_num_seqs,
-                        block_size=block_size,
-                    )
-                )
+            for name, build in (builders or {}).items():
+                if name in families:
+                    self.families.append(build(factory, self._recorder.post, limits))
         except BaseException:
             self._recorder.stop()
             raise
@@ -634,7 +650,7 @@ class ModelMetrics:
 class NoMetrics:
     """REPORT_CUSTOM_METRICS off, or the server started with ``--allow-metrics=false``."""
 
-    families: list = []
+    families: list[MetricFamilies] = []
 
     def track(self, arrival: float, params) -> RequestTrack:
         return RequestTrack(arrival=arrival, max_tokens=params.max_tokens, n=params.n)

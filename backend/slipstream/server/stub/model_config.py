@@ -1,8 +1,9 @@
 """A Triton model's configuration as the Slipstream backend reads it.
 
 * ``auto_complete``: the inputs of ``input_table`` (Triton's vLLM backend's, Slipstream's typed
-  sampling inputs, TensorRT-LLM's), so a model directory needs only ``backend: "slipstream"``
-  and the shipped ``config.pbtxt`` lists none, and the outputs;
+  sampling inputs) and what the model's request interfaces add (``ConfigAdditions``: the
+  composition root passes TensorRT-LLM's), so a model directory needs only
+  ``backend: "slipstream"`` and the shipped ``config.pbtxt`` lists none, and the outputs;
   decoupled unless the ``decoupled`` parameter is "false"; ``max_batch_size`` is the config's
   (0 when it sets none: no batch dimension), and Triton never batches requests itself.
 * ``load_settings``: engine and server settings from config.pbtxt ``parameters`` and
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol, TypeVar
+from typing import Any, Callable, Mapping, Optional, Protocol, TypeVar
 
 from slipstream.core.boolean_text import EXACT, JSON_FLAG, SETTING, parse_bool
 from slipstream.core.config import EngineConfig
@@ -35,8 +36,8 @@ from slipstream.server.stub.engine_arg_reader import (
 )
 from slipstream.server.stub.input_table import Reading, RequestInput
 from slipstream.server.stub.multi_lora import read_multi_lora
+from slipstream.server.stub.request_interface import ConfigAdditions, no_additions
 from slipstream.server.stub.request_parser import DEFAULT_MAX_TOKENS
-from slipstream.server.trtllm import llmapi
 
 METRIC_FAMILIES = ("slipstream", "vllm", "trtllm")
 PATH_SETTINGS = ("model", "tokenizer", "speculative_model")
@@ -53,40 +54,6 @@ OUTPUTS: list[Mapping[str, object]] = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
 ]
-# TensorRT-LLM ensemble outputs (trtllm/outputs.py); the logits are never produced. Not
-# declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
-TRTLLM_OUTPUTS: list[Mapping[str, object]] = [
-    {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
-    {"name": "output_log_probs", "data_type": "TYPE_FP32", "dims": [-1, -1]},
-    {"name": "context_logits", "data_type": "TYPE_FP32", "dims": [-1, -1]},
-    {"name": "generation_logits", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]},
-    {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
-    {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
-    # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
-    *[
-        {"name": n, "data_type": "TYPE_INT32", "dims": [1]}
-        for n in (
-            "kv_cache_alloc_new_blocks",
-            "kv_cache_reused_blocks",
-            "kv_cache_alloc_total_blocks",
-            "total_accepted_draft_tokens",
-            "total_draft_tokens",
-        )
-    ],
-    *[
-        {"name": n, "data_type": "TYPE_INT64", "dims": [1]}
-        for n in (
-            "arrival_time_ns",
-            "first_scheduled_time_ns",
-            "first_token_time_ns",
-            "last_token_time_ns",
-        )
-    ],
-    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
-    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
-]
-
-
 # Settings of model.py that are not engine settings (everything else in config.pbtxt
 # ``parameters`` goes to EngineConfig.from_dict).
 SERVER_PARAMETERS = {
@@ -97,7 +64,9 @@ SERVER_PARAMETERS = {
     "REPORT_CUSTOM_METRICS": "",
     "ENABLE_VLLM_HEALTH_CHECK": "false",
     "metric_families": "",
-    "engine_failure_threshold": "5",  # failed engine steps in a row that make it dead
+    # failed engine steps in a row, or requests failing in it with none served between,
+    # that make it dead (engine/health.py)
+    "engine_failure_threshold": "5",
     # Engine restarts inside the stub within 10 minutes before the server is taken down. 0:
     # a dead engine takes the server down at once, as a crash does (Triton 2.51 cannot make a
     # model not ready otherwise; its supervisor then restarts it).
@@ -136,7 +105,7 @@ class ModelSettings:
     metric_families: tuple  # which of METRIC_FAMILIES to export
     health_check: bool  # ENABLE_VLLM_HEALTH_CHECK
     max_logprobs: int
-    engine_failure_threshold: int  # failed engine steps in a row that make it dead
+    engine_failure_threshold: int  # failed steps (or requests) in a row that make it dead
     max_engine_restarts: int  # restarts within 10 minutes before the server is taken down
     step_timeout_s: float = 120.0  # a step running longer is hung (0: no step watchdog)
     max_request_seconds: float = 0.0  # a request running longer ends with an error (0: none)
@@ -162,22 +131,19 @@ class AutoCompleteConfig(Protocol):
 _Config = TypeVar("_Config", bound=AutoCompleteConfig)
 
 
-def auto_complete(config: _Config) -> _Config:
-    """Triton's ``auto_complete_config`` hook: add what the config leaves out."""
+def auto_complete(
+    config: _Config, additions: Callable[[Mapping[str, Any]], ConfigAdditions] = no_additions
+) -> _Config:
+    """Triton's ``auto_complete_config`` hook: add what the config leaves out (the native
+    inputs and outputs, and what ``additions`` says the model's interfaces add)."""
     declared = config.as_dict()
     have_inputs = {i["name"] for i in declared.get("input", [])}
     have_outputs = {o["name"] for o in declared.get("output", [])}
-    trtllm = _trtllm_outputs(declared)
-    is_llmapi = _parameter(declared, "interface") == "llmapi"
-    inputs: tuple[RequestInput, ...] = input_table.INPUTS
-    if is_llmapi:  # TensorRT-LLM's LLM-API model: its inputs too, its outputs only
-        inputs, outputs = inputs + llmapi.INPUTS, llmapi.OUTPUTS
-    else:
-        outputs = OUTPUTS + (TRTLLM_OUTPUTS if trtllm else [])
-    optional_prompt = _trtllm_style(declared)
-    for row in inputs:
+    extra = additions(declared)
+    outputs = list(extra.outputs) if extra.replace_outputs else [*OUTPUTS, *extra.outputs]
+    for row in (*input_table.INPUTS, *extra.inputs):
         if row.name not in have_inputs:
-            config.add_input(_input_entry(row, optional_prompt))
+            config.add_input(_input_entry(row, extra.optional_prompt))
     for entry in outputs:
         if entry["name"] not in have_outputs:
             config.add_output(entry)
@@ -194,35 +160,22 @@ def auto_complete(config: _Config) -> _Config:
 def _input_entry(row: RequestInput, optional_prompt: bool) -> dict[str, object]:
     entry = row.config_entry()
     if optional_prompt and row.reading is Reading.PROMPT:
-        # optional, so that a token-id request reaches the adapter and is refused by name
-        # (the adapter requires text_input itself)
+        # optional, so that a request without it reaches the interface that names what it
+        # carries instead (the adapter requires text_input itself)
         entry["optional"] = True
     return entry
 
 
-def _parameter(declared: dict, key: str) -> str:
+def config_parameter(declared: Mapping[str, Any], key: str) -> str:
+    """A config.pbtxt parameter's value, trimmed and lower-cased ("" when absent)."""
     value = (declared.get("parameters") or {}).get(key) or {}
     return str(value.get("string_value", "")).strip().lower()
 
 
-def _trtllm_style(declared: dict) -> bool:
-    """A config written for TensorRT-LLM's clients: its compatibility, or a batch dimension."""
-    return (
-        _parameter(declared, "compatibility") == "trtllm"
-        or int(declared.get("max_batch_size") or 0) > 0
-    )
-
-
-def _trtllm_outputs(declared: dict) -> bool:
-    """Slipstream's own layout (``backend: "python"``) and TRT-LLM-style configs declare the
-    TRT-LLM outputs; vLLM backend's layout keeps exactly vLLM's."""
-    return declared.get("backend", "python") == "python" or _trtllm_style(declared)
-
-
-def _wants_unary(declared: dict) -> bool:
+def _wants_unary(declared: Mapping[str, Any]) -> bool:
     """Triton's config JSON reads ``decoupled: false`` whether the file said so or said
     nothing (and our own configs leave it out), so the ``decoupled`` parameter decides."""
-    return parse_bool(_parameter(declared, "decoupled"), EXACT) is False
+    return parse_bool(config_parameter(declared, "decoupled"), EXACT) is False
 
 
 def _bool(name: str, value: str, default: bool) -> bool:

@@ -32,15 +32,12 @@ from slipstream.server.stub.input_table import (
     RequestInput,
     TritonType,
 )
+from slipstream.server.stub.input_values import BadRequestError, scalar
 
 DEFAULT_MAX_TOKENS = 16
 # Largest sampling_parameters / request parameters JSON: far above any valid request (stop
 # lists are bounded), small enough to parse in milliseconds.
 MAX_JSON_BYTES = 1 << 20
-
-
-class BadRequestError(ValueError):
-    """The request is malformed; the message is meant for the client."""
 
 
 @dataclass
@@ -95,15 +92,6 @@ def _is_float_dtype(a: np.ndarray) -> bool:
 
 def _is_bytes_dtype(a: np.ndarray) -> bool:
     return a.dtype.kind in "OSU"
-
-
-def _scalar(name: str, a: np.ndarray) -> Any:
-    a = np.asarray(a)
-    if a.size != 1:
-        raise BadRequestError(
-            f"input '{name}' must hold exactly one element, got shape {list(a.shape)}"
-        )
-    return a.reshape(-1)[0]
 
 
 def _decode(name: str, value: Any) -> str:
@@ -164,7 +152,7 @@ def _load_json(subject: str, text: Union[str, bytes]) -> Any:
         raise BadRequestError(f"{subject} nested too deeply") from None
 
 
-def _parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
+def parameters_dict(parameters: Union[None, str, Mapping[str, Any]]) -> dict:
     if parameters is None or parameters == "":
         return {}
     if isinstance(parameters, (str, bytes)):
@@ -184,7 +172,7 @@ def parse_request(
 ) -> ParsedRequest:
     """Validate one request. Raises ``BadRequestError`` (a ValueError) with a client-facing text."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    request_params = _parameters_dict(parameters)
+    request_params = parameters_dict(parameters)
     prompt = _read_prompt(inputs)
     sampling_json = _read_sampling_json(inputs)
     values = _merged_settings(request_params, sampling_json)
@@ -206,7 +194,7 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str:
         raise BadRequestError("missing required input 'text_input'")
     arr = np.asarray(inputs["text_input"])
     _check_dtype("text_input", arr, _is_bytes_dtype(arr))
-    prompt = _decode("text_input", _scalar("text_input", arr))
+    prompt = _decode("text_input", scalar("text_input", arr))
     if not prompt:
         raise BadRequestError("input 'text_input' is empty")
     return prompt
@@ -217,7 +205,7 @@ def _read_sampling_json(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         return {}
     arr = np.asarray(inputs["sampling_parameters"])
     _check_dtype("sampling_parameters", arr, _is_bytes_dtype(arr))
-    text = _decode("sampling_parameters", _scalar("sampling_parameters", arr))
+    text = _decode("sampling_parameters", scalar("sampling_parameters", arr))
     if not text.strip():
         return {}
     loaded = _load_json("input 'sampling_parameters' is", text)
@@ -262,20 +250,20 @@ def _read_tensor(name: str, arr: np.ndarray, values: dict[str, Any]) -> None:
 def _read_option(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
     if row.data_type is TritonType.BOOL:
         _check_dtype(row.name, arr, arr.dtype.kind == "b")
-        values[row.target] = bool(_scalar(row.name, arr))
+        values[row.target] = bool(scalar(row.name, arr))
     else:
         _read_int(row, arr, values)
 
 
 def _read_int(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
     _check_dtype(row.name, arr, _is_int_dtype(arr))
-    value = int(_scalar(row.name, arr))
+    value = int(scalar(row.name, arr))
     values[row.target] = [value] if row.target in _LIST_TARGETS else value
 
 
 def _read_float(row: RequestInput, arr: np.ndarray, values: dict[str, Any]) -> None:
     _check_dtype(row.name, arr, _is_float_dtype(arr))
-    value = float(_scalar(row.name, arr))
+    value = float(scalar(row.name, arr))
     if not math.isfinite(value):
         raise BadRequestError(f"input '{row.name}' must be finite, got {value}")
     values[row.target] = value
@@ -378,13 +366,13 @@ def lora_error(
         try:
             text = _decode(
                 "sampling_parameters",
-                _scalar("sampling_parameters", np.asarray(inputs["sampling_parameters"])),
+                scalar("sampling_parameters", np.asarray(inputs["sampling_parameters"])),
             )
             sources.append(_load_json("sampling_parameters is", text))
         except BadRequestError:
             pass
     try:
-        sources.append(_parameters_dict(parameters))
+        sources.append(parameters_dict(parameters))
     except BadRequestError:
         pass
     for source in sources:

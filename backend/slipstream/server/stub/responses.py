@@ -5,12 +5,14 @@ response), with vLLM's per-token logprobs entries. Pure Python (no Triton import
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 
+from slipstream.core.request import FinishReason
 from slipstream.server.stub.request_parser import ParsedRequest, RequestOptions
 
 
@@ -160,14 +162,25 @@ class ResponseBuilder:
     output tensor holds one element per sequence, in index order; a streamed response carries
     the sequence that moved (its ``index``) and empty deltas for the others."""
 
-    def __init__(self, parsed: ParsedRequest, tokenizer=None) -> None:
+    def __init__(self, parsed: ParsedRequest, tokenizer=None, end_ids: Sequence[int] = ()) -> None:
+        """``end_ids``: stop tokens whose text is not emitted (the ``end_id`` input)."""
         self.options, self.params, self.prompt = parsed.options, parsed.params, parsed.prompt
         self.tokenizer = tokenizer
+        self.end_ids = tuple(end_ids)
         self.sequences = [_SequenceState() for _ in range(parsed.params.n)]
         self.prompt_logprobs: Optional[list] = None
 
-    def streamed(self, out) -> dict:
-        """The response for one engine output of a streaming request."""
+    def streamed(self, out) -> Optional[dict]:
+        """The response for one engine output of a streaming request; None for a beam search
+        round (its beams' texts come when they finish, each under its index)."""
+        if out.beams is not None:
+            return None
+        return self.delta(out)
+
+    def delta(self, out) -> dict:
+        """What one engine output adds, as a response (the sequence that moved, under its
+        index; empty deltas for the others)."""
+        out = self._strip_end_id(out)
         self._note(out)
         deltas = [_SequenceState() for _ in self.sequences]
         deltas[out.index] = _SequenceState(
@@ -177,6 +190,7 @@ class ResponseBuilder:
 
     def absorb(self, out) -> None:
         """Non-streaming: keep an output for the final response."""
+        out = self._strip_end_id(out)
         seq = self._note(out)
         seq.texts.append(out.text)
         seq.token_ids.extend(out.token_ids)
@@ -188,6 +202,27 @@ class ResponseBuilder:
         prefix = "" if self.options.exclude_input_in_output else self.prompt
         texts = [prefix + "".join(s.texts) for s in self.sequences]
         return self._outputs(out, texts, self.sequences, self.prompt_logprobs)
+
+    def finals(self, out) -> list:
+        """The last responses of a request that is not streamed: one."""
+        return [self.final(out)]
+
+    def _strip_end_id(self, out):
+        """The finished output without the text of the ``end_id`` token that stopped it
+        (TensorRT-LLM stops on it without detokenizing it)."""
+        if not (
+            self.end_ids
+            and out.finished
+            and out.token_ids
+            and out.finish_reason is FinishReason.STOP
+            and out.token_ids[-1] in self.end_ids
+            and self.tokenizer is not None
+        ):
+            return out
+        piece = self.tokenizer.decode([out.token_ids[-1]])
+        if piece and out.text.endswith(piece):
+            return dataclasses.replace(out, text=out.text[: -len(piece)])
+        return out
 
     def _note(self, out) -> _SequenceState:
         seq = self.sequences[out.index]

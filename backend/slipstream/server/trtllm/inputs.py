@@ -14,13 +14,65 @@ logits outputs, LoRA by task id). Guided decoding's inputs pass on to ``parse_re
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from slipstream.server.stub.request_parser import BadRequestError, _scalar
+from slipstream.server.stub.input_table import Reading, RequestInput, TritonType
+from slipstream.server.stub.input_values import (
+    BadRequestError,
+    flag_value,
+    int_value,
+    scalar,
+    string_values,
+)
+from slipstream.server.stub.request_interface import NativeRow, native_row
 
+_TOKEN_IDS = "refused: the TRT-LLM core model's token-id interface is not served"
+_PTUNING = "refused: prompt tuning is not supported"
+_LORA_WEIGHTS = "refused: LoRA weights in the request (serve adapters with `enable_lora`)"
+
+
+def _row(name: str, data_type: TritonType, dims: tuple[int, ...], description: str) -> RequestInput:
+    return RequestInput(name, data_type, dims, Reading.INTERFACE, description)
+
+
+# The ensemble's inputs a model declares beside the native ones ("refused" = only when set).
+INPUTS: tuple[RequestInput, ...] = (
+    _row("bad_words", TritonType.STRING, (-1,), "words never generated"),
+    _row("pad_id", TritonType.INT32, (1,), "accepted; outputs are text, nothing is padded"),
+    _row("min_length", TritonType.INT32, (1,), "older name of `min_tokens`"),
+    _row("beam_width", TritonType.INT32, (1,), "beam search's width"),
+    _row("num_return_sequences", TritonType.INT32, (1,), "sequences returned (`n`)"),
+    _row("length_penalty", TritonType.FP32, (1,), "beam search's length penalty"),
+    _row("random_seed", TritonType.UINT64, (1,), "older name of `seed`"),
+    _row("return_log_probs", TritonType.BOOL, (1,), "add `cum_log_probs`, `output_log_probs`"),
+    _row("return_context_logits", TritonType.BOOL, (1,), "refused when true: no logits"),
+    _row("return_generation_logits", TritonType.BOOL, (1,), "refused when true: no logits"),
+    _row("return_perf_metrics", TritonType.BOOL, (1,), "add the per-request metrics"),
+    _row("embedding_bias_words", TritonType.STRING, (-1,), "words whose logits get a bias"),
+    _row("embedding_bias_weights", TritonType.FP32, (-1,), "each word's bias"),
+    _row(
+        "decoder_text_input",
+        TritonType.STRING,
+        (1,),
+        "refused: encoder-decoder models are not supported",
+    ),
+    _row("lora_task_id", TritonType.UINT64, (1,), "refused: LoRA by task id"),
+    # declared so that they are refused by name (check_unsupported) rather than
+    # as unexpected inputs
+    _row("prompt_embedding_table", TritonType.FP16, (-1, -1), _PTUNING),
+    _row("prompt_table_extra_id", TritonType.UINT64, (1,), _PTUNING),
+    _row("prompt_vocab_size", TritonType.INT32, (1,), _PTUNING),
+    _row("lora_weights", TritonType.FP16, (-1, -1), _LORA_WEIGHTS),
+    _row("lora_config", TritonType.INT32, (-1, 3), _LORA_WEIGHTS),
+    _row("input_ids", TritonType.INT32, (-1,), _TOKEN_IDS),
+    _row("input_lengths", TritonType.INT32, (1,), _TOKEN_IDS),
+    _row("request_output_len", TritonType.INT32, (1,), _TOKEN_IDS),
+    _row("stop", TritonType.BOOL, (1,), "refused when true: in-band stop"),
+)
+INPUT_NAMES: tuple[str, ...] = tuple(row.name for row in INPUTS)
 # Inputs read here and never passed on to parse_request.
 TRTLLM_INPUTS = (
     "bad_words",
@@ -79,13 +131,11 @@ REFUSED_FLAGS = {
     "return_generation_logits": "this backend does not return logits",
 }
 # TRT-LLM's texts: its executor's when the waiting queue is full (prefixed with Triton's own
-# queue-policy text, which TRT-LLM's max_queue_size test matches), and its backend's when a
-# non-decoupled model is asked to stream.
+# queue-policy text, which TRT-LLM's max_queue_size test matches).
 QUEUE_FULL = (
     "Exceeds maximum queue size: Maximum queue size of {limit} has been reached, "
     "please try again later"
 )
-STREAMING_NOT_DECOUPLED = "Streaming is only supported if model is deployed using decoupled mode."
 # Each of num_return_sequences > 1 is answered on its own (with its sequence_index): one
 # response per request (a model not decoupled) cannot carry them.
 PER_SEQUENCE_NEEDS_DECOUPLED = (
@@ -102,18 +152,17 @@ class TrtllmOptions:
     """What a row asked for that only the TRT-LLM outputs carry."""
 
     return_log_probs: bool = False
-    end_ids: List[int] = field(default_factory=list)  # their text is not emitted
     with_indices: bool = False  # emit batch_index and sequence_index
     batch_index: int = 0
     num_return_sequences: int = 1  # > 1: one response stream per sequence, as TRT-LLM sends
     beam_width: int = 1  # > 1: every beam in one response, [1, beam_width, ...]
     return_perf_metrics: bool = False
+    sequence_length: bool = False  # emit sequence_length (the request names it)
 
 
 @dataclass
 class TranslatedRow:
-    inputs: Dict[str, np.ndarray]  # for parse_request
-    parameters: Dict[str, Any]  # merged into the request parameters
+    row: NativeRow  # what parse_request reads, and the settings merged over the parameters
     options: TrtllmOptions
 
 
@@ -157,38 +206,6 @@ def check_unsupported(
         raise BadRequestError(f"input 'stop' is not supported: {STOP_IN_BAND}")
 
 
-def _int(name: str, arr: np.ndarray) -> int:
-    if np.asarray(arr).dtype.kind not in "iu":
-        raise BadRequestError(
-            f"input '{name}' must be an integer tensor, got numpy dtype {np.asarray(arr).dtype}"
-        )
-    return int(_scalar(name, arr))
-
-
-def _flag(name: str, arr: np.ndarray) -> bool:
-    if np.asarray(arr).dtype.kind != "b":
-        raise BadRequestError(
-            f"input '{name}' must be BOOL, got numpy dtype {np.asarray(arr).dtype}"
-        )
-    return bool(_scalar(name, arr))
-
-
-def _words(name: str, arr: np.ndarray) -> List[str]:
-    """A STRING list; empty strings mean none (TRT-LLM's clients send ``[""]``)."""
-    out = []
-    for item in np.asarray(arr).reshape(-1):
-        if isinstance(item, (bytes, np.bytes_)):
-            try:
-                item = bytes(item).decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise BadRequestError(f"input '{name}' is not valid UTF-8: {e}") from None
-        if not isinstance(item, str):
-            raise BadRequestError(f"input '{name}' must be STRING")
-        if item:
-            out.append(item)
-    return out
-
-
 def translate(
     row: Mapping[str, np.ndarray],
     encode: Optional[Callable[[str], List[int]]] = None,
@@ -210,17 +227,17 @@ def translate(
     beam_width = _beam_width(present)
     _length_penalty(present, beam_width, params)
     if "return_perf_metrics" in present:
-        opts.return_perf_metrics = _flag("return_perf_metrics", present["return_perf_metrics"])
+        opts.return_perf_metrics = flag_value("return_perf_metrics", present["return_perf_metrics"])
     if "pad_id" in present:
-        _int("pad_id", present["pad_id"])  # outputs are text: nothing is padded
+        int_value("pad_id", present["pad_id"])  # outputs are text: nothing is padded
     _older_names(present, inputs)
     _sequences(present, beam_width, params, opts)
-    _words_and_bias(present, inputs, params, encode)
-    if "end_id" in inputs:
-        opts.end_ids = [_int("end_id", inputs["end_id"])]
+    _bad_words_and_bias(present, params, encode)
+    native = native_row(inputs)  # stop words and end_id, as the stub reads them
+    native.parameters = params
     if trtllm_defaults:
-        _trtllm_semantics(inputs)
-    return TranslatedRow(inputs, params, opts)
+        _trtllm_semantics(native.inputs, beam_width)
+    return TranslatedRow(native, opts)
 
 
 def _refuse(present: Mapping[str, np.ndarray]) -> None:
@@ -232,12 +249,12 @@ def _refuse(present: Mapping[str, np.ndarray]) -> None:
         ):
             raise BadRequestError(f"input '{name}' is not supported: {why}")
     for name, why in REFUSED_FLAGS.items():
-        if name in present and _flag(name, present[name]):
+        if name in present and flag_value(name, present[name]):
             raise BadRequestError(f"input '{name}' is not supported: {why}")
 
 
 def _beam_width(present: Mapping[str, np.ndarray]) -> int:
-    beam_width = _int("beam_width", present["beam_width"]) if "beam_width" in present else 1
+    beam_width = int_value("beam_width", present["beam_width"]) if "beam_width" in present else 1
     if beam_width < 1:
         raise BadRequestError(f"input 'beam_width' must be >= 1, got {beam_width}")
     return beam_width
@@ -249,7 +266,7 @@ def _length_penalty(
     if "length_penalty" not in present:
         return
     # TRT-LLM applies it to beam scores only: with one beam any finite value is a no-op.
-    value = float(_scalar("length_penalty", present["length_penalty"]))
+    value = float(scalar("length_penalty", present["length_penalty"]))
     if not math.isfinite(value):
         raise BadRequestError(f"input 'length_penalty' must be a finite number, got {value}")
     if beam_width > 1:
@@ -269,58 +286,53 @@ def _sequences(
 ) -> None:
     """How many sequences come back, and with which log-probabilities."""
     if "num_return_sequences" in present:
-        params["n"] = _int("num_return_sequences", present["num_return_sequences"])
+        params["n"] = int_value("num_return_sequences", present["num_return_sequences"])
         opts.with_indices = True
         if beam_width == 1:
             opts.num_return_sequences = params["n"]
     if beam_width > 1:  # the n best beams (all unless num_return_sequences says fewer)
         params["beam_width"] = opts.beam_width = beam_width
         params.setdefault("n", beam_width)
-    if "return_log_probs" in present and _flag("return_log_probs", present["return_log_probs"]):
+    if "return_log_probs" in present and flag_value(
+        "return_log_probs", present["return_log_probs"]
+    ):
         opts.return_log_probs = True
         params["logprobs"] = 0  # the sampled tokens' own log-probabilities
 
 
-def _words_and_bias(
+def _bad_words_and_bias(
     present: Mapping[str, np.ndarray],
-    inputs: Dict[str, np.ndarray],
     params: Dict[str, Any],
     encode: Optional[Callable[[str], List[int]]],
 ) -> None:
     if "bad_words" in present:
-        words = _words("bad_words", present["bad_words"])
+        words = string_values("bad_words", present["bad_words"])
         if words:
             params["bad_words"] = words
-    if "stop_words" in inputs:
-        words = _words("stop_words", inputs["stop_words"])
-        if words:
-            inputs["stop_words"] = np.array([w.encode() for w in words], dtype=np.object_)
-        else:
-            del inputs["stop_words"]
     if "embedding_bias_words" in present or "embedding_bias_weights" in present:
         bias = _embedding_bias(present, encode)
         if bias:
             params["logit_bias"] = bias
 
 
-def _trtllm_semantics(inputs: Dict[str, np.ndarray]) -> None:
-    if "sampling_parameters" not in inputs:
-        _greedy_unless_sampling(inputs)
+def _trtllm_semantics(inputs: Dict[str, np.ndarray], beam_width: int) -> None:
+    if "sampling_parameters" not in inputs and beam_width == 1:  # beams are never sampled
+        greedy_unless_sampling(inputs)
     if (
         "stream" in inputs
         and np.asarray(inputs["stream"]).dtype.kind == "b"
-        and _flag("stream", inputs["stream"])
+        and flag_value("stream", inputs["stream"])
     ):
         inputs.pop("exclude_input_in_output", None)
 
 
-def _greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:
+def greedy_unless_sampling(inputs: Dict[str, np.ndarray]) -> None:
     """TRT-LLM samples only when top_k > 0 or top_p > 0 (both 0 or absent: greedy, whatever
     the temperature); Slipstream's own defaults (top_k off, top_p 1.0) sample."""
     top_k = inputs.get("top_k")
     top_p = inputs.get("top_p")
-    k_off = top_k is None or (np.asarray(top_k).size == 1 and int(_scalar("top_k", top_k)) == 0)
-    p_off = top_p is None or (np.asarray(top_p).size == 1 and float(_scalar("top_p", top_p)) == 0.0)
+    k_off = top_k is None or (np.asarray(top_k).size == 1 and int(scalar("top_k", top_k)) == 0)
+    p_off = top_p is None or (np.asarray(top_p).size == 1 and float(scalar("top_p", top_p)) == 0.0)
     if k_off and p_off:
         inputs["top_k"] = np.array([1], dtype=np.int32)
         inputs.pop("top_p", None)
@@ -330,7 +342,7 @@ def _embedding_bias(
     present: Mapping[str, np.ndarray], encode: Optional[Callable[[str], List[int]]]
 ) -> Dict[int, float]:
     """TRT-LLM's preprocessing: each word's tokens get the word's weight added to their logit."""
-    words = _words("embedding_bias_words", present.get("embedding_bias_words", np.array([])))
+    words = string_values("embedding_bias_words", present.get("embedding_bias_words", np.array([])))
     raw = np.asarray(present.get("embedding_bias_weights", np.array([], np.float32)))
     if raw.size and raw.dtype.kind != "f":
         raise BadRequestError("input 'embedding_bias_weights' must be FP32")

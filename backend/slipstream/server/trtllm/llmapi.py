@@ -20,15 +20,17 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from slipstream.server.stub.input_table import Reading, RequestInput, TritonType
-from slipstream.server.stub.request_parser import BadRequestError, _scalar
-from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, _greedy_unless_sampling
-from slipstream.server.trtllm.outputs import _ns
+from slipstream.server.stub.input_values import BadRequestError, flag_value, scalar
+from slipstream.server.stub.request_interface import NativeRow
+from slipstream.server.stub.responses import ResponseBuilder
+from slipstream.server.trtllm.inputs import TranslatedRow, TrtllmOptions, greedy_unless_sampling
+from slipstream.server.trtllm.outputs import nanoseconds
 
 
 def _llmapi(
     name: str, data_type: TritonType, description: str, dims: tuple[int, ...] = (1,)
 ) -> RequestInput:
-    return RequestInput(name, data_type, dims, Reading.TRTLLM, description)
+    return RequestInput(name, data_type, dims, Reading.INTERFACE, description)
 
 
 # sampling_param_<name> -> (Triton type, the input parse_request reads)
@@ -90,7 +92,7 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     opts = LlmapiOptions()
     params: Dict[str, Any] = {}
     if "sampling_param_best_of" in present:
-        best_of = int(_scalar("sampling_param_best_of", present["sampling_param_best_of"]))
+        best_of = int(scalar("sampling_param_best_of", present["sampling_param_best_of"]))
         if best_of < 1:
             raise BadRequestError(f"input 'sampling_param_best_of' must be >= 1, got {best_of}")
         if best_of > 1:
@@ -98,14 +100,14 @@ def translate(row: Mapping[str, np.ndarray]) -> TranslatedRow:
     if "sampling_param_stop" in present:
         _read_stop(present["sampling_param_stop"], inputs, opts)
     _read_flags(present, opts)
-    _greedy_unless_sampling(inputs)
-    stream = "stream" in inputs and _flag("streaming", inputs["stream"])
+    greedy_unless_sampling(inputs)
+    stream = "stream" in inputs and flag_value("streaming", inputs["stream"])
     if stream:  # the whole text so far is sent each time: the prompt is never repeated
         inputs.pop("exclude_input_in_output", None)
     # Its reasons and logprob are STRING outputs here: asked for under vLLM's names, converted.
     inputs["return_finish_reason"] = np.array([True])
     inputs["return_cumulative_logprob"] = np.array([True])
-    return TranslatedRow(inputs, params, opts)
+    return TranslatedRow(NativeRow(inputs, params), opts)
 
 
 def _renamed_inputs(present: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
@@ -134,18 +136,10 @@ def _read_stop(arr: np.ndarray, inputs: Dict[str, np.ndarray], opts: LlmapiOptio
 def _read_flags(present: Mapping[str, np.ndarray], opts: LlmapiOptions) -> None:
     for name in ("return_finish_reason", "return_cumulative_logprob", "return_stop_reason"):
         if name in present:
-            setattr(opts, name, _flag(name, present[name]))
-    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and _flag(
+            setattr(opts, name, flag_value(name, present[name]))
+    opts.return_perf_metrics = "sampling_param_return_perf_metrics" in present and flag_value(
         "sampling_param_return_perf_metrics", present["sampling_param_return_perf_metrics"]
     )
-
-
-def _flag(name: str, arr: np.ndarray) -> bool:
-    if np.asarray(arr).dtype.kind != "b":
-        raise BadRequestError(
-            f"input '{name}' must be BOOL, got numpy dtype {np.asarray(arr).dtype}"
-        )
-    return bool(_scalar(name, arr))
 
 
 def _strings(values) -> np.ndarray:
@@ -155,16 +149,14 @@ def _strings(values) -> np.ndarray:
 class LlmapiResponses:
     """Wraps a ``ResponseBuilder``: the LLM-API model's outputs for one request."""
 
-    streams = True
-
-    def __init__(self, inner, options: LlmapiOptions) -> None:
+    def __init__(self, inner: ResponseBuilder, options: LlmapiOptions) -> None:
         self.inner, self.options = inner, options
         self.text = ""  # streamed: the whole text so far
 
     def streamed(self, out) -> Optional[Dict[str, np.ndarray]]:
         if out.beams is not None:  # beam search is not an input of this interface
             return None
-        outputs = self.inner.streamed(out)
+        outputs = self.inner.delta(out)
         self.text += "".join(x.decode() for x in outputs["text_output"])
         outputs["text_output"] = _strings([self.text])
         return self._convert(outputs, out)
@@ -211,15 +203,15 @@ def perf_metrics_strings(m) -> Dict[str, np.ndarray]:
     looked_up = m.kv_total_blocks
     values = {
         "acceptance_rate": m.acceptance_rate,
-        "arrival_time_ns": _ns(m.arrival_time),
-        "first_scheduled_time_ns": _ns(m.first_scheduled_time),
-        "first_token_time_ns": _ns(m.first_token_time),
+        "arrival_time_ns": nanoseconds(m.arrival_time),
+        "first_scheduled_time_ns": nanoseconds(m.first_scheduled_time),
+        "first_token_time_ns": nanoseconds(m.first_token_time),
         "kv_cache_alloc_new_blocks": m.kv_new_blocks,
         "kv_cache_alloc_total_blocks": m.kv_total_blocks,
         "kv_cache_hit_rate": m.kv_reused_blocks / looked_up if looked_up else 0.0,
         "kv_cache_missed_block": m.kv_new_blocks,
         "kv_cache_reused_block": m.kv_reused_blocks,
-        "last_token_time_ns": _ns(m.last_token_time),
+        "last_token_time_ns": nanoseconds(m.last_token_time),
         "total_accepted_draft_tokens": m.accepted_draft_tokens,
         "total_draft_tokens": m.draft_tokens,
     }

@@ -4,8 +4,11 @@ names, label keys and values, and kinds (its ``custom_metrics_reporter`` and the
 (``StatsSnapshot``), so dashboards built for TRT-LLM read Slipstream unchanged.
 
 Only the label values the engine can fill truthfully are exported: no ``request_type=context``
-(the engine does not count requests by phase), no runtime-memory or disaggregated-serving
-families. ``kv_cache_block_type=reused`` is the prefix cache's hit tokens in whole blocks.
+(the engine does not count requests by phase), no disaggregated-serving families.
+``kv_cache_block_type=reused`` is the prefix cache's hit tokens in whole blocks.
+``nv_trt_llm_runtime_memory_metrics`` is the serving process's own memory, in bytes
+(``worker/memory_usage.py``): resident CPU memory, GPU memory torch allocated, pinned host
+memory.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from typing import Callable, Dict, Tuple
 
 from slipstream.core.stats import StatsSnapshot
+from slipstream.server.stub.metrics import FamilyLimits, MetricFactory
+from slipstream.worker.memory_usage import MemoryUsage, process_memory
 
 TOKEN_LEN_BUCKETS = [10.0, 50.0, 100.0, 500.0, 1000.0]  # TRT-LLM's token-length buckets
 
@@ -63,8 +68,19 @@ def gauge_families(max_num_seqs: int, block_size: int) -> Dict[str, Tuple[str, s
     }
 
 
+# TensorRT-LLM's runtime memory family: label value -> how to read it from a MemoryUsage
+MEMORY_FAMILY = "nv_trt_llm_runtime_memory_metrics"
+MEMORY_READERS: Dict[str, Callable[[MemoryUsage], int]] = {
+    "cpu": lambda m: m.cpu_bytes,
+    "gpu": lambda m: m.gpu_bytes,
+    "pinned": lambda m: m.pinned_bytes,
+}
+
+
 class TrtllmFamilies:
-    def __init__(self, factory, post: Callable, *, max_num_seqs: int, block_size: int) -> None:
+    def __init__(
+        self, factory: MetricFactory, post: Callable, *, max_num_seqs: int, block_size: int
+    ) -> None:
         self._post = post
         self._gauges = []  # (metric, reader)
         for family, (desc, key, readers) in gauge_families(max_num_seqs, block_size).items():
@@ -86,17 +102,41 @@ class TrtllmFamilies:
             TOKEN_LEN_BUCKETS,
             labels={"response_metric_type": "total_output_tokens"},
         )
+        self._memory = [
+            (
+                factory.metric(
+                    MEMORY_FAMILY,
+                    "TRT LLM runtime memory metrics",
+                    "GAUGE",
+                    labels={"memory_type": kind},
+                ),
+                read,
+            )
+            for kind, read in MEMORY_READERS.items()
+        ]
         self._values: dict = {}
 
     def update(self, stats: StatsSnapshot) -> None:
         for i, (metric, read) in enumerate(self._gauges):
-            value = float(read(stats))
-            if self._values.get(i) != value:  # skip round trips that change nothing
-                self._post(metric.set, value)
-                self._values[i] = value
+            self._set(("engine", i), metric, float(read(stats)))
+        memory = process_memory()
+        for kind, (metric, read_memory) in zip(MEMORY_READERS, self._memory):
+            self._set(("memory", kind), metric, float(read_memory(memory)))
+
+    def _set(self, key: tuple, metric, value: float) -> None:
+        if self._values.get(key) != value:  # skip round trips that change nothing
+            self._post(metric.set, value)
+            self._values[key] = value
 
     def on_finish(self, track, out, now: float) -> None:
         if out.finish_reason not in ("stop", "length"):
             return
         self._post(self._input_len.observe, float(out.num_prompt_tokens or track.num_prompt_tokens))
         self._post(self._output_len.observe, float(track.num_output_tokens))
+
+
+def trtllm_families(factory: MetricFactory, post: Callable, limits: FamilyLimits) -> TrtllmFamilies:
+    """The ``trtllm`` set (``metric_families``), as the stub's ``ModelMetrics`` builds it."""
+    return TrtllmFamilies(
+        factory, post, max_num_seqs=limits.max_num_seqs, block_size=limits.block_size
+    )

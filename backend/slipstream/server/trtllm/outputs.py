@@ -13,31 +13,66 @@ builds. Pure Python (no Triton).
   ``sequence_index`` (``finals``);
 * ``return_perf_metrics``: ``kv_cache_*_blocks``, ``*_time_ns``, ``acceptance_rate``,
   ``total_*draft_tokens`` [1, 1] on the request's last response(s);
-* ``end_id``'s text is not emitted (TRT-LLM stops on it without detokenizing it).
+* ``sequence_length`` INT32 [1, 1] (beam search [1, beams]) when the request names it: the
+  tokens its text holds (the prompt's too when the prompt is prepended, as TRT-LLM counts);
+* ``end_id``'s text is not emitted (the stub's ``ResponseBuilder`` drops it).
 
-``merge_rows`` stacks the final outputs of a batched request's rows into one response, for
-non-decoupled models (one response per request).
+``OUTPUTS`` are the outputs a model declares for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from slipstream.core.request import FinishReason
+from slipstream.server.stub.responses import ResponseBuilder
 from slipstream.server.trtllm.inputs import TrtllmOptions
+
+# TensorRT-LLM ensemble outputs (built here); the logits are never produced. Not
+# declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
+OUTPUTS: tuple[Mapping[str, object], ...] = (
+    {"name": "cum_log_probs", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "output_log_probs", "data_type": "TYPE_FP32", "dims": [-1, -1]},
+    {"name": "context_logits", "data_type": "TYPE_FP32", "dims": [-1, -1]},
+    {"name": "generation_logits", "data_type": "TYPE_FP32", "dims": [-1, -1, -1]},
+    {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
+    # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
+    *[
+        {"name": n, "data_type": "TYPE_INT32", "dims": [1]}
+        for n in (
+            "kv_cache_alloc_new_blocks",
+            "kv_cache_reused_blocks",
+            "kv_cache_alloc_total_blocks",
+            "total_accepted_draft_tokens",
+            "total_draft_tokens",
+        )
+    ],
+    *[
+        {"name": n, "data_type": "TYPE_INT64", "dims": [1]}
+        for n in (
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+        )
+    ],
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+    # the tokens of each returned sequence's text (beams: [1, beams]), as TensorRT-LLM's model
+    # reports beside its token ids
+    {"name": "sequence_length", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1, -1]},  # refused by name
+)
 
 
 class TrtllmResponses:
-    """Wraps a ``ResponseBuilder`` (same three methods) for one row of a request."""
+    """Wraps a ``ResponseBuilder`` (the stub's ``Responses``) for one row of a request."""
 
-    def __init__(self, inner, options: TrtllmOptions, tokenizer=None) -> None:
-        self.inner, self.options, self.tokenizer = inner, options, tokenizer
+    def __init__(self, inner: ResponseBuilder, options: TrtllmOptions) -> None:
+        self.inner, self.options, self.tokenizer = inner, options, inner.tokenizer
         self.logprobs: List[float] = []
-
-    streams = True  # a streaming request gets a response per output (or None: nothing)
 
     def streamed(self, out) -> Optional[Dict[str, np.ndarray]]:
         """A streamed response. Beam search streams as TRT-LLM does: every beam's whole text
@@ -49,24 +84,22 @@ class TrtllmResponses:
                 self.absorb(out)
                 return None
             return self.final(out)
-        out = self._strip_end_id(out)
-        outputs = self.inner.streamed(out)
+        outputs = self.inner.delta(out)
         if self.options.num_return_sequences > 1:  # only the sequence that moved
             outputs = _one_sequence(outputs, out.index, self.options.num_return_sequences)
-        return self._extend(outputs, out, list(out.logprobs or []))
+        return self._extend(outputs, out, list(out.logprobs or []), len(out.token_ids))
 
     def absorb(self, out) -> None:
-        out = self._strip_end_id(out)
         self.inner.absorb(out)
         self.logprobs.extend(out.logprobs or [])
 
     def final(self, out) -> Dict[str, np.ndarray]:
-        out = self._strip_end_id(out)
         outputs = self.inner.final(out)  # absorbs ``out`` into the inner builder
         self.logprobs.extend(out.logprobs or [])
         if self.options.beam_width > 1:
             return self._beams(outputs, out)
-        return self._extend(outputs, out, self.logprobs)
+        length = len(self.inner.sequences[out.index].token_ids) + self._prompt_tokens(out)
+        return self._extend(outputs, out, self.logprobs, length)
 
     def finals(self, out) -> List[Dict[str, np.ndarray]]:
         """The last responses of a request that is not streamed: one, or with
@@ -80,7 +113,8 @@ class TrtllmResponses:
         for i, seq in enumerate(self.inner.sequences):
             one = _one_sequence(outputs, i, n)
             seq_out = dataclasses.replace(out, index=i, cumulative_logprob=seq.cumulative_logprob)
-            responses.append(self._extend(one, seq_out, seq.logprobs))
+            length = len(seq.token_ids) + self._prompt_tokens(out)
+            responses.append(self._extend(one, seq_out, seq.logprobs, length))
         return responses
 
     def _snapshot(self, out) -> Dict[str, np.ndarray]:
@@ -92,6 +126,7 @@ class TrtllmResponses:
                     [b.logprobs for b in out.beams], [b.cumulative_logprob for b in out.beams]
                 )
             )
+        self._lengths(outputs, [len(b.token_ids) for b in out.beams])
         return self._indices(outputs, out)
 
     def _beams(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
@@ -100,17 +135,30 @@ class TrtllmResponses:
             outputs.update(
                 _log_prob_table([b.logprobs for b in beams], [b.cumulative_logprob for b in beams])
             )
+        prompt = self._prompt_tokens(out)
+        self._lengths(outputs, [len(b.token_ids) + prompt for b in beams])
         return self._indices(self._perf(outputs, out), out)
 
     def _extend(
-        self, outputs: Dict[str, np.ndarray], out, logprobs: Sequence[float]
+        self, outputs: Dict[str, np.ndarray], out, logprobs: Sequence[float], length: int
     ) -> Dict[str, np.ndarray]:
+        """``length``: the tokens this response's text holds (``sequence_length``)."""
+        self._lengths(outputs, [length])
         if self.options.return_log_probs:
             outputs["cum_log_probs"] = np.array([[out.cumulative_logprob]], dtype=np.float32)
             outputs["output_log_probs"] = np.array(
                 [[[float(x) for x in logprobs]]], dtype=np.float32
             ).reshape(1, 1, -1)
         return self._indices(self._perf(outputs, out), out)
+
+    def _prompt_tokens(self, out) -> int:
+        """The prompt's tokens when a final text starts with the prompt (TensorRT-LLM's
+        ``sequence_length`` counts them then: its output ids hold the prompt)."""
+        return 0 if self.inner.options.exclude_input_in_output else int(out.num_prompt_tokens)
+
+    def _lengths(self, outputs: Dict[str, np.ndarray], lengths: Sequence[int]) -> None:
+        if self.options.sequence_length:  # [1, beams], as TensorRT-LLM's
+            outputs["sequence_length"] = np.array([list(lengths)], dtype=np.int32)
 
     def _indices(self, outputs: Dict[str, np.ndarray], out) -> Dict[str, np.ndarray]:
         if self.options.with_indices:
@@ -124,22 +172,6 @@ class TrtllmResponses:
         if self.options.return_perf_metrics and metrics is not None:
             outputs.update(perf_metrics_outputs(metrics))
         return outputs
-
-    def _strip_end_id(self, out):
-        """The finished output without the text of the ``end_id`` token that stopped it."""
-        if not (
-            self.options.end_ids
-            and out.finished
-            and out.token_ids
-            and out.finish_reason is FinishReason.STOP
-            and out.token_ids[-1] in self.options.end_ids
-            and self.tokenizer is not None
-        ):
-            return out
-        piece = self.tokenizer.decode([out.token_ids[-1]])
-        if piece and out.text.endswith(piece):
-            return dataclasses.replace(out, text=out.text[: -len(piece)])
-        return out
 
 
 def _log_prob_table(
@@ -156,7 +188,7 @@ def _log_prob_table(
     }
 
 
-def _ns(seconds) -> int:
+def nanoseconds(seconds) -> int:
     return 0 if seconds is None else int(round(seconds * 1e9))
 
 
@@ -170,10 +202,10 @@ def perf_metrics_outputs(m) -> Dict[str, np.ndarray]:
         "kv_cache_alloc_new_blocks": one(m.kv_new_blocks, np.int32),
         "kv_cache_reused_blocks": one(m.kv_reused_blocks, np.int32),
         "kv_cache_alloc_total_blocks": one(m.kv_total_blocks, np.int32),
-        "arrival_time_ns": one(_ns(m.arrival_time), np.int64),
-        "first_scheduled_time_ns": one(_ns(m.first_scheduled_time), np.int64),
-        "first_token_time_ns": one(_ns(m.first_token_time), np.int64),
-        "last_token_time_ns": one(_ns(m.last_token_time), np.int64),
+        "arrival_time_ns": one(nanoseconds(m.arrival_time), np.int64),
+        "first_scheduled_time_ns": one(nanoseconds(m.first_scheduled_time), np.int64),
+        "first_token_time_ns": one(nanoseconds(m.first_token_time), np.int64),
+        "last_token_time_ns": one(nanoseconds(m.last_token_time), np.int64),
         "acceptance_rate": one(m.acceptance_rate, np.float32),
         "total_accepted_draft_tokens": one(m.accepted_draft_tokens, np.int32),
         "total_draft_tokens": one(m.draft_tokens, np.int32),
@@ -187,21 +219,3 @@ def _one_sequence(outputs: Dict[str, np.ndarray], index: int, n: int) -> Dict[st
         name: (value[index : index + 1] if np.ndim(value) and len(value) == n else value)
         for name, value in outputs.items()
     }
-
-
-def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
-    """One response from the rows' final outputs: each output stacked on a leading batch
-    dimension (ragged ``output_log_probs`` padded with zeros, as TRT-LLM pads)."""
-    merged: Dict[str, np.ndarray] = {}
-    for name in rows[0]:
-        parts = [np.asarray(r[name]) for r in rows]
-        if parts[0].ndim == 0:
-            merged[name] = np.stack(parts)
-            continue
-        longest = max(p.shape[-1] for p in parts)
-        if any(p.shape[-1] != longest for p in parts):
-            parts = [
-                np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, longest - p.shape[-1])]) for p in parts
-            ]
-        merged[name] = np.concatenate(parts, axis=0)
-    return merged

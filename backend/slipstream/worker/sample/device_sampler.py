@@ -280,6 +280,14 @@ class DeviceSampler:
     def forget(self, request_id: str) -> None:
         self.streams.forget(request_id)
 
+    def beam_logprobs(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """``Sampler.beam_logprobs`` on the logits' device: constraints, ``min_tokens`` and
+        penalties applied as for sampling, at each request's temperature (0: none)."""
+        work = penalized_logits(logits, reqs, self.staged)
+        temperatures = np.asarray([r.params.temperature or 1.0 for r in reqs], dtype=np.float32)
+        (scale,) = HostToDevice(logits.device, self.staged).upload([temperatures])
+        return torch.log_softmax(work / scale[:, None], dim=-1)
+
     def __call__(
         self, logits: torch.Tensor, reqs: list, want_logprobs: bool = True
     ) -> SampleResult:

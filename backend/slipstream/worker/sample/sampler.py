@@ -120,6 +120,10 @@ class TokenSampler(Protocol):
     def forget(self, request_id: str) -> None:
         """Drop a finished request's random stream."""
 
+    def beam_logprobs(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The log-probabilities beam search ranks the rows' continuations on, on the
+        logits' device (see ``Sampler.beam_logprobs``)."""
+
 
 @dataclass
 class _Sampled:
@@ -261,6 +265,19 @@ class Sampler:
             if req.params.seed is not None:
                 u[i] = torch.rand(1, generator=self._generator(req), dtype=torch.float64)[0]
         return u
+
+    def beam_logprobs(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The log-probabilities beam search ranks each slot's continuations on: the model's
+        distribution after what TensorRT-LLM applies to beams too (allowed ids, bad words,
+        logit bias, the repetition / presence / frequency penalties on the slot's own tokens,
+        EOS and stop tokens blocked before ``min_tokens``), at the request's temperature
+        (0: none). ``SamplingParams`` refuses the truncations it does not apply (top-k, top-p,
+        min-p)."""
+        logits = logits.float().cpu().clone()
+        self._apply_constraints(logits, reqs)
+        logits = self._apply_penalties(logits, reqs)
+        temperatures = torch.tensor([r.params.temperature or 1.0 for r in reqs])
+        return torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)
 
     @staticmethod
     def probabilities(logits: torch.Tensor, req: Request) -> torch.Tensor:

@@ -5,16 +5,17 @@ Every row gets a ``RowSender`` standing in for the request's response sender, so
 treats rows as requests. The ``RowGroup`` behind them ends the Triton request once: decoupled,
 each row's responses go out as they come and the FINAL flag rides on the last row's last
 response; non-decoupled (one response per request), the rows' final outputs are stacked into
-one response, or the first row's error is the answer. ``pb_utils`` is passed in: no Triton
-import here.
+one response (``merge_rows``), or the first row's error is the answer. A model that is not
+decoupled answers its one-row requests through a group too. ``pb_utils`` is passed in: no
+Triton import here.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import List
+from typing import Dict, List, Sequence
 
-from slipstream.server.trtllm.outputs import merge_rows
+import numpy as np
 
 
 class RowGroup:
@@ -87,3 +88,21 @@ class RowSender:
 
     def is_cancelled(self) -> bool:
         return self.group.sender.is_cancelled()
+
+
+def merge_rows(rows: Sequence[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """One response from the rows' final outputs: each output stacked on a leading batch
+    dimension (ragged ``output_log_probs`` padded with zeros, as TRT-LLM pads)."""
+    merged: Dict[str, np.ndarray] = {}
+    for name in rows[0]:
+        parts = [np.asarray(r[name]) for r in rows]
+        if parts[0].ndim == 0:
+            merged[name] = np.stack(parts)
+            continue
+        longest = max(p.shape[-1] for p in parts)
+        if any(p.shape[-1] != longest for p in parts):
+            parts = [
+                np.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, longest - p.shape[-1])]) for p in parts
+            ]
+        merged[name] = np.concatenate(parts, axis=0)
+    return merged
