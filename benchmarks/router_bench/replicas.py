@@ -85,6 +85,9 @@ class EventRelay:
         self._thread.start()
 
     def close(self) -> None:
+        """Idempotent: a replica stopped alone may be stopped again with its fleet."""
+        if self._ctx.closed:
+            return
         self._stop.send(b"TERMINATE")
         self._thread.join(5)
         for sock in (self._in, self._out, self._control, self._stop):
