@@ -1,7 +1,8 @@
 """The engine's KV event stream for a known sequence of requests equals the one vLLM's own
 engine published for it (data/kv_events/vllm_kv_stream.json, recorded by vLLM 0.32's ``LLM``
 with make_vllm_stream.py beside it): the same batches of the same events (hashes, parents,
-token ids, block size, medium, group, cache-spec kind), request by request."""
+token ids, block size, medium, group, cache-spec kind), request by request; and requests that
+share a prefix reuse its blocks as vLLM's do, also when they are queued together."""
 
 from __future__ import annotations
 
@@ -58,9 +59,33 @@ def run(engine: LLMEngine, names: list) -> dict:
     return {"batches": events, "hit_tokens": engine.block_manager.stats.hits - hits}
 
 
+def stored_blocks(batches: list) -> set:
+    """(parent hash, hash, its tokens) of every block announced: the same blocks whichever
+    steps computed them and however they were grouped into events."""
+    size = FIXTURE["block_size"]
+    blocks = set()
+    for event in (e for batch in batches for e in batch if e["type"] == "BlockStored"):
+        parent = event["parent_block_hash"]
+        for i, block in enumerate(event["block_hashes"]):
+            blocks.add((parent, block, tuple(event["token_ids"][i * size : (i + 1) * size])))
+            parent = block
+    return blocks
+
+
 def test_requests_one_at_a_time_publish_vllms_batches_event_for_event(engine):
     engine.batches.clear()  # the new cache's AllBlocksCleared
     for case in FIXTURE["sequential"]:
         got = run(engine, case["requests"])
         assert got["batches"] == case["batches"], case["requests"]
         assert got["hit_tokens"] == case["hit_tokens"]
+
+
+def test_same_prefix_requests_queued_together_reuse_it_as_vllms_engine_does(engine):
+    """X and A2 fill the first step; B2, queued with them, shares A2's prefix. vLLM caches
+    a block when it schedules it, so B2 takes all ten prefix blocks while A2 computes them;
+    the engine must not compute them a second time for B2."""
+    case = FIXTURE["co_queued"]
+    got = run(engine, case["requests"])
+    assert got["hit_tokens"] == case["hit_tokens"] == 10 * FIXTURE["block_size"]
+    # the same blocks enter the cache, chained to the same parents, as vLLM announced them
+    assert stored_blocks(got["batches"]) == stored_blocks(case["batches"])
