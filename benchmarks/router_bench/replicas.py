@@ -165,7 +165,9 @@ def _launch(replica: Replica, options: EngineOptions) -> subprocess.Popen:
     )
 
 
-def wait_ready(replicas: list[Replica], timeout_s: float = 600.0) -> None:
+# vLLM compiles its model with torch.compile on a first start (minutes on a busy core; cached
+# in ~/.cache/vllm afterwards)
+def wait_ready(replicas: list[Replica], timeout_s: float = 1800.0) -> None:
     deadline = time.monotonic() + timeout_s
     for replica in replicas:
         while not _healthy(replica.url + "/health"):
