@@ -121,21 +121,24 @@ def test_prefix_client_results_become_records_with_errors_kept():
 
 
 def test_side_by_side_table_compares_each_engine_with_its_own_round_robin():
-    def row(engine, policy, p50, decisions=None):
+    def row(engine, policy, p50, decisions=None, found=0):
         records = [TurnRecord("u0", 0, 0, 0.0, p50 / 1000, 1.0, 10)]
         r = report.summarize(policy, records, 1.0, {"queries": 10.0, "hits": 5.0})
         r.update(engine=engine, policy=policy)
         if decisions:
-            r["router_kv_decisions"] = {"prefix_routing_decisions": decisions}
+            r["router_kv_decisions"] = {
+                "prefix_routing_decisions": decisions,
+                "kv_placement_lookups": {"hit": found, "miss": 1},
+            }
         return r
 
     rows = [
         row("slipstream", "vllm-rr", 9000),
         row("vllm", "vllm-rr", 6000),
-        row("slipstream", "vllm-kv", 1000, {"prefix_cost": 95, "missing_tokens": 5}),
+        row("slipstream", "vllm-kv", 1000, {"prefix_cost": 95, "missing_tokens": 5}, 60),
         row("vllm", "vllm-kv", 3000, {"missing_tokens": 96}),
     ]
     text = report.table(rows)
     assert "| slipstream | vllm-kv | 1000 | 1000 | 9.00x |" in text
     assert "| vllm | vllm-kv | 3000 | 3000 | 2.00x |" in text
-    assert "| 95% of 100 |" in text and "| 0% of 96 |" in text
+    assert "| 95/100, 60 |" in text and "| 0/96, 0 |" in text

@@ -36,13 +36,13 @@ def _fmt(value: Optional[float], spec: str = ".0f") -> str:
 
 def table(rows: list) -> str:
     """One row per (engine, policy); ``TTFT p50 cut`` is round robin's p50 over this row's,
-    same engine; ``kv_aware credited`` is the share of vllm-router's kv_aware decisions that
-    were scored with the replicas' KV events (the rest had no token ids or no index)."""
+    same engine; ``kv_aware scored, found`` is how many of vllm-router's kv_aware decisions it
+    scored with the replicas' KV events, and how often its index found a cached prefix."""
     show_engine = bool({row.get("engine") for row in rows} - {None, "slipstream"})
     lines = [
         ("| engine " if show_engine else "")
         + "| routing | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p50 cut vs round robin | turns/s | "
-        "output tokens/s | prefix-cache hit rate | kv_aware credited | turns (errors) |",
+        "output tokens/s | prefix-cache hit rate | kv_aware scored, found | turns (errors) |",
         ("| --- " if show_engine else "")
         + "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -71,11 +71,14 @@ def ttft_cut(rows: list, row: dict) -> Optional[float]:
 
 
 def _credited(row: dict) -> str:
-    decisions = row.get("router_kv_decisions", {}).get("prefix_routing_decisions")
+    """``scored/decisions, found``: decisions the router scored with the replicas' KV events
+    (the rest had no token ids: render failed) and lookups that found a cached prefix."""
+    kv = row.get("router_kv_decisions", {})
+    decisions = kv.get("prefix_routing_decisions")
     if not decisions:
         return "-"
-    total = sum(decisions.values())
-    return f"{decisions.get('prefix_cost', 0) / total:.0%} of {total}" if total else "-"
+    found = kv.get("kv_placement_lookups", {}).get("hit", 0)
+    return f"{decisions.get('prefix_cost', 0)}/{sum(decisions.values())}, {found}"
 
 
 def plot(rows: list, path: Path, title: str) -> Optional[Path]:
