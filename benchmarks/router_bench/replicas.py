@@ -1,5 +1,5 @@
-"""N Triton + Slipstream replicas on this machine (``slipstream serve`` processes), each pinned
-to its own core with one torch thread, each with the OpenAI API and KV events.
+"""N replicas on this machine (``slipstream serve`` or vLLM's OpenAI server, router_bench/
+engines.py), each pinned to its own core with one thread, each with the OpenAI API and KV events.
 
 Everything listens on 127.0.0.1. A router's KV subscriber connects to ``tcp://HOST:PORT``, and
 by vLLM's rule a publisher given ``tcp://127.0.0.1:PORT`` connects rather than binds (it binds
@@ -9,10 +9,8 @@ sides bound on 127.0.0.1) and the router subscribes to the relay: the same bytes
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,9 +20,15 @@ from typing import Optional
 
 import zmq
 
+from router_bench.engines import (
+    Engine,
+    EngineOptions,
+    ReplicaPorts,
+    command,
+    environment,
+    metrics_url as engine_metrics_url,
+)
 from slipstream.server.launch.launcher import free_port
-
-BLOCK_SIZE = 16
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Replica:
     kv_port: int  # where the replica's publisher connects (the relay's input)
     relay_port: int  # where subscribers connect (the relay's output)
     log_path: Path
+    engine: Engine = Engine.SLIPSTREAM
     process: Optional[subprocess.Popen] = None
     relay: Optional["EventRelay"] = None
     baseline: dict = field(default_factory=dict)  # prefix-cache counters before the workload
@@ -43,6 +48,14 @@ class Replica:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.openai_port}"
+
+    @property
+    def ports(self) -> ReplicaPorts:
+        return ReplicaPorts(self.openai_port, self.metrics_port, self.kv_port, self.log_path)
+
+    @property
+    def metrics_url(self) -> str:
+        return engine_metrics_url(self.engine, self.ports)
 
     @property
     def kv_endpoint(self) -> str:
@@ -72,6 +85,9 @@ class EventRelay:
         self._thread.start()
 
     def close(self) -> None:
+        """Idempotent: a replica stopped alone may be stopped again with its fleet."""
+        if self._ctx.closed:
+            return
         self._stop.send(b"TERMINATE")
         self._thread.join(5)
         for sock in (self._in, self._out, self._control, self._stop):
@@ -79,13 +95,18 @@ class EventRelay:
         self._ctx.term()
 
 
-def start_replicas(count: int, settings: dict, log_dir: Path, cores: list) -> list[Replica]:
+def start_replicas(
+    engine: Engine, count: int, options: EngineOptions, log_dir: Path, cores: list
+) -> list[Replica]:
     return [
-        _start(i, cores[i % len(cores)] if cores else None, settings, log_dir) for i in range(count)
+        _start(engine, i, cores[i % len(cores)] if cores else None, options, log_dir)
+        for i in range(count)
     ]
 
 
-def _start(index: int, core: Optional[int], settings: dict, log_dir: Path) -> Replica:
+def _start(
+    engine: Engine, index: int, core: Optional[int], options: EngineOptions, log_dir: Path
+) -> Replica:
     replica = Replica(
         index,
         core,
@@ -94,18 +115,24 @@ def _start(index: int, core: Optional[int], settings: dict, log_dir: Path) -> Re
         free_port(),
         free_port(),
         log_dir / f"replica{index}.log",
+        engine,
     )
     replica.relay = EventRelay(replica.kv_port, replica.relay_port)
-    replica.process = _launch(replica, settings)
+    replica.process = _launch(replica, options)
     return replica
 
 
 def start_ready(
-    count: int, settings: dict, log_dir: Path, cores: list, attempts: int = 3
+    engine: Engine,
+    count: int,
+    options: EngineOptions,
+    log_dir: Path,
+    cores: list,
+    attempts: int = 3,
 ) -> list[Replica]:
     """Started and answering /health. A free port can be taken by another process between
     being picked and bound (a busy machine): such a replica is started again on new ports."""
-    replicas = start_replicas(count, settings, log_dir, cores)
+    replicas = start_replicas(engine, count, options, log_dir, cores)
     for i in range(count):
         for attempt in range(attempts):
             try:
@@ -116,41 +143,11 @@ def start_ready(
                 if attempt == attempts - 1:
                     stop_replicas(replicas)
                     raise
-                replicas[i] = _start(i, replicas[i].core, settings, log_dir)
+                replicas[i] = _start(engine, i, replicas[i].core, options, log_dir)
     return replicas
 
 
-def _launch(replica: Replica, settings: dict) -> subprocess.Popen:
-    kv = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{replica.kv_port}"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "slipstream.server",
-        "--http-port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--metrics-port",
-        str(replica.metrics_port),
-        "--openai-port",
-        str(replica.openai_port),
-        "--set",
-        f"kv_events_config={json.dumps(kv)}",
-        "--set",
-        f"block_size={BLOCK_SIZE}",
-        "--set",
-        "metric_families=slipstream,vllm",
-        "--set",
-        "metrics_interval_ms=200",
-        "--log-file",
-        str(replica.log_path) + ".triton",
-    ]
-    for key, value in settings.items():
-        cmd += ["--set", f"{key}={value}"]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1" if replica.core is not None else os.environ.get("OMP_NUM_THREADS", ""),
-    )
+def _launch(replica: Replica, options: EngineOptions) -> subprocess.Popen:
     core = replica.core
 
     def pin() -> None:
@@ -159,11 +156,18 @@ def _launch(replica: Replica, settings: dict) -> subprocess.Popen:
 
     log = open(replica.log_path, "w")
     return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, start_new_session=True
+        command(replica.engine, replica.ports, options),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=environment(replica.engine, core),
+        preexec_fn=pin,
+        start_new_session=True,
     )
 
 
-def wait_ready(replicas: list[Replica], timeout_s: float = 600.0) -> None:
+# vLLM compiles its model with torch.compile on a first start (minutes on a busy core; cached
+# in ~/.cache/vllm afterwards)
+def wait_ready(replicas: list[Replica], timeout_s: float = 1800.0) -> None:
     deadline = time.monotonic() + timeout_s
     for replica in replicas:
         while not _healthy(replica.url + "/health"):
@@ -202,9 +206,7 @@ def prefix_cache_counters(replica: Replica) -> dict:
     """Prompt tokens looked up in / served from the prefix cache (vLLM's counters)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=10
-    ) as r:
+    with urllib.request.urlopen(replica.metrics_url, timeout=10) as r:
         text = r.read().decode()
     totals = {"queries": 0.0, "hits": 0.0}
     for family in text_string_to_metric_families(text):

@@ -35,19 +35,50 @@ def _fmt(value: Optional[float], spec: str = ".0f") -> str:
 
 
 def table(rows: list) -> str:
+    """One row per (engine, policy); ``TTFT p50 cut`` is round robin's p50 over this row's,
+    same engine; ``kv_aware scored, found`` is how many of vllm-router's kv_aware decisions it
+    scored with the replicas' KV events, and how often its index found a cached prefix."""
+    show_engine = bool({row.get("engine") for row in rows} - {None, "slipstream"})
     lines = [
-        "| routing | TTFT p50 (ms) | TTFT p90 (ms) | turns/s | output tokens/s | "
-        "prefix-cache hit rate | turns (errors) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ("| engine " if show_engine else "")
+        + "| routing | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p50 cut vs round robin | turns/s | "
+        "output tokens/s | prefix-cache hit rate | kv_aware scored, found | turns (errors) |",
+        ("| --- " if show_engine else "")
+        + "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         rate = row["prefix_cache_hit_rate"]
+        cut = ttft_cut(rows, row)
         lines.append(
-            f"| {row['name']} | {_fmt(row['ttft_ms']['p50'])} | {_fmt(row['ttft_ms']['p90'])} | "
+            (f"| {row.get('engine', 'slipstream')} " if show_engine else "")
+            + f"| {row['name']} | {_fmt(row['ttft_ms']['p50'])} | {_fmt(row['ttft_ms']['p90'])} | "
+            f"{'-' if cut is None else f'{cut:.2f}x'} | "
             f"{row['turns_per_s']:.2f} | {row['output_tokens_per_s']:.1f} | "
-            f"{'-' if rate is None else f'{rate:.1%}'} | {row['turns']} ({row['errors']}) |"
+            f"{'-' if rate is None else f'{rate:.1%}'} | {_credited(row)} | "
+            f"{row['turns']} ({row['errors']}) |"
         )
     return "\n".join(lines)
+
+
+def ttft_cut(rows: list, row: dict) -> Optional[float]:
+    """Round robin's TTFT p50 over ``row``'s, for the same engine (None without one)."""
+    engine = row.get("engine")
+    base = next(
+        (r for r in rows if r.get("policy") == "vllm-rr" and r.get("engine") == engine), None
+    )
+    p50, rr = row["ttft_ms"]["p50"], base["ttft_ms"]["p50"] if base else None
+    return rr / p50 if rr and p50 else None
+
+
+def _credited(row: dict) -> str:
+    """``scored/decisions, found``: decisions the router scored with the replicas' KV events
+    (the rest had no token ids: render failed) and lookups that found a cached prefix."""
+    kv = row.get("router_kv_decisions", {})
+    decisions = kv.get("prefix_routing_decisions")
+    if not decisions:
+        return "-"
+    found = kv.get("kv_placement_lookups", {}).get("hit", 0)
+    return f"{decisions.get('prefix_cost', 0)}/{sum(decisions.values())}, {found}"
 
 
 def plot(rows: list, path: Path, title: str) -> Optional[Path]:
@@ -58,7 +89,11 @@ def plot(rows: list, path: Path, title: str) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = [r["name"].replace(" (", "\n(").replace("router ", "router\n") for r in rows]
+    names = [
+        (f"{r['engine']}\n" if "engine" in r else "")
+        + r["name"].replace(" (", "\n(").replace("router ", "router\n")
+        for r in rows
+    ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = range(len(rows))
     p50 = [r["ttft_ms"]["p50"] or 0 for r in rows]
@@ -82,7 +117,7 @@ def plot(rows: list, path: Path, title: str) -> Optional[Path]:
 def replot(results_path: Path) -> Optional[Path]:
     """The plot again from a run's results.json (``python -m router_bench.report FILE``)."""
     results = json.loads(Path(results_path).read_text())
-    title = (
+    title = results.get("title") or (
         f"{results['replicas']} Slipstream replicas (1 core each) behind each router; "
         f"{results['description']}; {results['cpu']}"
     )

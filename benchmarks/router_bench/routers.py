@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from router_bench.replicas import BLOCK_SIZE, Replica
+from router_bench.replicas import Replica
 
 # A replica busy on its one core can take seconds to answer /health: with the routers'
 # default timeouts (sglang-router: 5 s) it is marked unhealthy and its share of the traffic
@@ -29,7 +29,13 @@ class RouterSpec:
     log_level: str = "warning"
 
     def command(
-        self, routers_dir: Path, port: int, replicas: list[Replica], tokenizer_dir: str
+        self,
+        routers_dir: Path,
+        port: int,
+        replicas: list[Replica],
+        tokenizer_dir: str,
+        block_size: int,
+        log_level: Optional[str] = None,
     ) -> list[str]:
         urls = [r.url for r in replicas]
         if self.router == "vllm-router":
@@ -44,7 +50,7 @@ class RouterSpec:
                 "--worker-urls",
                 *urls,
                 "--log-level",
-                self.log_level,
+                log_level or self.log_level,
                 "--prometheus-host",
                 "127.0.0.1",
                 "--prometheus-port",
@@ -54,7 +60,7 @@ class RouterSpec:
             if self.policy == "kv_aware":
                 for r in replicas:
                     cmd += ["--kv-event-source", f"{r.url}={r.kv_endpoint}"]
-                cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", tokenizer_dir]
+                cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", tokenizer_dir]
             return cmd
         if self.router == "sglang-router":
             return [
@@ -97,12 +103,14 @@ def start_router(
     port: int,
     replicas: list[Replica],
     tokenizer_dir: str,
+    block_size: int,
     log_path: Path,
+    log_level: Optional[str] = None,
     timeout_s: float = 120.0,
 ) -> subprocess.Popen:
     log = open(log_path, "w")
     process = subprocess.Popen(
-        spec.command(routers_dir, port, replicas, tokenizer_dir),
+        spec.command(routers_dir, port, replicas, tokenizer_dir, block_size, log_level),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -131,3 +139,31 @@ def stop_router(process: Optional[subprocess.Popen]) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def kv_decisions(port: int) -> dict:
+    """vllm-router's own account of its ``kv_aware`` decisions (its Prometheus port, ``port``):
+    how many were scored by prefix cost and how many had no token ids (``missing_tokens``: the
+    worker's render API failed) or fell back otherwise, and its KV index lookups (hit/miss)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    wanted = {
+        "vllm_router_prefix_routing_decisions": "outcome",
+        "vllm_router_kv_placement_lookups": "result",
+    }
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        label = wanted.get(family.name)
+        if label is None:
+            continue
+        counts = out.setdefault(family.name.removeprefix("vllm_router_"), {})
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels.get(label, "?")
+                counts[key] = counts.get(key, 0) + int(sample.value)
+    return out

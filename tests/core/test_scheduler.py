@@ -261,6 +261,48 @@ def test_prefix_cache_hit_skips_cached_blocks_but_recomputes_the_last_token():
     assert sched.scheduled[0].num_new_tokens == 4
 
 
+def step(s, every: list) -> list:
+    """One step; the (request id, new tokens) it scheduled."""
+    sched = s.schedule()
+    check_step(s, sched, every)
+    s.update_from_output(sched, sample(sched), no_stop_strings)
+    return [(i.request.request_id, i.num_new_tokens) for i in sched.scheduled]
+
+
+def test_a_request_queued_with_a_prefix_being_computed_waits_for_it_instead_of_recomputing():
+    """B shares A's six-block prompt prefix and is queued with A: it waits while A computes
+    the prefix (the budget goes to C meanwhile) and then takes all six blocks from the cache,
+    as vLLM's engine reuses blocks it schedules in the same step."""
+    s = make_scheduler(max_num_batched_tokens=32)
+    a, b = make_request("a", 24, 2), make_request("b", 28, 2)  # b = a's 24 tokens + 4
+    c = make_request("c", 4, 2, first_token=900)
+    every = [a, b, c]
+    for r in every:
+        s.add(r)
+    assert step(s, every) == [("a", 24), ("c", 4)]
+    assert b.status is RequestStatus.WAITING
+    assert ("b", 4) in step(s, every)
+    assert b.num_cached_tokens == 24
+    assert s.bm.stats.hits == 24
+
+
+def test_the_wait_for_a_prefix_ends_when_the_request_computing_it_leaves():
+    """A long prefill in chunks: B waits for the block A computes next; A is aborted after
+    its first chunk, so B takes that chunk's blocks and computes the rest itself."""
+    s = make_scheduler(max_num_batched_tokens=16)
+    a, b = make_request("a", 40, 2), make_request("b", 44, 2)
+    for r in (a, b):
+        s.add(r)
+    assert step(s, [a, b]) == [("a", 16)]
+    assert b.status is RequestStatus.WAITING
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert step(s, [b]) == [("b", 16)]
+    assert b.num_cached_tokens == 16  # a's first chunk, cached after a left
+    while not b.is_finished:
+        step(s, [b])
+    assert b.status is RequestStatus.FINISHED_LENGTH and s.bm.num_used_blocks == 0
+
+
 def test_static_batching_pads_to_the_batch_size_and_the_longest_prompt():
     s = make_scheduler(batching="static", max_batch_size=4, max_num_batched_tokens=256)
     short, long = make_request("short", 3, 2), make_request("long", 7, 4, first_token=500)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Iterable, Optional
 
 from slipstream.core.block_hash import BlockHasher, BlockKeySource, event_extra_keys
 from slipstream.core.kv_cache_events import (
@@ -71,6 +71,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.hash_to_block: dict[Hashable, int] = {}
         self.per_request: dict[str, _PerRequest] = {}
+        # per request being served: its full prompt blocks' hashes (prompt_blocks_in_flight)
+        self._prompt_chains: dict[str, list[Hashable]] = {}
         self.stats = PrefixCacheStats()
         self.hasher = hasher or BlockHasher()
         self.lora_paths = dict(lora_paths or {})
@@ -116,6 +118,27 @@ class BlockManager:
             hits.append(block_id)
             parent = h
         return hits
+
+    def prompt_blocks_in_flight(self, requests: Iterable[Request]) -> set[Hashable]:
+        """Hashes of the full prompt blocks these (running) requests are still to compute:
+        they enter the cache as each request's prefill reaches them."""
+        pending: set[Hashable] = set()
+        for req in requests:
+            state = self.per_request.get(req.request_id)
+            if state is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue
+            pending.update(self._prompt_chain(req)[len(state.block_hashes) :])
+        return pending
+
+    def next_prefix_block(self, req: Request, num_cached_blocks: int) -> Optional[Hashable]:
+        """The hash of ``req``'s first prompt block after its ``num_cached_blocks`` cached
+        ones, or None when the cache could not serve it anyway (past the prompt, or the
+        block holding the last prompt token, which is always recomputed)."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return None
+        if (num_cached_blocks + 1) * self.block_size > req.num_prompt_tokens - 1:
+            return None
+        return self._prompt_chain(req)[num_cached_blocks]
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens
@@ -232,6 +255,7 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)  # unhashed: reuse first
         req.block_table = []
         self.per_request.pop(req.request_id, None)
+        self._prompt_chains.pop(req.request_id, None)
 
     def check_invariants(self) -> None:
         used = sum(1 for b in self.blocks[1:] if b.ref_count > 0)
@@ -240,6 +264,19 @@ class BlockManager:
         assert NULL_BLOCK not in self.free
 
     # -- internals -----------------------------------------------------------------------
+    def _prompt_chain(self, req: Request) -> list[Hashable]:
+        """The hashes of ``req``'s full prompt blocks, made once while it is served."""
+        chain = self._prompt_chains.get(req.request_id)
+        if chain is None:
+            keys, tokens, parent = self._key_source(req), req.prompt_token_ids, None
+            chain = []
+            for i in range(req.num_prompt_tokens // self.block_size):
+                chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+                parent = self.hasher.hash_block(parent, chunk, keys.extra_keys(i))
+                chain.append(parent)
+            self._prompt_chains[req.request_id] = chain
+        return chain
+
     def _key_source(self, req: Request) -> BlockKeySource:
         name = req.params.lora_name
         return BlockKeySource(

@@ -402,11 +402,14 @@ class Scheduler(SchedulerBase):
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        deferred: set[str] = set()  # waiting this step for a prefix another request computes
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A beam slot that has offered its candidates waits for its group's round: it
             # has nothing to compute until then (its offer outlives its KV).
             ready = [
-                r for r in admissible(self.waiting, self.running, self.max_loras) if not _offered(r)
+                r
+                for r in admissible(self.waiting, self.running, self.max_loras)
+                if not _offered(r) and r.request_id not in deferred
             ]
             req = pick_first(ready, self.key, now)
             if req is None:
@@ -424,6 +427,9 @@ class Scheduler(SchedulerBase):
                 budget = self._schedule_resumed(req, out, budget)
                 continue
             cached = self.bm.find_cached_prefix(req)
+            if self._prefix_in_flight(req, len(cached)):
+                deferred.add(req.request_id)
+                continue
             num_cached_tokens = len(cached) * self.bm.block_size
             num_new = self._tokens_wanted_from(req, num_cached_tokens)
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -437,6 +443,21 @@ class Scheduler(SchedulerBase):
             self._admit(req, num_new, cached, num_cached_tokens, out)
             # Recounted rather than decremented: an eviction above gives its tokens back.
             budget = self.last_budget - out.num_tokens
+
+    def _prefix_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
+        """Whether the prompt block ``req`` would compute first is one a running request is
+        computing now. It then waits (a step, or until that prefill is done) and takes the
+        block from the cache instead of computing the shared prefix a second time. vLLM
+        gets the same reuse by caching a block when it schedules it."""
+        prefilling = [
+            r
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens
+        ]
+        if not prefilling:
+            return False
+        block = self.bm.next_prefix_block(req, num_cached_blocks)
+        return block is not None and block in self.bm.prompt_blocks_in_flight(prefilling)
 
     def _release_offered_siblings(self, req: Request, out: SchedulerOutput) -> None:
         """A beam slot that needs blocks to catch up may take them from its siblings that

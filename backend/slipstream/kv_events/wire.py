@@ -16,6 +16,10 @@ from slipstream.core.block_hash import int_block_hash
 ExternalBlockHash = Union[bytes, int]
 MEDIUM_GPU = "GPU"  # vLLM's name for the engine's own KV cache tier, whatever the device
 GROUP_IDX = 0  # one KV cache group (one attention type)
+# vLLM's engine labels every BlockStored with its group's cache kind before publishing
+# (KVCacheManager.take_events). The one group here keeps every layer's K/V for every
+# position of a cached block (none is dropped behind a sliding window): full attention.
+KV_CACHE_SPEC_KIND = "full_attention"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -100,6 +104,7 @@ class WireFormat:
                 lora_name=event.lora_name,
                 extra_keys=list(event.extra_keys) if event.extra_keys else None,
                 group_idx=GROUP_IDX,
+                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
         if isinstance(event, core.BlockRemoved):
             return BlockRemoved(

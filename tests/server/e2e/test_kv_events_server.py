@@ -50,6 +50,7 @@ def check_chain(stored: list, ids: list) -> None:
     assert hashes == expected[: len(hashes)] and len(hashes) >= len(ids) // BLOCK - 1
     assert tokens == ids[: len(tokens)]
     assert all(e.block_size == BLOCK and e.medium == "GPU" for e in stored)
+    assert all(e.kv_cache_spec_kind == "full_attention" for e in stored)  # as vLLM labels them
 
 
 def test_engine_sends_all_blocks_cleared_at_start_then_prompt_blocks(tiny_model):
@@ -78,6 +79,7 @@ def test_engine_sends_all_blocks_cleared_at_start_then_prompt_blocks(tiny_model)
 
 @pytest.mark.server
 @pytest.mark.slow
+@pytest.mark.server
 def test_triton_publishes_vllm_kv_events_to_a_zmq_subscriber(tiny_model, tmp_path):
     need_tritonserver()
     ctx = zmq.Context()

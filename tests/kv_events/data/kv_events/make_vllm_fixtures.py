@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import torch
 import vllm
 from vllm import envs
 from vllm.distributed.kv_events import KVEventBatch
@@ -27,6 +28,11 @@ from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
 from vllm.v1.request import Request
 
 BLOCK_SIZE = 16
@@ -35,6 +41,8 @@ LORA = {"name": "doll", "id": 1, "path": "/models/loras/doll"}
 SALT = "tenant-a"
 TS = 1700000000.25
 OUT = Path(__file__).with_name("vllm_kv_events.json")
+# the cache group of a plain decoder (Slipstream's one group): what the published events say
+SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=3, head_size=64, dtype=torch.float32)
 
 
 def use_int_hashes(on: bool) -> None:
@@ -94,6 +102,9 @@ def batches_case(int_hashes: bool, lora: bool, salt: bool) -> dict:
     blocks = pool.get_new_blocks(5)
     pool.cache_full_blocks(req, blocks, 0, 4, BLOCK_SIZE, 0)
     stored = pool.take_events()
+    for event in stored:  # as vLLM's KVCacheManager.take_events labels them for publishing
+        event.kv_cache_spec_kind = get_kv_cache_spec_kind(SPEC).value
+        event.kv_cache_spec_sliding_window = get_kv_cache_spec_sliding_window(SPEC)
     pool.free_blocks(blocks)
     pool.get_new_blocks(5)  # every block: the cached ones are evicted
     removed = pool.take_events()
