@@ -47,7 +47,11 @@ def test_an_unmarked_test_that_starts_a_tritonserver_fails_naming_the_marker(pyt
     monkeypatch.delenv("SLIPSTREAM_TRITONSERVER", raising=False)  # this test's own stand-in
     pytester.makeconftest((TESTS / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    server: starts a real tritonserver\n")
-    pytester.makepyfile(server_guard=(TESTS / "server_guard.py").read_text(), test_made_up=MODULE)
+    pytester.makepyfile(
+        server_guard=(TESTS / "server_guard.py").read_text(),
+        device_tier=(TESTS / "device_tier.py").read_text(),
+        test_made_up=MODULE,
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf")
     result.assert_outcomes(passed=2, failed=2)
     for name in ("test_unmarked_start_in_this_process", "test_unmarked_start_in_a_child_process"):
