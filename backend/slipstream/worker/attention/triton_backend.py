@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -65,10 +66,32 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_caches(layer: AttentionLayer) -> None:
     # The kernels address both caches with the key cache's strides (as vLLM's do): the KV
     # cache allocates every layer's K and V as slices of one tensor.
+    key_cache, value_cache = layer.key_cache, layer.value_cache
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+
+
+def _check_heads(query: torch.Tensor, layer: AttentionLayer) -> None:
+    assert query.shape[1] % layer.key_cache.shape[2] == 0, "query heads: a multiple of KV heads"
+    _check_caches(layer)
+
+
+def _scoring_and_strides(
+    query: torch.Tensor, layer: AttentionLayer, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple:
+    """The run of arguments the decode and prefill kernels share, in their order: scale,
+    softcap, window, then the strides of the query, the caches, the block table, the output."""
+    return (
+        float(layer.scale),
+        layer.cap,
+        layer.window,
+        *query.stride()[:2],
+        *layer.key_cache.stride()[:3],
+        block_tables.stride(0),
+        *out.stride()[:2],
+    )
 
 
 def _fp32_math(cache: torch.Tensor) -> bool:
@@ -196,31 +219,25 @@ def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
 
 
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, slot_mapping: torch.Tensor
 ) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
     t, hkv, d = key.shape
     if t == 0:
         return
-    _check_caches(key_cache, value_cache)
+    _check_caches(layer)
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     slot_mapping = slot_mapping.contiguous()
     _store_kv_kernel[(t,)](
         key,
         value,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        *key_cache.stride()[:3],
-        **store_kv_config(hkv, d, key_cache.shape[1]),
+        *key.stride()[:2],
+        *value.stride()[:2],
+        *layer.key_cache.stride()[:3],
+        **store_kv_config(hkv, d, layer.key_cache.shape[1]),
     )
 
 
@@ -266,10 +283,10 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     FP32_MATH: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b64 = tl.program_id(0).to(tl.int64)  # the sequence (int64: it scales strides)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
+    seq_len = tl.load(SeqLens + b64)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D_PAD)
@@ -277,7 +294,6 @@ def _decode_kernel(
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
     heads = kvh * G + offs_g
-    b64 = b.to(tl.int64)
 
     q = tl.load(
         Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -445,13 +461,9 @@ def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.de
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: AttentionLayer,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
     *,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -461,18 +473,15 @@ def paged_decode_attention(
     ``num_splits`` / ``block_n`` override the heuristics (tests). No host synchronisation.
     """
     b, h, d = query.shape
-    _, block_size, hkv, _ = key_cache.shape
-    assert h % hkv == 0, "query heads must be a multiple of KV heads"
-    _check_caches(key_cache, value_cache)
+    _, block_size, hkv, _ = layer.key_cache.shape
+    _check_heads(query, layer)
     out = torch.empty_like(query)
     if b == 0:
         return out
     query = _last_dim_contiguous(query)
     block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else 0.0
-    cfg = decode_config(h, hkv, d, block_size, 1, window, cap, _fp32_math(key_cache), block_n)
+    fp32 = _fp32_math(layer.key_cache)
+    cfg = decode_config(h, hkv, d, block_size, 1, layer.window, layer.cap, fp32, block_n)
     max_ctx = block_tables.shape[1] * block_size
     splits = num_splits or _pick_num_splits(b * hkv, max_ctx, cfg["BLOCK_N"], query.device)
     cfg["NUM_SPLITS"] = splits
@@ -485,27 +494,16 @@ def paged_decode_attention(
         mid_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     _decode_kernel[(b, hkv, splits)](
         query,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         block_tables,
-        seq_lens,
+        seq_lens.contiguous(),
         out,
         mid_o,
         mid_lse,
-        float(scale),
-        cap,
-        window,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        *_scoring_and_strides(query, layer, block_tables, out),
+        *mid_o.stride()[:3],
+        *mid_lse.stride()[:2],
         **cfg,
     )
     if splits > 1:
@@ -513,13 +511,9 @@ def paged_decode_attention(
             mid_o,
             mid_lse,
             out,
-            mid_o.stride(0),
-            mid_o.stride(1),
-            mid_o.stride(2),
-            mid_lse.stride(0),
-            mid_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *mid_o.stride()[:3],
+            *mid_lse.stride()[:2],
+            *out.stride()[:2],
             **decode_reduce_config(d, splits),
         )
     return out
@@ -647,64 +641,37 @@ def prefill_config(
 
 def paged_prefill_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    query_lens_host: Optional[list] = None,
-    seq_lens_host: Optional[list] = None,
+    layer: AttentionLayer,
+    meta: AttentionMetadata,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
 ) -> torch.Tensor:
     """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
-    context and to its own new tokens, causally. Only ``max(query_lens_host)`` is read on the
-    host (to size the grid); without it, it is computed from ``cu_seqlens_q`` (one sync)."""
+    context and to its own new tokens, causally. Only ``max(meta.query_lens_host)`` is read
+    on the host (to size the grid)."""
     t, h, d = query.shape
-    _, block_size, hkv, _ = key_cache.shape
-    assert h % hkv == 0, "query heads must be a multiple of KV heads"
-    _check_caches(key_cache, value_cache)
+    _, block_size, hkv, _ = layer.key_cache.shape
+    _check_heads(query, layer)
     out = torch.empty_like(query)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if t == 0 or num_seqs == 0:
-        return out
-    if query_lens_host is not None:
-        max_q = max(query_lens_host) if len(query_lens_host) else 0
-    else:
-        max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_q == 0:
+    num_seqs = meta.cu_seqlens_q.shape[0] - 1
+    max_q = max(meta.query_lens_host, default=0)
+    if t == 0 or num_seqs == 0 or max_q == 0:
         return out
     query = _last_dim_contiguous(query)
-    block_tables = block_tables.contiguous()
-    cu_seqlens_q = cu_seqlens_q.contiguous()
-    seq_lens = seq_lens.contiguous()
-    window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else 0.0
-    cfg = prefill_config(
-        h, hkv, d, block_size, window, cap, _fp32_math(key_cache), block_m, block_n
-    )
+    block_tables = meta.block_tables.contiguous()
+    fp32 = _fp32_math(layer.key_cache)
+    cfg = prefill_config(h, hkv, d, block_size, layer.window, layer.cap, fp32, block_m, block_n)
     grid = (triton.cdiv(max_q * cfg["G"], cfg["BLOCK_M"]), num_seqs, hkv)
     _prefill_kernel[grid](
         query,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         block_tables,
-        cu_seqlens_q,
-        seq_lens,
+        meta.cu_seqlens_q.contiguous(),
+        meta.seq_lens.contiguous(),
         out,
-        float(scale),
-        cap,
-        window,
-        query.stride(0),
-        query.stride(1),
-        *key_cache.stride()[:3],
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_scoring_and_strides(query, layer, block_tables, out),
         **cfg,
     )
     return out
@@ -716,48 +683,17 @@ def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int)
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> torch.Tensor:
     """Dispatch a ragged step: decode-only batches take the decode kernel (CUDA-graph safe),
     anything else (prefill, chunked prefill, mixed batches) the prefill kernel."""
     if meta.decode_only:
-        return paged_decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            scale,
-            sliding_window,
-            softcap,
-        )
-    return paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.cu_seqlens_q,
-        meta.seq_lens,
-        scale,
-        sliding_window,
-        softcap,
-        meta.query_lens_host,
-        meta.seq_lens_host,
-    )
+        return paged_decode_attention(query, layer, meta.block_tables, meta.seq_lens)
+    return paged_prefill_attention(query, layer, meta)
 
 
 def store_step_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> None:
     """The kernel skips slot -1 itself: nothing to work out per step."""
-    store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    store_kv(key, value, layer, meta.slot_mapping)

@@ -22,6 +22,7 @@ import torch
 
 from slipstream.worker.attention import transformers_hook
 from slipstream.worker.attention.base import AttentionOps
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata
 from slipstream.worker.kv_cache import KVCache
 from slipstream.worker.model import llama
@@ -177,10 +178,9 @@ class ModelForward:
         kv = kv or self.kv
         key_caches, value_caches, ops = kv.key_caches, kv.value_caches, self.ops
 
-        def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
-            ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)
-            return ops.paged_attention(
-                q, key_caches[layer], value_caches[layer], meta, scaling, window, None
-            )
+        def step(index: int, q, k, v, scaling: float, window) -> torch.Tensor:
+            layer = AttentionLayer(key_caches[index], value_caches[index], scaling, window)
+            ops.store_step_kv(k, v, layer, meta)
+            return ops.paged_attention(q, layer, meta)
 
         return step
