@@ -66,6 +66,7 @@ def decode_attention_sweep(
     """Decode attention over every (batch, context) whose K and V fit ``max_cache_bytes``: one
     cache for the largest, each case's sequences on their own shuffled pages of it."""
     from slipstream.worker.attention import triton_backend as tk
+    from slipstream.worker.attention.layer import AttentionLayer
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * kv_heads * head_dim * itemsize
@@ -76,6 +77,7 @@ def decode_attention_sweep(
     shape_kv = (most + 1, block_size, kv_heads, head_dim)
     key_cache = torch.randn(shape_kv, dtype=dtype, device=device)
     value_cache = torch.randn(shape_kv, dtype=dtype, device=device)
+    layer = AttentionLayer(key_cache, value_cache, head_dim**-0.5)
     rows = []
     for batch, context in cases:
         pages = -(-context // block_size)
@@ -85,9 +87,7 @@ def decode_attention_sweep(
         query = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
 
         def call() -> None:
-            tk.paged_decode_attention(
-                query, key_cache, value_cache, tables, lengths, head_dim**-0.5
-            )
+            tk.paged_decode_attention(query, layer, tables, lengths)
 
         t = seconds(call, device)
         nbytes = batch * context * per_token + 2 * query.numel() * itemsize

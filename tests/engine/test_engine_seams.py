@@ -15,7 +15,7 @@ from slipstream.core.request import FinishReason, Request, RequestOutput
 from slipstream.core.stats import StatsSnapshot
 from slipstream.engine import LLMEngine, OverloadedError, StepResult
 from slipstream.engine.admission import QueueLimit
-from slipstream.engine.input_processor import InputProcessor, PromptOptions
+from slipstream.engine.input_processor import ClientRequest, InputProcessor, PromptOptions
 from slipstream.engine.loop import EngineLoop, EngineSurface
 from slipstream.worker.attention import transformers_hook as attention
 from support import tiny_model_dir
@@ -56,18 +56,20 @@ def test_the_cheap_checks_refuse_the_same_request_in_the_loop_and_offline(
 
 
 def test_process_refuses_what_only_token_ids_tell(engine):
-    inputs = engine.input_processor
+    inputs, params = engine.input_processor, SamplingParams()
     with pytest.raises(ValueError, match="max_model_len"):
-        inputs.process(list(range(100, 200)))
+        inputs.process(ClientRequest(list(range(100, 200)), params))
     with pytest.raises(ValueError, match=r"prompt token ids must be in"):
-        inputs.process([10**7])
+        inputs.process(ClientRequest([10**7], params))
     with pytest.raises(ValueError, match="priority"):
-        inputs.process([1, 2], priority=True)
+        inputs.process(ClientRequest([1, 2], params, priority=True))
     req = inputs.process(
-        "hello there",
-        SamplingParams(truncate_prompt_tokens=2),
-        "mine",
-        options=PromptOptions(add_special_tokens=False),
+        ClientRequest(
+            "hello there",
+            SamplingParams(truncate_prompt_tokens=2),
+            "mine",
+            options=PromptOptions(add_special_tokens=False),
+        )
     )
     assert req.request_id == "mine" and req.num_prompt_tokens == 2
 

@@ -94,6 +94,7 @@ def test_padding_rows_are_inert_for_triton_decode(tier_device):
     view: the padding row writes no slot and yields zeros, the real rows match the reference."""
     pytest.importorskip("triton")
     from slipstream.worker.attention import torch_backend as ref, triton_backend as tk
+    from slipstream.worker.attention.layer import AttentionLayer
 
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, h, d = 10, 4, 3, 9, 32
@@ -112,13 +113,14 @@ def test_padding_rows_are_inert_for_triton_decode(tier_device):
     k_new = torch.randn(4, hkv, d, generator=g).to(tier_device)
     v_new = torch.randn(4, hkv, d, generator=g).to(tier_device)
     kc_t, vc_t = kc.clone(), vc.clone()
-    tk.store_kv(k_new, v_new, kc_t, vc_t, slots4)
-    ref.store_kv(k_new[:3], v_new[:3], kc, vc, slots)
+    graphed, eager = AttentionLayer(kc_t, vc_t, d**-0.5), AttentionLayer(kc, vc, d**-0.5)
+    tk.store_kv(k_new, v_new, graphed, slots4)
+    ref.store_kv(k_new[:3], v_new[:3], eager, slots)
     assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)
 
     q = torch.randn(4, h, d, generator=g).to(tier_device)
-    out = tk.paged_decode_attention(q, kc_t, vc_t, bt4, lens4, d**-0.5, block_n=8)
-    expect = ref.paged_decode_attention(q[:3], kc, vc, bt, lens, d**-0.5)
+    out = tk.paged_decode_attention(q, graphed, bt4, lens4, block_n=8)
+    expect = ref.paged_decode_attention(q[:3], eager, bt, lens)
     assert torch.isfinite(out).all()
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     torch.testing.assert_close(out[:3], expect, atol=2e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Iterable, Optional, Sequence
 
 from slipstream.core.block_hash import BlockHasher, BlockKeySource, event_extra_keys
 from slipstream.core.kv_cache_events import (
@@ -149,36 +149,40 @@ class BlockManager:
         self,
         req: Request,
         num_new_tokens: int,
-        cached: Optional[list[int]] = None,
+        cached: Sequence[int] = (),
         start: Optional[int] = None,
     ) -> bool:
-        cached = cached or []
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        have = len(req.block_table) + len(cached)
-        start = req.num_computed_tokens if start is None else start
-        need = self.blocks_needed(start + num_new_tokens) - have
+        need = self._blocks_short(req, num_new_tokens, cached, start)
         return max(need, 0) + revived <= len(self.free)
 
     def allocate(
         self,
         req: Request,
         num_new_tokens: int,
-        cached: Optional[list[int]] = None,
+        cached: Sequence[int] = (),
         start: Optional[int] = None,
     ) -> None:
         """Give ``req`` room for ``num_new_tokens`` tokens from position ``start`` (default:
         its progress), first taking prefix-cache hits."""
+        need = self._blocks_short(req, num_new_tokens, cached, start)
         state = self.per_request.setdefault(req.request_id, _PerRequest())
-        for block_id in cached or []:
+        for block_id in cached:
             self._touch(block_id)
             req.block_table.append(block_id)
             state.block_hashes.append(self.blocks[block_id].block_hash)
-        start = req.num_computed_tokens if start is None else start
-        need = self.blocks_needed(start + num_new_tokens) - len(req.block_table)
         if need > len(self.free):
             raise RuntimeError("KV cache exhausted: check can_allocate before allocate")
         for _ in range(need):
             req.block_table.append(self._take_free())
+
+    def _blocks_short(
+        self, req: Request, num_new_tokens: int, cached: Sequence[int], start: Optional[int]
+    ) -> int:
+        """Free blocks ``req`` lacks, beyond its table and ``cached``, for ``num_new_tokens``
+        tokens from position ``start`` (default: its progress); negative: none."""
+        start = req.num_computed_tokens if start is None else start
+        return self.blocks_needed(start + num_new_tokens) - len(req.block_table) - len(cached)
 
     def register_full_blocks(self, req: Request) -> None:
         """Publish the request's newly completed blocks in the prefix cache."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
 from slipstream.core.boolean_text import SETTING, parse_bool
+from slipstream.core.field_values import from_values
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
 POLICIES = ("fifo", "priority", "sjf")
@@ -263,14 +264,12 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
         """Build from string-valued settings (Triton config parameters, CLI flags)."""
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, raw in values.items():
-            if key not in known:
-                raise ValueError(f"unknown engine setting {key!r}")
-            default = known[key].default
-            kwargs[key] = _coerce(key, raw, default)
-        return cls(**kwargs)
+        return from_values(
+            cls,
+            values,
+            lambda f, raw: _coerce(f.name, raw, f.default),
+            lambda key: f"unknown engine setting {key!r}",
+        )
 
 
 def _bool(text: str) -> bool:

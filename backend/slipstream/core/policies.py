@@ -37,20 +37,27 @@ def make_policy(name: str, aging_seconds: float = 5.0) -> PolicyKey:
     raise ValueError(f"unknown policy {name!r}")
 
 
-def pick_first(
-    requests: list[Request], key: PolicyKey, now: Optional[float] = None
+Choose = Callable[..., Request]  # min or max, with a key
+
+
+def _pick(
+    choose: Choose, requests: list[Request], key: PolicyKey, now: Optional[float]
 ) -> Optional[Request]:
     if not requests:
         return None
     now = time.monotonic() if now is None else now
-    return min(requests, key=lambda r: key(r, now))
+    return choose(requests, key=lambda r: key(r, now))
+
+
+def pick_first(
+    requests: list[Request], key: PolicyKey, now: Optional[float] = None
+) -> Optional[Request]:
+    """The waiting request to admit next: the one the policy serves first."""
+    return _pick(min, requests, key, now)
 
 
 def pick_victim(
     requests: list[Request], key: PolicyKey, now: Optional[float] = None
 ) -> Optional[Request]:
     """The running request to preempt: the one the policy would serve last."""
-    if not requests:
-        return None
-    now = time.monotonic() if now is None else now
-    return max(requests, key=lambda r: key(r, now))
+    return _pick(max, requests, key, now)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import math
 import reprlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from slipstream.core.boolean_text import REQUEST, parse_bool
+from slipstream.core.field_values import from_values
 from slipstream.core.structured_outputs import StructuredOutputsParams
 
 # A temperature below this is greedy (vLLM's _SAMPLING_EPS); one between it and
@@ -397,13 +398,12 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
         """Build from JSON-ish values; numbers may arrive as strings (Triton's vLLM backend)."""
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, raw in values.items():
-            if key not in known:
-                raise ValueError(f"unknown sampling parameter {show(key)}")
-            kwargs[key] = _coerce(key, raw)
-        return cls(**kwargs)
+        return from_values(
+            cls,
+            values,
+            lambda f, raw: _coerce(f.name, raw),
+            lambda key: f"unknown sampling parameter {show(key)}",
+        )
 
 
 _INT_FIELDS = {

@@ -47,6 +47,17 @@ class PromptOptions:
     add_special_tokens: bool = True  # False: the caller's rendered template holds them
 
 
+@dataclass(frozen=True)
+class ClientRequest:
+    """What a client asked for, before it is checked and tokenized (``InputProcessor.process``)."""
+
+    prompt: Prompt
+    params: SamplingParams
+    request_id: Optional[str] = None  # None: the processor numbers it
+    priority: int = 0
+    options: PromptOptions = PromptOptions()
+
+
 def is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
     return bool(prompt) and _all_token_ids(prompt)
 
@@ -156,19 +167,12 @@ class InputProcessor:
             )
 
     # -- making the request ----------------------------------------------------------------
-    def process(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        priority: int = 0,
-        options: PromptOptions = PromptOptions(),
-    ) -> Request:
+    def process(self, client: ClientRequest) -> Request:
         """Check, tokenize and validate; raises ``ValueError`` with a message fit for the
         client."""
-        params = params or SamplingParams()
-        self.check(prompt, params)
-        ids = self.tokenize(prompt, options)
+        params, priority = client.params, client.priority
+        self.check(client.prompt, params)
+        ids = self.tokenize(client.prompt, client.options)
         if not ids:
             raise ValueError("the prompt is empty")
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.limits.max_model_len)
@@ -178,7 +182,7 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_parallel_sampling(params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = client.request_id if client.request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.eos_token_id, priority)
         if params.structured_outputs is not None:  # compiled here, off the step path
             req.grammar = self.grammars.state_for(params.structured_outputs)

@@ -42,7 +42,13 @@ from slipstream.engine.factory import (
     input_vocab_size,
     resolved_max_model_len,
 )
-from slipstream.engine.input_processor import InputLimits, InputProcessor, Prompt, PromptOptions
+from slipstream.engine.input_processor import (
+    ClientRequest,
+    InputLimits,
+    InputProcessor,
+    Prompt,
+    PromptOptions,
+)
 from slipstream.engine.model_executor import ModelExecutor
 from slipstream.engine.output_processor import OutputProcessor
 from slipstream.engine.spec_decode import Proposer, make_proposer
@@ -256,13 +262,9 @@ class LLMEngine:
     ) -> Request:
         """Tokenize and validate (``InputProcessor.process``); raises ``ValueError`` with a
         message fit for the client."""
-        return self.input_processor.process(
-            prompt,
-            params,
-            request_id,
-            priority,
-            PromptOptions(apply_chat_template, add_special_tokens),
-        )
+        options = PromptOptions(apply_chat_template, add_special_tokens)
+        client = ClientRequest(prompt, params or SamplingParams(), request_id, priority, options)
+        return self.input_processor.process(client)
 
     def tokenize(
         self, prompt: Prompt, apply_chat_template: bool = False, add_special_tokens: bool = True
@@ -297,6 +299,7 @@ class LLMEngine:
         priority: int = 0,
         apply_chat_template: bool = False,
     ) -> Request:
+        """``make_request``, then ``add``."""
         req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
         self.add(req)
         return req

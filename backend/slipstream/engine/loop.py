@@ -39,7 +39,12 @@ from slipstream.engine.health import (
     HealthState,
     StepFailures,
 )
-from slipstream.engine.input_processor import Prompt, PromptOptions, needs_tokenizer
+from slipstream.engine.input_processor import (
+    ClientRequest,
+    Prompt,
+    PromptOptions,
+    needs_tokenizer,
+)
 from slipstream.engine.llm_engine import LLMEngine, StepResult
 from slipstream.engine.loop_commands import (
     AbortRequest,
@@ -218,15 +223,15 @@ class EngineLoop:
         with the error and ``stream.rejection`` set."""
         self._refuse_if_not_running()
         inputs = self._built_engine.input_processor
-        params = params or SamplingParams()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         options = PromptOptions(apply_chat_template, add_special_tokens)
+        client = ClientRequest(prompt, params or SamplingParams(), rid, priority, options)
         if needs_tokenizer(prompt):
-            inputs.check(prompt, params)  # the rest on the tokenizer thread
+            inputs.check(prompt, client.params)  # the rest on the tokenizer thread
             stream = self._streams.admit(rid, self._admission)
-            self._tokenizer.put(TokenizeJob(stream, prompt, params, priority, options))
+            self._tokenizer.put(TokenizeJob(stream, client))
             return stream
-        req = inputs.process(prompt, params, rid, priority, options)
+        req = inputs.process(client)
         stream = self._streams.admit(rid, self._admission)
         self._commands.put(AddRequest(req))
         return stream

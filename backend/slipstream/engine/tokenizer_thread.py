@@ -11,8 +11,7 @@ from typing import Callable, Optional
 
 from slipstream.core.pooling_params import PoolingParams
 from slipstream.core.request import Request, RequestOutput
-from slipstream.core.sampling_params import SamplingParams
-from slipstream.engine.input_processor import InputProcessor, Prompt, PromptOptions
+from slipstream.engine.input_processor import ClientRequest, InputProcessor, Prompt, PromptOptions
 from slipstream.engine.output_stream import OutputStream
 from slipstream.engine.stream_table import StreamTable
 
@@ -20,10 +19,7 @@ from slipstream.engine.stream_table import StreamTable
 @dataclass
 class TokenizeJob:
     stream: OutputStream
-    prompt: Prompt
-    params: SamplingParams
-    priority: int
-    options: PromptOptions
+    client: ClientRequest  # its request_id is the stream's
 
 
 @dataclass
@@ -82,9 +78,7 @@ class TokenizerThread:
                     job.token_ids = inputs.pooling_ids(job.prompt, job.options, job.truncate)
                     self.embed(job)
                     continue
-                req = inputs.process(
-                    job.prompt, job.params, job.stream.request_id, job.priority, job.options
-                )
+                req = inputs.process(job.client)
             except Exception as exc:  # noqa: BLE001 - refused: this request alone
                 self._reject(job.stream, exc)
                 continue

@@ -44,7 +44,7 @@ class KVEventPublisher:
         context: Optional[zmq.Context] = None,
     ) -> None:
         self.config = config
-        self.wire = WireFormat(use_int_hashes(), lora_ids, data_parallel_rank)
+        self.wire = WireFormat(use_int_hashes(), dict(lora_ids or {}), data_parallel_rank)
         self._queue: "queue.Queue[Optional[tuple[float, list[KVCacheEvent]]]]" = queue.Queue(
             maxsize=config.max_queue_size
         )

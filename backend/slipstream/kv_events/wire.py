@@ -6,7 +6,8 @@ a consumer decoding with vLLM's own classes reads Slipstream's batches unchanged
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
 
 import msgspec
 
@@ -70,18 +71,13 @@ def use_int_hashes() -> bool:
     return bool(int(os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")))
 
 
+@dataclass(frozen=True)
 class WireFormat:
     """Core events -> vLLM's structs."""
 
-    def __init__(
-        self,
-        int_hashes: bool,
-        lora_ids: Optional[dict[str, int]] = None,
-        data_parallel_rank: int = 0,
-    ) -> None:
-        self.int_hashes = int_hashes
-        self.lora_ids = dict(lora_ids or {})
-        self.data_parallel_rank = data_parallel_rank
+    int_hashes: bool  # block hashes as 64-bit ints (else bytes): ``use_int_hashes``
+    lora_ids: Mapping[str, int] = field(default_factory=dict)  # adapter name -> vLLM's id
+    data_parallel_rank: int = 0
 
     def batch(self, ts: float, events: list[core.KVCacheEvent]) -> KVEventBatch:
         return KVEventBatch(

@@ -6,6 +6,7 @@ import torch
 
 from slipstream.worker import kernels
 from slipstream.worker.attention import cpu_backend, torch_backend
+from slipstream.worker.attention.layer import AttentionLayer
 from attention_support import mixed_step, paged_cache, reference_attention
 
 pytestmark = pytest.mark.skipif(
@@ -23,8 +24,9 @@ def test_decode_kernel_equals_the_torch_path(lens, kw):
     tables, kc, vc = paged_cache(lens, bs, hkv, d)
     q = torch.randn(len(lens), h, d)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    want = torch_backend.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
-    got = cpu_backend.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
+    layer = AttentionLayer(kc, vc, 0.3, **kw)
+    want = torch_backend.paged_decode_attention(q, layer, tables, seq_lens)
+    got = cpu_backend.paged_decode_attention(q, layer, tables, seq_lens)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -40,8 +42,9 @@ def test_decode_kernel_tiles_equal_the_torch_path_at_every_head_size(d, bs, kw):
         tables, kc, vc = paged_cache(lens, bs, hkv, d)
         q = torch.randn(len(lens), h, d)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        want = torch_backend.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, **kw)
-        got = cpu_backend.paged_decode_attention(q, kc, vc, tables, seq_lens, d**-0.5, **kw)
+        layer = AttentionLayer(kc, vc, d**-0.5, **kw)
+        want = torch_backend.paged_decode_attention(q, layer, tables, seq_lens)
+        got = cpu_backend.paged_decode_attention(q, layer, tables, seq_lens)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -57,19 +60,18 @@ def test_bf16_caches_give_what_the_same_values_in_fp32_give():
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
     q = torch.randn(sum(q_lens), h, d)
-    got = cpu_backend.paged_attention(q, kb, vb, meta, 0.125)
+    got = cpu_backend.paged_attention(q, AttentionLayer(kb, vb, 0.125), meta)
     assert meta.plan.torch_plan is None  # the kernels ran, not the torch path
     decode = torch.tensor([0, 1, 42])  # the decode rows (q_lens 1)
     prompt = torch.ones(len(q), dtype=torch.bool)
     prompt[decode] = False
     meta.plan = None
-    want = cpu_backend.paged_attention(q, kb.float(), vb.float(), meta, 0.125)
+    wide = AttentionLayer(kb.float(), vb.float(), 0.125)
+    want = cpu_backend.paged_attention(q, wide, meta)
     assert torch.equal(got[prompt], want[prompt])
     if torch.ops.slipstream_cpu.decode_rounds_query_bf16():
         meta.plan = None
-        rounded = cpu_backend.paged_attention(
-            q.bfloat16().float(), kb.float(), vb.float(), meta, 0.125
-        )
+        rounded = cpu_backend.paged_attention(q.bfloat16().float(), wide, meta)
         assert not torch.equal(got[decode], want[decode])
         torch.testing.assert_close(got[decode], rounded[decode], rtol=1e-5, atol=1e-6)
     else:
@@ -86,7 +88,7 @@ def test_mixed_step_decode_rows_by_the_decode_kernel_prompt_chunks_by_the_prefil
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     for kw in ({}, {"sliding_window": 7}, {"softcap": 3.0}):
         q = torch.randn(sum(q_lens), h, d)
-        got = cpu_backend.paged_attention(q, kc, vc, meta, 0.4, **kw)
+        got = cpu_backend.paged_attention(q, AttentionLayer(kc, vc, 0.4, **kw), meta)
         want = reference_attention(
             q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
         )
@@ -109,7 +111,7 @@ def test_a_verification_chunk_runs_every_token_on_the_kernel_causally(kw):
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     meta.verify_host = [True, True, False, False, True]
     q = torch.randn(sum(q_lens), h, d)
-    got = cpu_backend.paged_attention(q, kc, vc, meta, 0.4, **kw)
+    got = cpu_backend.paged_attention(q, AttentionLayer(kc, vc, 0.4, **kw), meta)
     want = reference_attention(
         q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
     )
@@ -128,10 +130,11 @@ def test_a_verification_row_equals_the_decode_row_it_stands_for():
     tables, kc, vc, meta = mixed_step([4], [23], bs, hkv, d)
     meta.verify_host = [True]
     q = torch.randn(4, h, d)
-    verified = cpu_backend.paged_attention(q, kc, vc, meta, 0.4)
+    layer = AttentionLayer(kc, vc, 0.4)
+    verified = cpu_backend.paged_attention(q, layer, meta)
     for j in range(4):
         alone = cpu_backend.paged_decode_attention(
-            q[j : j + 1], kc, vc, tables[:1], torch.tensor([20 + j], dtype=torch.int32), 0.4
+            q[j : j + 1], layer, tables[:1], torch.tensor([20 + j], dtype=torch.int32)
         )
         assert torch.equal(verified[j], alone[0])
 
@@ -147,7 +150,7 @@ def test_prefill_kernel_equals_the_reference(d, window):
     seq_lens = [7, 230, 90, 33, 17]
     tables, kc, vc, meta = mixed_step(q_lens, seq_lens, bs, hkv, d)
     q = torch.randn(sum(q_lens), h, d)
-    got = cpu_backend.paged_attention(q, kc, vc, meta, d**-0.5, sliding_window=window)
+    got = cpu_backend.paged_attention(q, AttentionLayer(kc, vc, d**-0.5, window), meta)
     want = reference_attention(q, kc, vc, tables, q_lens, seq_lens, d**-0.5, window)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     assert meta.plan.torch_chunks is None  # all on the kernel
@@ -162,7 +165,8 @@ def test_a_prompt_row_is_the_same_however_the_prompt_is_chunked(window):
     bs, hkv, h, d, n = 16, 3, 9, 64, 70
     tables, kc, vc, meta = mixed_step([n], [n], bs, hkv, d)
     q = torch.randn(n, h, d)
-    whole = cpu_backend.paged_attention(q, kc, vc, meta, 0.125, sliding_window=window)
+    layer = AttentionLayer(kc, vc, 0.125, window)
+    whole = cpu_backend.paged_attention(q, layer, meta)
     # the same sequence (same blocks) cut into chunks, each beside another sequence's chunk
     other_tables, okc, ovc, _ = mixed_step([9], [9], bs, hkv, d)
     for cut in ([5, 30, 35], [3, 64, 3], [17, 53], [1, 68, 1]):
@@ -175,7 +179,7 @@ def test_a_prompt_row_is_the_same_however_the_prompt_is_chunked(window):
             step.seq_lens = torch.tensor([done + size, 9], dtype=torch.int32)
             step.prompt_host = [True, True]
             rows = torch.cat([q[done : done + size], torch.randn(9, h, d)])
-            got = cpu_backend.paged_attention(rows, kc, vc, step, 0.125, sliding_window=window)
+            got = cpu_backend.paged_attention(rows, layer, step)
             assert torch.equal(got[:size], whole[done : done + size]), (cut, size)
             done += size
 
@@ -187,10 +191,11 @@ def test_a_nan_prompt_row_stays_nan_and_harms_no_other_row():
     bs, hkv, h, d = 16, 3, 9, 64
     tables, kc, vc, meta = mixed_step([20, 12], [20, 30], bs, hkv, d)
     q = torch.randn(32, h, d)
-    clean = cpu_backend.paged_attention(q, kc, vc, meta, 0.125)
+    layer = AttentionLayer(kc, vc, 0.125)
+    clean = cpu_backend.paged_attention(q, layer, meta)
     q[25, 4] = float("nan")  # one query head of row 5 of the second chunk
     meta.plan = None
-    got = cpu_backend.paged_attention(q, kc, vc, meta, 0.125)
+    got = cpu_backend.paged_attention(q, layer, meta)
     assert torch.isnan(got[25, 4]).all()
     others = torch.ones(32, h, dtype=torch.bool)
     others[25, 4] = False
@@ -202,5 +207,5 @@ def test_other_dtypes_use_the_torch_path():
     _, kc, vc, meta = mixed_step([1, 1], [5, 9], 4, 1, 8)
     kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
     q = torch.randn(2, 2, 8, dtype=torch.bfloat16)
-    got = cpu_backend.paged_attention(q, kc, vc, meta, 0.3)
+    got = cpu_backend.paged_attention(q, AttentionLayer(kc, vc, 0.3), meta)
     assert got.dtype == torch.bfloat16 and isinstance(meta.plan, torch_backend.StepPlan)

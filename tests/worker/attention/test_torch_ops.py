@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from slipstream.worker.attention import torch_backend as torch_ops
+from slipstream.worker.attention.layer import AttentionLayer
 from attention_support import mixed_step, paged_cache, reference_attention
 
 
@@ -36,16 +37,15 @@ def test_grouped_decode_equals_padded_decode():
     q = torch.randn(len(lens), h, d)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     for kw in ({}, {"sliding_window": 9}, {"softcap": 5.0}):
-        padded = torch_ops.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3, **kw)
-        grouped = torch_ops.paged_decode_attention(
-            q, kc, vc, tables, seq_lens, 0.3, **kw, seq_lens_host=lens
-        )
+        layer = AttentionLayer(kc, vc, 0.3, **kw)
+        padded = torch_ops.paged_decode_attention(q, layer, tables, seq_lens)
+        grouped = torch_ops.paged_decode_attention(q, layer, tables, seq_lens, seq_lens_host=lens)
         torch.testing.assert_close(grouped, padded, rtol=1e-5, atol=1e-6)
         small = kc[0].numel() * kc.element_size() * 30  # gathers of at most 30 blocks
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch_ops, "MAX_GATHER_BYTES", small)
             capped = torch_ops.paged_decode_attention(
-                q, kc, vc, tables, seq_lens, 0.3, **kw, seq_lens_host=lens
+                q, layer, tables, seq_lens, seq_lens_host=lens
             )
         torch.testing.assert_close(capped, padded, rtol=1e-5, atol=1e-6)
         # and both equal a per-sequence softmax over exactly the visible keys
@@ -75,7 +75,7 @@ def test_one_step_plan_serves_every_layer_of_a_mixed_step():
         ({}, {"sliding_window": 7}, {}, {"softcap": 3.0}, {"sliding_window": 7, "softcap": 3.0})
     ):
         q = torch.randn(sum(q_lens), h, d)
-        got = torch_ops.paged_attention(q, kc, vc, meta, 0.4, **kw)
+        got = torch_ops.paged_attention(q, AttentionLayer(kc, vc, 0.4, **kw), meta)
         want = reference_attention(
             q, kc, vc, tables, q_lens, seq_lens, 0.4, kw.get("sliding_window"), kw.get("softcap")
         )

@@ -16,6 +16,7 @@ from slipstream.worker.attention import (  # noqa: E402
     torch_backend as ref,
     triton_backend as tk,
 )
+from slipstream.worker.attention.layer import AttentionLayer  # noqa: E402
 from slipstream.worker.attention.metadata import AttentionMetadata  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -75,10 +76,10 @@ def test_store_kv_matches_reference_and_skips_minus_one(src_dtype, cache_dtype, 
     slots = torch.tensor([5, -1, 0, 23, 12, -1, 8], dtype=torch.int64)
     kc_ref, vc_ref = make_cache(nb, hkv, d, cache_dtype, seed=4)
     kc, vc = to(tier_device, kc_ref.clone(), vc_ref.clone())
-    ref.store_kv(key, value, kc_ref, vc_ref, slots)
+    ref.store_kv(key, value, AttentionLayer(kc_ref, vc_ref, d**-0.5), slots)
     on_device = packed.to(tier_device)  # still non-contiguous views there
     dev_key, dev_value = on_device[:, :hkv], on_device[:, hkv : 2 * hkv]
-    tk.store_kv(dev_key, dev_value, kc, vc, slots.to(tier_device))
+    tk.store_kv(dev_key, dev_value, AttentionLayer(kc, vc, d**-0.5), slots.to(tier_device))
     kc, vc = kc.cpu(), vc.cpu()
     if src_dtype == torch.float32 and cache_dtype == torch.bfloat16:
         # The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): 1 ulp.
@@ -117,12 +118,10 @@ def test_decode_matches_reference(h, hkv, d, kw, dtype, tier_device):
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
     q = torch.randn(len(seq_lens_list), h, d, generator=torch.Generator().manual_seed(7)).to(dtype)
     kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
-    scale = d**-0.5
-    expect = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, scale, **kw)
+    layer = AttentionLayer(kc, vc, d**-0.5, **kw)
+    expect = ref.paged_decode_attention(q, layer, bt, seq_lens)
     for splits in (1, 3):  # direct store, and flash-decoding split + log-sum-exp reduce
-        out = tk.paged_decode_attention(
-            q, kc, vc, bt, seq_lens, scale, num_splits=splits, block_n=8, **kw
-        )
+        out = tk.paged_decode_attention(q, layer, bt, seq_lens, num_splits=splits, block_n=8)
         check(out, expect, dtype)
 
 
@@ -135,8 +134,9 @@ def test_decode_default_tiles_and_splits(tier_device):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(2, h, d)
     kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
-    expect = ref.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.125)
-    check(tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.125), expect, torch.float32)
+    layer = AttentionLayer(kc, vc, 0.125)
+    expect = ref.paged_decode_attention(q, layer, bt, seq_lens)
+    check(tk.paged_decode_attention(q, layer, bt, seq_lens), expect, torch.float32)
 
 
 def test_decode_padding_rows_are_zero_not_nan(tier_device):
@@ -154,11 +154,12 @@ def test_decode_padding_rows_are_zero_not_nan(tier_device):
     seq_lens = torch.tensor([6, 1, 1], dtype=torch.int32)
     q = torch.randn(3, h, d)
     kc, vc, bt, seq_lens, q = to(tier_device, kc, vc, bt, seq_lens, q)
+    layer = AttentionLayer(kc, vc, 0.2)
     for splits in (1, 2):
-        out = tk.paged_decode_attention(q, kc, vc, bt, seq_lens, 0.2, num_splits=splits, block_n=8)
+        out = tk.paged_decode_attention(q, layer, bt, seq_lens, num_splits=splits, block_n=8)
         assert torch.isfinite(out).all()
         assert torch.equal(out[1:], torch.zeros_like(out[1:]))
-        expect = ref.paged_decode_attention(q[:1], kc, vc, bt[:1], seq_lens[:1], 0.2)
+        expect = ref.paged_decode_attention(q[:1], layer, bt[:1], seq_lens[:1])
         check(out[:1], expect, torch.float32)
 
 
@@ -178,9 +179,13 @@ PREFILL_CASES = [
 def ragged_batch(h, d, dtype, seed=11):
     q_lens = [n for _, n in RAGGED]
     seq_lens_list = [c + n for c, n in RAGGED]
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), h, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    return q, cu, q_lens, seq_lens_list
+    return q, q_lens, seq_lens_list
+
+
+def ragged_meta(q_lens, lens, bt):
+    """The step's metadata (no slots: nothing is stored) with ``bt`` as its block tables."""
+    return _meta(q_lens, lens, bt, torch.zeros(sum(q_lens), dtype=torch.int64, device=bt.device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -188,39 +193,26 @@ def ragged_batch(h, d, dtype, seed=11):
 def test_prefill_matches_reference(h, hkv, d, kw, dtype, tier_device):
     nb = 24
     kc, vc = make_cache(nb, hkv, d, dtype, seed=h * d)
-    q, cu, q_lens, lens = ragged_batch(h, d, dtype)
+    q, q_lens, lens = ragged_batch(h, d, dtype)
     bt = make_block_tables(lens, nb, width=6)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kc, vc, q, cu, bt, seq_lens = to(tier_device, kc, vc, q, cu, bt, seq_lens)
-    scale = d**-0.5
-    expect = ref.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, scale, **kw)
+    kc, vc, q, bt = to(tier_device, kc, vc, q, bt)
+    layer, meta = AttentionLayer(kc, vc, d**-0.5, **kw), ragged_meta(q_lens, lens, bt)
+    expect = ref.paged_prefill_attention(q, layer, meta)
     # Tiles of 16 flattened (token, head) rows and 8 keys: several query and KV tiles per seq.
-    out = tk.paged_prefill_attention(
-        q,
-        kc,
-        vc,
-        bt,
-        cu,
-        seq_lens,
-        scale,
-        query_lens_host=q_lens,
-        seq_lens_host=lens,
-        block_m=16,
-        block_n=8,
-        **kw,
-    )
+    out = tk.paged_prefill_attention(q, layer, meta, block_m=16, block_n=8)
     check(out, expect, dtype)
 
 
-def test_prefill_default_tiles_without_host_lists(tier_device):
+def test_prefill_default_tiles(tier_device):
+    """The wrapper's own tile sizes (no overrides)."""
     h, hkv, d, nb = 9, 3, 64, 24
     kc, vc = make_cache(nb, hkv, d, torch.float32, seed=5)
-    q, cu, _, lens = ragged_batch(h, d, torch.float32)
+    q, q_lens, lens = ragged_batch(h, d, torch.float32)
     bt = make_block_tables(lens, nb)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kc, vc, q, cu, bt, seq_lens = to(tier_device, kc, vc, q, cu, bt, seq_lens)
-    expect = ref.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, 0.125)
-    check(tk.paged_prefill_attention(q, kc, vc, bt, cu, seq_lens, 0.125), expect, torch.float32)
+    kc, vc, q, bt = to(tier_device, kc, vc, q, bt)
+    layer, meta = AttentionLayer(kc, vc, 0.125), ragged_meta(q_lens, lens, bt)
+    expect = ref.paged_prefill_attention(q, layer, meta)
+    check(tk.paged_prefill_attention(q, layer, meta), expect, torch.float32)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -281,9 +273,9 @@ def test_store_then_paged_attention_steps(dtype, tier_device):
         )
         outs = {}
         for name in ("ref", "tk"):
-            kc, vc = caches[name]
-            ops[name].store_kv(k, v, kc, vc, meta.slot_mapping)
-            outs[name] = ops[name].paged_attention(q, kc, vc, meta, d**-0.5, sliding_window=8)
+            layer = AttentionLayer(*caches[name], d**-0.5, sliding_window=8)
+            ops[name].store_kv(k, v, layer, meta.slot_mapping)
+            outs[name] = ops[name].paged_attention(q, layer, meta)
         assert torch.equal(caches["tk"][0], caches["ref"][0])
         check(outs["tk"], outs["ref"], dtype)
 

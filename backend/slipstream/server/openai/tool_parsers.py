@@ -100,27 +100,30 @@ def _function(call: dict) -> tuple[str, Any]:
     return str(function.get("name", "")), args
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
+class MarkedParser(ToolCallParser):
+    """A format whose calls begin at a fixed marker, anywhere in the output."""
 
-
-class HermesParser(ToolCallParser):
-    name = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+    MARKER: ClassVar[str]
 
     def calls_begin(self, text: str) -> Optional[int]:
-        at = text.find(self.OPEN)
+        at = text.find(self.MARKER)
         return at if at >= 0 else None
 
     def undecided(self, text: str) -> int:
-        return _held_prefix(text, self.OPEN)
+        """The longest tail of ``text`` that begins the marker."""
+        for size in range(min(len(self.MARKER) - 1, len(text)), 0, -1):
+            if self.MARKER.startswith(text[-size:]):
+                return size
+        return 0
+
+
+class HermesParser(MarkedParser):
+    name = "hermes"
+    MARKER, CLOSE = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> ParsedOutput:
-        if self.OPEN not in text:
+        if self.MARKER not in text:
             return ParsedOutput(text, [])
         calls = []
         for block in self.BLOCK.findall(text):
@@ -139,7 +142,7 @@ class HermesParser(ToolCallParser):
         for call in calls:
             name, args = _function(call)
             body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
-            blocks.append(f"{self.OPEN}\n{body}\n{self.CLOSE}")
+            blocks.append(f"{self.MARKER}\n{body}\n{self.CLOSE}")
         return "\n".join(blocks)
 
     def instructions(self) -> str:
@@ -199,17 +202,10 @@ class Llama3JsonParser(ToolCallParser):
         )
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(MarkedParser):
     name = "mistral"
     MARKER = "[TOOL_CALLS]"
     NAMED = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?=\{)")
-
-    def calls_begin(self, text: str) -> Optional[int]:
-        at = text.find(self.MARKER)
-        return at if at >= 0 else None
-
-    def undecided(self, text: str) -> int:
-        return _held_prefix(text, self.MARKER)
 
     def parse(self, text: str) -> ParsedOutput:
         at = text.find(self.MARKER)

@@ -99,6 +99,11 @@ def _same(name: str, type: ArgType, help: str, **extra: Any) -> EngineArgument:
     return EngineArgument(name, type, Effect.SETS, help, settings=(name,), **extra)
 
 
+def _switch(name: str, help: str) -> EngineArgument:
+    """An on/off argument that is the EngineConfig setting of the same name."""
+    return _same(name, ArgType.BOOL, help, convert=switch(name, name))
+
+
 def _only(name: str, type: ArgType, only: Any, why: str) -> EngineArgument:
     return EngineArgument(name, type, Effect.ONLY_AT, why, only=only)
 
@@ -113,35 +118,29 @@ ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
         "directory (absolute, or relative to the model's directory); nothing is downloaded",
     ),
     _same("tokenizer", T.STR, "tokenizer directory (default: the model's own)"),
-    EngineArgument(
+    _same(
         "dtype",
         T.STR,
-        E.SETS,
         "weights and activations: auto (float32 on CPU, "
         "bfloat16 on CUDA), float32, float16, bfloat16; on CPU bfloat16 holds the "
         "linear layers' weights in bf16",
-        settings=("dtype",),
         convert=convert_dtype,
         choices=("auto", "float32", "float", "float16", "half", "bfloat16"),
     ),
-    EngineArgument(
+    _same(
         "quantization",
         T.STR,
-        E.SETS,
         "int8: every linear layer quantized at load (CPU); none: unquantized",
-        settings=("quantization",),
         convert=convert_quantization,
         choices=("none", "int8"),
     ),
     _same("seed", T.INT, "the engine's random seed (a request's own seed wins)"),
     _same("device", T.STR, "auto (CUDA when available), cpu, cuda, cuda:N"),
     # --- memory
-    EngineArgument(
+    _same(
         "kv_cache_dtype",
         T.STR,
-        E.SETS,
         "KV cache: auto (the model's dtype), float32, bfloat16",
-        settings=("kv_cache_dtype",),
         convert=convert_kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
     ),
@@ -171,29 +170,13 @@ ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
     ),
     _same("max_num_seqs", T.INT, "most requests in one engine step"),
     _same("max_num_batched_tokens", T.INT, "token budget of one engine step"),
-    EngineArgument(
-        "enable_chunked_prefill",
-        T.BOOL,
-        E.SETS,
-        "split long prompts across steps",
-        settings=("enable_chunked_prefill",),
-        convert=switch("enable_chunked_prefill", "enable_chunked_prefill"),
-    ),
-    EngineArgument(
-        "enable_prefix_caching",
-        T.BOOL,
-        E.SETS,
-        "reuse the KV blocks of shared prompt prefixes",
-        settings=("enable_prefix_caching",),
-        convert=switch("enable_prefix_caching", "enable_prefix_caching"),
-    ),
-    EngineArgument(
+    _switch("enable_chunked_prefill", "split long prompts across steps"),
+    _switch("enable_prefix_caching", "reuse the KV blocks of shared prompt prefixes"),
+    _same(
         "prefix_caching_hash_algo",
         T.STR,
-        E.SETS,
         "how full blocks are named: "
         "builtin (fastest) or sha256_cbor (vLLM's, what KV events carry)",
-        settings=("prefix_caching_hash_algo",),
         convert=convert_hash_algo,
         choices=HASH_ALGOS,
     ),
@@ -233,20 +216,11 @@ ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
         shown=shown_speculative_config,
     ),
     # --- LoRA
-    EngineArgument(
-        "enable_lora",
-        T.BOOL,
-        E.SETS,
-        "serve LoRA adapters per request",
-        settings=("enable_lora",),
-        convert=switch("enable_lora", "enable_lora"),
-    ),
-    EngineArgument(
+    _switch("enable_lora", "serve LoRA adapters per request"),
+    _same(
         "lora_modules",
         T.ADAPTERS,
-        E.SETS,
         "LoRA adapters: name=path pairs (a JSON object in model.json or --set)",
-        settings=("lora_modules",),
         convert=convert_adapters,
         shown=lambda c: None,
     ),

@@ -77,6 +77,14 @@ MEMORY_READERS: Dict[str, Callable[[MemoryUsage], int]] = {
 }
 
 
+def _token_len(factory: MetricFactory, family: str, metric_type: str):
+    """One of TensorRT-LLM's response histograms of token counts."""
+    labels = {"response_metric_type": metric_type}
+    return factory.metric(
+        family, "TRT LLM response metrics", "HISTOGRAM", TOKEN_LEN_BUCKETS, labels=labels
+    )
+
+
 class TrtllmFamilies:
     def __init__(
         self, factory: MetricFactory, post: Callable, *, max_num_seqs: int, block_size: int
@@ -88,20 +96,8 @@ class TrtllmFamilies:
                 self._gauges.append(
                     (factory.metric(family, desc, "GAUGE", labels={key: value}), read)
                 )
-        self._input_len = factory.metric(
-            "nv_llm_input_token_len",
-            "TRT LLM response metrics",
-            "HISTOGRAM",
-            TOKEN_LEN_BUCKETS,
-            labels={"response_metric_type": "total_input_tokens"},
-        )
-        self._output_len = factory.metric(
-            "nv_llm_output_token_len",
-            "TRT LLM response metrics",
-            "HISTOGRAM",
-            TOKEN_LEN_BUCKETS,
-            labels={"response_metric_type": "total_output_tokens"},
-        )
+        self._input_len = _token_len(factory, "nv_llm_input_token_len", "total_input_tokens")
+        self._output_len = _token_len(factory, "nv_llm_output_token_len", "total_output_tokens")
         self._memory = [
             (
                 factory.metric(

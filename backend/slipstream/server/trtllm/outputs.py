@@ -30,6 +30,12 @@ import numpy as np
 from slipstream.server.stub.responses import ResponseBuilder
 from slipstream.server.trtllm.inputs import TrtllmOptions
 
+
+def _scalars(data_type: str, *names: str) -> list[Mapping[str, object]]:
+    """Outputs of one value each, all of one type."""
+    return [{"name": n, "data_type": data_type, "dims": [1]} for n in names]
+
+
 # TensorRT-LLM ensemble outputs (built here); the logits are never produced. Not
 # declared in vLLM backend's layout unless asked for (its config must stay vLLM's).
 OUTPUTS: tuple[Mapping[str, object], ...] = (
@@ -40,25 +46,21 @@ OUTPUTS: tuple[Mapping[str, object], ...] = (
     {"name": "batch_index", "data_type": "TYPE_INT32", "dims": [1]},
     {"name": "sequence_index", "data_type": "TYPE_INT32", "dims": [1]},
     # return_perf_metrics (TensorRT-LLM's types; times in ns since the epoch)
-    *[
-        {"name": n, "data_type": "TYPE_INT32", "dims": [1]}
-        for n in (
-            "kv_cache_alloc_new_blocks",
-            "kv_cache_reused_blocks",
-            "kv_cache_alloc_total_blocks",
-            "total_accepted_draft_tokens",
-            "total_draft_tokens",
-        )
-    ],
-    *[
-        {"name": n, "data_type": "TYPE_INT64", "dims": [1]}
-        for n in (
-            "arrival_time_ns",
-            "first_scheduled_time_ns",
-            "first_token_time_ns",
-            "last_token_time_ns",
-        )
-    ],
+    *_scalars(
+        "TYPE_INT32",
+        "kv_cache_alloc_new_blocks",
+        "kv_cache_reused_blocks",
+        "kv_cache_alloc_total_blocks",
+        "total_accepted_draft_tokens",
+        "total_draft_tokens",
+    ),
+    *_scalars(
+        "TYPE_INT64",
+        "arrival_time_ns",
+        "first_scheduled_time_ns",
+        "first_token_time_ns",
+        "last_token_time_ns",
+    ),
     {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
     # the tokens of each returned sequence's text (beams: [1, beams]), as TensorRT-LLM's model
     # reports beside its token ids

@@ -4,16 +4,17 @@ Three modules implement it, ``torch_ops`` (any device; the reference), ``cpu_ker
 compiled decode kernel plus the torch path's prefill; the CPU default) and ``triton_kernels``
 (OpenAI Triton, CUDA); ``dispatch.get_ops`` picks one per device. All work on the paged
 cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and on the
-step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it; slot -1 marks rows
-(padding) whose K/V is not stored.
+step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it, each layer's caches and
+scoring coming as an ``AttentionLayer``; slot -1 marks rows (padding) whose K/V is not stored.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
 
 
@@ -26,24 +27,14 @@ class AttentionOps(Protocol):
         before the forward and keeps it in ``meta.plan``)."""
 
     def store_step_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        self, key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
     ) -> None:
-        """Write the step's new K/V rows (``[T, Hkv, D]``) at ``meta.slot_mapping``."""
+        """Write the step's new K/V rows (``[T, Hkv, D]``) into the layer's caches at
+        ``meta.slot_mapping``."""
 
     def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        self, query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Causal attention of the step's queries (``[T, H, D]``, sequences packed by
-        ``meta.cu_seqlens_q``) over each sequence's cached K/V; returns ``[T, H, D]``."""
+        ``meta.cu_seqlens_q``) over each sequence's K/V in the layer's caches; returns
+        ``[T, H, D]``."""

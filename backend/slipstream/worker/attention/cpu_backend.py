@@ -24,6 +24,7 @@ import torch
 
 from slipstream.worker import kernels
 from slipstream.worker.attention import torch_backend
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import (
     AttentionMetadata,
     AttentionPlan,
@@ -179,97 +180,78 @@ def _torch_chunks(plan: _Plan, meta: AttentionMetadata, group: int, block_size: 
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> torch.Tensor:
     """``AttentionOps.paged_attention``: decode rows and verification chunks by the decode
     kernel, prompt chunks by the prefill kernel (by torch with a softcap or an odd head size)."""
-    if not supports(query.dtype) or key_cache.dtype not in CACHE_DTYPES:
+    group = query.shape[1] // layer.key_cache.shape[2]
+    if not supports(query.dtype) or layer.key_cache.dtype not in CACHE_DTYPES:
         if not isinstance(meta.plan, _Plan):
-            return torch_backend.paged_attention(
-                query, key_cache, value_cache, meta, scale, sliding_window, softcap
-            )
-        group = query.shape[1] // key_cache.shape[2]  # the runner planned for the kernel
-        return torch_backend.run_plan(
-            query,
-            key_cache,
-            value_cache,
-            _torch_plan(meta.plan, meta, key_cache, group),
-            scale,
-            sliding_window,
-            softcap,
-        )
+            return torch_backend.paged_attention(query, layer, meta)
+        # the runner planned for the kernel
+        torch_plan = _torch_plan(meta.plan, meta, layer.key_cache, group)
+        return torch_backend.run_plan(query, layer, torch_plan)
     plan = _plan_for(meta)
     out = torch.empty_like(query)
     if plan.decode is not None:
         d = plan.decode
-        torch.ops.slipstream_cpu.paged_decode_attention(
-            out,
-            query,
-            key_cache,
-            value_cache,
-            d.tables,
-            d.seq_lens,
-            d.rows,
-            float(scale),
-            int(sliding_window or 0),
-            float(softcap or 0.0),
-        )
+        _decode_kernel(out, query, layer, d.tables, d.seq_lens, d.rows)
     if plan.prompts is None:
         return out
-    if not softcap and query.shape[-1] in PREFILL_HEAD_DIMS:
+    if not layer.softcap and query.shape[-1] in PREFILL_HEAD_DIMS:
         torch.ops.slipstream_cpu.paged_prefill_attention(
             out,
             query,
-            key_cache,
-            value_cache,
+            layer.key_cache,
+            layer.value_cache,
             plan.prompts.tables,
             plan.prompts.chunks,
-            float(scale),
-            int(sliding_window or 0),
+            float(layer.scale),
+            layer.window,
         )
         return out
-    for chunk in _torch_chunks(
-        plan, meta, query.shape[1] // key_cache.shape[2], key_cache.shape[1]
-    ):
-        torch_backend.run_prefill(
-            query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out
-        )
+    for chunk in _torch_chunks(plan, meta, group, layer.key_cache.shape[1]):
+        torch_backend.run_prefill(query, layer, chunk, out)
     return out
 
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: AttentionLayer,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
     **_,
 ) -> torch.Tensor:
     """One query token per sequence, ``[B, H, D]`` (the kernel alone; tests and tools)."""
     out = torch.empty_like(query)
     rows = torch.arange(query.shape[0], dtype=torch.long)
+    tables = block_tables.to(torch.int32).contiguous()
+    _decode_kernel(out, query, layer, tables, seq_lens.to(torch.int32).contiguous(), rows)
+    return out
+
+
+def _decode_kernel(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    layer: AttentionLayer,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """``cpu_paged_attention.cpp``: query row ``rows[i]`` attends to its sequence's context
+    (``tables[i]``, ``seq_lens[i]`` tokens) into the same row of ``out``."""
     torch.ops.slipstream_cpu.paged_decode_attention(
         out,
         query,
-        key_cache,
-        value_cache,
-        block_tables.to(torch.int32).contiguous(),
-        seq_lens.to(torch.int32).contiguous(),
+        layer.key_cache,
+        layer.value_cache,
+        tables,
+        seq_lens,
         rows,
-        float(scale),
-        int(sliding_window or 0),
-        float(softcap or 0.0),
+        float(layer.scale),
+        layer.window,
+        layer.cap,
     )
-    return out
 
 
 store_kv = torch_backend.store_kv

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
 
 
@@ -247,26 +248,22 @@ def _valid_rows(slot_mapping: torch.Tensor) -> tuple:
 
 
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, slot_mapping: torch.Tensor
 ) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
     rows, slots = _valid_rows(slot_mapping)
-    _write_kv(key, value, key_cache, value_cache, rows, slots)
+    _write_kv(key, value, layer, rows, slots)
 
 
 def _write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: AttentionLayer,
     rows: Optional[torch.Tensor],
     slots: torch.Tensor,
 ) -> None:
     """Rows ``rows`` of key/value (None: every row) into cache slots ``slots``."""
+    key_cache, value_cache = layer.key_cache, layer.value_cache
     num_blocks, block_size = key_cache.shape[:2]
     flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
     flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
@@ -277,26 +274,19 @@ def _write_kv(
 
 
 def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    masks: _Masks,
-    sliding_window: Optional[int],
-    scale: float,
-    softcap: Optional[float],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: _Masks, layer: AttentionLayer
 ) -> torch.Tensor:
     """q [B, Hkv, R, D] (R rows: the query heads of a KV head, times the tokens) against
     k/v [B, Hkv, L, D] of any strides; ``masks`` broadcast to the [B, Hkv, R, L] scores."""
-    if not softcap:
+    if not layer.softcap:
         # The fused CPU kernel reads the gathered K/V in place and never materialises the
         # scores: ~3x faster than matmul + softmax here. It has no softcap, hence the fallback.
         k, v = k.to(q.dtype), v.to(q.dtype)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masks.additive(sliding_window, q.dtype), scale=scale
-        )
-    allowed = masks.get(sliding_window)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+        mask = masks.additive(layer.sliding_window, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
+    allowed = masks.get(layer.sliding_window)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v.float()).to(q.dtype)
@@ -311,163 +301,101 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _run_decode_group(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    grp: _DecodeGroup,
-    scale: float,
-    sliding_window: Optional[int],
-    softcap: Optional[float],
+    query: torch.Tensor, layer: AttentionLayer, grp: _DecodeGroup
 ) -> torch.Tensor:
     """``query`` [g, H, D], the group's rows -> [g, H, D]."""
     b, h, d = query.shape
-    hkv = key_cache.shape[2]
+    hkv = layer.key_cache.shape[2]
     # Views, not copies: [B, L, Hkv, D] gathered -> [B, Hkv, L, D] strided.
-    k = _gather(key_cache, grp.tables).transpose(1, 2)
-    v = _gather(value_cache, grp.tables).transpose(1, 2)
+    k = _gather(layer.key_cache, grp.tables).transpose(1, 2)
+    v = _gather(layer.value_cache, grp.tables).transpose(1, 2)
     q = query.view(b, hkv, h // hkv, d)  # the G query heads of a KV head as G query rows
-    out = _attend(q, k, v, grp.masks, sliding_window, scale, softcap)
+    out = _attend(q, k, v, grp.masks, layer)
     return out.reshape(b, h, d).to(query.dtype)
 
 
 def _run_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    groups: list,
-    scale: float,
-    sliding_window: Optional[int],
-    softcap: Optional[float],
-    out: torch.Tensor,
+    query: torch.Tensor, layer: AttentionLayer, groups: list, out: torch.Tensor
 ) -> None:
     """Decode rows of ``query`` ([T, H, D]) into the same rows of ``out``."""
     for grp in groups:
         if grp.rows is None:
-            out[:] = _run_decode_group(
-                query, key_cache, value_cache, grp, scale, sliding_window, softcap
-            )
+            out[:] = _run_decode_group(query, layer, grp)
         else:
-            out[grp.rows] = _run_decode_group(
-                query[grp.rows], key_cache, value_cache, grp, scale, sliding_window, softcap
-            )
+            out[grp.rows] = _run_decode_group(query[grp.rows], layer, grp)
 
 
 def run_prefill(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    chunk: _PrefillChunk,
-    scale: float,
-    sliding_window: Optional[int],
-    softcap: Optional[float],
-    out: torch.Tensor,
+    query: torch.Tensor, layer: AttentionLayer, chunk: _PrefillChunk, out: torch.Tensor
 ) -> None:
     h, d = query.shape[1:]
-    hkv = key_cache.shape[2]
+    hkv = layer.key_cache.shape[2]
     s, n, seq_len = chunk.start, chunk.q_len, chunk.seq_len
-    k = _gather(key_cache, chunk.table)[:, :seq_len].transpose(1, 2)
-    v = _gather(value_cache, chunk.table)[:, :seq_len].transpose(1, 2)
+    k = _gather(layer.key_cache, chunk.table)[:, :seq_len].transpose(1, 2)
+    v = _gather(layer.value_cache, chunk.table)[:, :seq_len].transpose(1, 2)
     q = query[s : s + n].view(n, hkv, h // hkv, d).permute(1, 2, 0, 3)
     q = q.reshape(1, hkv, -1, d)  # rows ordered (group, token)
-    o = _attend(q, k, v, chunk.masks, sliding_window, scale, softcap)  # [1, Hkv, G*n, D]
+    o = _attend(q, k, v, chunk.masks, layer)  # [1, Hkv, G*n, D]
     out[s : s + n] = o.view(hkv, h // hkv, n, d).permute(2, 0, 1, 3).reshape(n, h, d).to(out.dtype)
 
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: AttentionLayer,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
     seq_lens_host: Optional[list] = None,
 ) -> torch.Tensor:
     """One query token per sequence: query ``[B, H, D]`` -> ``[B, H, D]``. With host lengths,
     sequences of very different lengths run in groups instead of all padded to the longest."""
+    key_cache = layer.key_cache
     groups = _decode_groups(
         block_tables, seq_lens, seq_lens_host or [], key_cache.shape[1], _block_bytes(key_cache)
     )
     out = torch.empty_like(query)
-    _run_decode(query, key_cache, value_cache, groups, scale, sliding_window, softcap, out)
+    _run_decode(query, layer, groups, out)
     return out
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    query_lens_host: Optional[list] = None,
-    seq_lens_host: Optional[list] = None,
+    query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> torch.Tensor:
-    """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
-    context (prefix-cache hits and earlier chunks) and to its own new tokens, causally."""
-    h = query.shape[1]
-    group = h // key_cache.shape[2]
-    if query_lens_host is None:
-        query_lens_host = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    if seq_lens_host is None:
-        seq_lens_host = seq_lens.tolist()
+    """Ragged causal attention, every sequence as a prefill chunk: query ``[T, H, D]``;
+    sequence i's rows attend to its cached context (prefix-cache hits and earlier chunks) and
+    to its own new tokens, causally."""
+    group = query.shape[1] // layer.key_cache.shape[2]
     out = torch.empty_like(query)
     start = 0
-    for i, (q_len, seq_len) in enumerate(zip(query_lens_host, seq_lens_host)):
-        chunk = prefill_chunk(
-            start, q_len, seq_len, block_tables[i : i + 1], group, key_cache.shape[1]
-        )
-        run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        table = meta.block_tables[i : i + 1]
+        chunk = prefill_chunk(start, q_len, seq_len, table, group, layer.key_cache.shape[1])
+        run_prefill(query, layer, chunk, out)
         start += q_len
     return out
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> torch.Tensor:
     """A ragged step: the single-token (decode) sequences run batched, in length groups;
     each multi-token (prefill) chunk runs on its own."""
-    step_plan = plan_for(meta, key_cache, query.shape[1] // key_cache.shape[2])
-    return run_plan(query, key_cache, value_cache, step_plan, scale, sliding_window, softcap)
+    step_plan = plan_for(meta, layer.key_cache, query.shape[1] // layer.key_cache.shape[2])
+    return run_plan(query, layer, step_plan)
 
 
-def run_plan(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    step_plan: StepPlan,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> torch.Tensor:
+def run_plan(query: torch.Tensor, layer: AttentionLayer, step_plan: StepPlan) -> torch.Tensor:
     """``paged_attention`` with the step's plan in hand."""
     out = torch.empty_like(query)
-    _run_decode(
-        query, key_cache, value_cache, step_plan.decode, scale, sliding_window, softcap, out
-    )
+    _run_decode(query, layer, step_plan.decode, out)
     for chunk in step_plan.prefill:
-        run_prefill(query, key_cache, value_cache, chunk, scale, sliding_window, softcap, out)
+        run_prefill(query, layer, chunk, out)
     return out
 
 
 def store_step_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> None:
     """``store_kv`` with the step's valid rows (slot != -1) worked out once for all layers (a
     check per layer was 30 host round trips a step)."""
     rows, slots = stored_rows(meta)
-    _write_kv(key, value, key_cache, value_cache, rows, slots)
+    _write_kv(key, value, layer, rows, slots)

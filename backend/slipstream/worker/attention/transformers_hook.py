@@ -16,6 +16,7 @@ from typing import Iterator, Optional, cast
 import torch
 
 from slipstream.worker.attention.base import AttentionOps
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata
 
 ATTENTION_NAME = "slipstream_paged"
@@ -64,16 +65,16 @@ def paged_attention_forward(
     ctx = get_context()
     # transformers' attention layers carry an int layer_idx; torch types module attributes
     # as Tensor | Module
-    layer = cast(int, module.layer_idx)
+    index = cast(int, module.layer_idx)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    key_cache, value_cache = ctx.key_caches[layer], ctx.value_caches[layer]
-    ctx.ops.store_step_kv(k, v, key_cache, value_cache, ctx.meta)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.ops.paged_attention(
-        q.contiguous(), key_cache, value_cache, ctx.meta, scale, sliding_window, softcap
+    layer = AttentionLayer(
+        ctx.key_caches[index], ctx.value_caches[index], scale, sliding_window, softcap
     )
+    ctx.ops.store_step_kv(k, v, layer, ctx.meta)
+    out = ctx.ops.paged_attention(q.contiguous(), layer, ctx.meta)
     return out.unsqueeze(0), None
 
 

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata, AttentionPlan
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -65,6 +66,34 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _check_caches(layer: AttentionLayer) -> None:
+    # The kernels address both caches with the key cache's strides (as vLLM's do): the KV
+    # cache allocates every layer's K and V as slices of one tensor.
+    key_cache, value_cache = layer.key_cache, layer.value_cache
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+
+
+def _check_heads(query: torch.Tensor, layer: AttentionLayer) -> None:
+    assert query.shape[1] % layer.key_cache.shape[2] == 0, "query heads: a multiple of KV heads"
+    _check_caches(layer)
+
+
+def _scoring_and_strides(
+    query: torch.Tensor, layer: AttentionLayer, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple:
+    """The run of arguments the decode and prefill kernels share, in their order: scale,
+    softcap, window, then the strides of the query, the caches, the block table, the output."""
+    return (
+        float(layer.scale),
+        layer.cap,
+        layer.window,
+        *query.stride()[:2],
+        *layer.key_cache.stride()[:3],
+        block_tables.stride(0),
+        *out.stride()[:2],
+    )
+
+
 def _fp32_math(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float32 or not cache.is_cuda or _interpreting()
 
@@ -73,6 +102,66 @@ def _fp32_math(cache: torch.Tensor) -> bool:
 def _tanh(x):
     # tanh(x) = 2 * sigmoid(2x) - 1: saturates cleanly at +-1 for large |x|.
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _math_dtype(q, KC, FP32_MATH: tl.constexpr):
+    """The query in the dots' input type: fp32 (exact math) or the cache's 16-bit type."""
+    if FP32_MATH:
+        return q.to(tl.float32)
+    return q.to(KC.dtype.element_ty)
+
+
+@triton.jit
+def _load_kv_tile(
+    KC, VC, bt_row, tok, in_seq, offs_d, d_mask, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr
+):
+    """Keys and values of context tokens ``tok`` gathered across pages (``KC`` / ``VC`` point
+    at one KV head); ``valid``: in the sequence (``in_seq``) and in a mapped page. Invalid rows
+    load as 0."""
+    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_seq, other=-1)
+    valid = in_seq & (blk >= 0)
+    rows = tl.maximum(blk, 0).to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_co
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(KC + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(VC + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def _softmax_state(ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """An online softmax's start: running max (finite, see ``_NEG_INIT``), sum and output."""
+    m_i = tl.full([ROWS], _NEG_INIT, dtype=tl.float32)
+    return m_i, tl.zeros([ROWS], dtype=tl.float32), tl.zeros([ROWS, D_PAD], dtype=tl.float32)
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Scaled (and soft-capped) ``q @ k^T`` in fp32."""
+    if FP32_MATH:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    return s
+
+
+@triton.jit
+def _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_MATH: tl.constexpr):
+    """Fold one tile of scores ``s`` (masked by ``allowed``) and its values into the running
+    max ``m_i`` (log2 units), denominator ``l_i`` and output ``acc``."""
+    s = tl.where(allowed, s * LOG2E, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_MATH:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,12 +180,9 @@ def _store_kv_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_kcb,
-    stride_kco,
-    stride_kch,
-    stride_vcb,
-    stride_vco,
-    stride_vch,
+    stride_cb,
+    stride_co,
+    stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
@@ -115,10 +201,9 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    kc = KC + blk * stride_kcb + off * stride_kco + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = VC + blk * stride_vcb + off * stride_vco + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(kc, k.to(KC.dtype.element_ty), mask=mask)  # no-op when the dtypes already match
-    tl.store(vc, v.to(VC.dtype.element_ty), mask=mask)
+    dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)  # no-op when the dtypes match
+    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
 
 
 def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
@@ -134,36 +219,25 @@ def store_kv_config(hkv: int, d: int, block_size: int) -> dict:
 
 
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, slot_mapping: torch.Tensor
 ) -> None:
     """Write new ``[T, Hkv, D]`` keys/values into their cache slots; slot -1 is skipped."""
     t, hkv, d = key.shape
     if t == 0:
         return
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    _check_caches(layer)
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     slot_mapping = slot_mapping.contiguous()
     _store_kv_kernel[(t,)](
         key,
         value,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        **store_kv_config(hkv, d, key_cache.shape[1]),
+        *key.stride()[:2],
+        *value.stride()[:2],
+        *layer.key_cache.stride()[:3],
+        **store_kv_config(hkv, d, layer.key_cache.shape[1]),
     )
 
 
@@ -187,12 +261,9 @@ def _decode_kernel(
     window,
     stride_qb,
     stride_qh,
-    stride_kcb,
-    stride_kco,
-    stride_kch,
-    stride_vcb,
-    stride_vco,
-    stride_vch,
+    stride_cb,
+    stride_co,
+    stride_ch,
     stride_btb,
     stride_ob,
     stride_oh,
@@ -212,10 +283,10 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     FP32_MATH: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b64 = tl.program_id(0).to(tl.int64)  # the sequence (int64: it scales strides)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
+    seq_len = tl.load(SeqLens + b64)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D_PAD)
@@ -223,17 +294,13 @@ def _decode_kernel(
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
     heads = kvh * G + offs_g
-    b64 = b.to(tl.int64)
 
     q = tl.load(
         Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    if FP32_MATH:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(KC.dtype.element_ty)
+    q = _math_dtype(q, KC, FP32_MATH)
 
     # Keys allowed for the query at position seq_len - 1: [lo, seq_len).
     lo = 0
@@ -245,55 +312,18 @@ def _decode_kernel(
     t_start = tile_lo + split * per_split
     t_end = tl.minimum(t_start + per_split, tile_hi)
 
-    m_i = tl.full([BLOCK_G], _NEG_INIT, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, D_PAD], dtype=tl.float32)
+    m_i, l_i, acc = _softmax_state(BLOCK_G, D_PAD)
     bt_row = BT + b64 * stride_btb
+    kc_head, vc_head = KC + kvh * stride_ch, VC + kvh * stride_ch
 
     for tile in range(t_start, t_end):
         tok = tile * BLOCK_N + offs_n
         in_seq = (tok < seq_len) & (tok >= lo)
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_seq, other=-1)
-        valid = in_seq & (blk >= 0)
-        blk = tl.maximum(blk, 0).to(tl.int64)
-        off = tok % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            KC
-            + blk[:, None] * stride_kcb
-            + off[:, None] * stride_kco
-            + kvh * stride_kch
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v, valid = _load_kv_tile(
+            kc_head, vc_head, bt_row, tok, in_seq, offs_d, d_mask, stride_cb, stride_co, BLOCK_SIZE
         )
-        v = tl.load(
-            VC
-            + blk[:, None] * stride_vcb
-            + off[:, None] * stride_vco
-            + kvh * stride_vch
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(valid[None, :], s * LOG2E, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(VC.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, FP32_MATH)
+        m_i, l_i, acc = _online_softmax_step(s, valid[None, :], v, m_i, l_i, acc, FP32_MATH)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -359,6 +389,25 @@ def _decode_reduce_kernel(
     )
 
 
+def _head_pad(d: int) -> int:
+    return _next_pow2(max(d, 16))  # tl.dot needs K >= 16
+
+
+def _attention_constexprs(
+    h: int, hkv: int, d: int, block_size: int, window: int, softcap: float, fp32_math: bool
+) -> dict:
+    """The constexprs the decode and prefill kernels share."""
+    return dict(
+        G=h // hkv,
+        HEAD_DIM=d,
+        D_PAD=_head_pad(d),
+        BLOCK_SIZE=block_size,
+        USE_SOFTCAP=softcap > 0,
+        USE_WINDOW=window > 0,
+        FP32_MATH=fp32_math,
+    )
+
+
 def decode_config(
     h: int,
     hkv: int,
@@ -371,27 +420,21 @@ def decode_config(
     block_n: Optional[int] = None,
 ) -> dict:
     """Constexprs and launch options of ``_decode_kernel`` (shared with the compile test)."""
-    d_pad = _next_pow2(max(d, 16))
+    shared = _attention_constexprs(h, hkv, d, block_size, window, softcap, fp32_math)
     if block_n is None:
-        block_n = 64 if d_pad <= 128 else 32
+        block_n = 64 if shared["D_PAD"] <= 128 else 32
     return dict(
-        G=h // hkv,
-        HEAD_DIM=d,
-        D_PAD=d_pad,
+        shared,
         BLOCK_G=max(16, _next_pow2(h // hkv)),  # tl.dot needs M >= 16 on the GPU
         BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        USE_SOFTCAP=softcap > 0,
-        USE_WINDOW=window > 0,
-        FP32_MATH=fp32_math,
         num_warps=4,
         num_stages=2,
     )
 
 
 def decode_reduce_config(d: int, num_splits: int) -> dict:
-    d_pad = _next_pow2(max(d, 16))
+    d_pad = _head_pad(d)
     return dict(
         HEAD_DIM=d,
         D_PAD=d_pad,
@@ -418,13 +461,9 @@ def _pick_num_splits(programs: int, max_ctx: int, block_n: int, device: torch.de
 
 def paged_decode_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: AttentionLayer,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
     *,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -434,18 +473,15 @@ def paged_decode_attention(
     ``num_splits`` / ``block_n`` override the heuristics (tests). No host synchronisation.
     """
     b, h, d = query.shape
-    _, block_size, hkv, _ = key_cache.shape
-    assert h % hkv == 0, "query heads must be a multiple of KV heads"
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    _, block_size, hkv, _ = layer.key_cache.shape
+    _check_heads(query, layer)
     out = torch.empty_like(query)
     if b == 0:
         return out
     query = _last_dim_contiguous(query)
     block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else 0.0
-    cfg = decode_config(h, hkv, d, block_size, 1, window, cap, _fp32_math(key_cache), block_n)
+    fp32 = _fp32_math(layer.key_cache)
+    cfg = decode_config(h, hkv, d, block_size, 1, layer.window, layer.cap, fp32, block_n)
     max_ctx = block_tables.shape[1] * block_size
     splits = num_splits or _pick_num_splits(b * hkv, max_ctx, cfg["BLOCK_N"], query.device)
     cfg["NUM_SPLITS"] = splits
@@ -458,32 +494,16 @@ def paged_decode_attention(
         mid_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=query.device)
     _decode_kernel[(b, hkv, splits)](
         query,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         block_tables,
-        seq_lens,
+        seq_lens.contiguous(),
         out,
         mid_o,
         mid_lse,
-        float(scale),
-        cap,
-        window,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        *_scoring_and_strides(query, layer, block_tables, out),
+        *mid_o.stride()[:3],
+        *mid_lse.stride()[:2],
         **cfg,
     )
     if splits > 1:
@@ -491,13 +511,9 @@ def paged_decode_attention(
             mid_o,
             mid_lse,
             out,
-            mid_o.stride(0),
-            mid_o.stride(1),
-            mid_o.stride(2),
-            mid_lse.stride(0),
-            mid_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *mid_o.stride()[:3],
+            *mid_lse.stride()[:2],
+            *out.stride()[:2],
             **decode_reduce_config(d, splits),
         )
     return out
@@ -522,12 +538,9 @@ def _prefill_kernel(
     window,
     stride_qt,
     stride_qh,
-    stride_kcb,
-    stride_kco,
-    stride_kch,
-    stride_vcb,
-    stride_vco,
-    stride_vch,
+    stride_cb,
+    stride_co,
+    stride_ch,
     stride_btb,
     stride_ot,
     stride_oh,
@@ -568,10 +581,7 @@ def _prefill_kernel(
         mask=qo_mask,
         other=0.0,
     )
-    if FP32_MATH:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(KC.dtype.element_ty)
+    q = _math_dtype(q, KC, FP32_MATH)
 
     first_tok = row0 // G
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // G, q_len - 1)
@@ -581,58 +591,21 @@ def _prefill_kernel(
         lo = tl.maximum(ctx_len + first_tok - window + 1, 0)
     start = (lo // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], _NEG_INIT, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i, l_i, acc = _softmax_state(BLOCK_M, D_PAD)
     bt_row = BT + b.to(tl.int64) * stride_btb
+    kc_head, vc_head = KC + kvh * stride_ch, VC + kvh * stride_ch
 
     for s0 in range(start, hi, BLOCK_N):
         tok = s0 + offs_n
         in_seq = tok < hi
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=in_seq, other=-1)
-        valid = in_seq & (blk >= 0)
-        blk = tl.maximum(blk, 0).to(tl.int64)
-        off = tok % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            KC
-            + blk[:, None] * stride_kcb
-            + off[:, None] * stride_kco
-            + kvh * stride_kch
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k, v, valid = _load_kv_tile(
+            kc_head, vc_head, bt_row, tok, in_seq, offs_d, d_mask, stride_cb, stride_co, BLOCK_SIZE
         )
-        v = tl.load(
-            VC
-            + blk[:, None] * stride_vcb
-            + off[:, None] * stride_vco
-            + kvh * stride_vch
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if FP32_MATH:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+        s = _scores(q, k, scale, softcap, USE_SOFTCAP, FP32_MATH)
         allowed = valid[None, :] & (tok[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (tok[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s * LOG2E, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_MATH:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(VC.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, allowed, v, m_i, l_i, acc, FP32_MATH)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -654,89 +627,51 @@ def prefill_config(
     block_n: Optional[int] = None,
 ) -> dict:
     """Constexprs and launch options of ``_prefill_kernel`` (shared with the compile test)."""
-    d_pad = _next_pow2(max(d, 16))
+    shared = _attention_constexprs(h, hkv, d, block_size, window, softcap, fp32_math)
     block_m = block_m or 64
-    block_n = block_n or (64 if d_pad <= 64 else 32)
+    block_n = block_n or (64 if shared["D_PAD"] <= 64 else 32)
     return dict(
-        G=h // hkv,
-        HEAD_DIM=d,
-        D_PAD=d_pad,
+        shared,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        USE_SOFTCAP=softcap > 0,
-        USE_WINDOW=window > 0,
-        FP32_MATH=fp32_math,
-        num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+        num_warps=4 if block_m * shared["D_PAD"] <= 64 * 64 else 8,
         num_stages=2,
     )
 
 
 def paged_prefill_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    query_lens_host: Optional[list] = None,
-    seq_lens_host: Optional[list] = None,
+    layer: AttentionLayer,
+    meta: AttentionMetadata,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
 ) -> torch.Tensor:
     """Ragged causal attention: query ``[T, H, D]``; sequence i's rows attend to its cached
-    context and to its own new tokens, causally. Only ``max(query_lens_host)`` is read on the
-    host (to size the grid); without it, it is computed from ``cu_seqlens_q`` (one sync)."""
+    context and to its own new tokens, causally. Only ``max(meta.query_lens_host)`` is read
+    on the host (to size the grid)."""
     t, h, d = query.shape
-    _, block_size, hkv, _ = key_cache.shape
-    assert h % hkv == 0, "query heads must be a multiple of KV heads"
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    _, block_size, hkv, _ = layer.key_cache.shape
+    _check_heads(query, layer)
     out = torch.empty_like(query)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if t == 0 or num_seqs == 0:
-        return out
-    if query_lens_host is not None:
-        max_q = max(query_lens_host) if len(query_lens_host) else 0
-    else:
-        max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_q == 0:
+    num_seqs = meta.cu_seqlens_q.shape[0] - 1
+    max_q = max(meta.query_lens_host, default=0)
+    if t == 0 or num_seqs == 0 or max_q == 0:
         return out
     query = _last_dim_contiguous(query)
-    block_tables = block_tables.contiguous()
-    cu_seqlens_q = cu_seqlens_q.contiguous()
-    seq_lens = seq_lens.contiguous()
-    window = int(sliding_window) if sliding_window else 0
-    cap = float(softcap) if softcap else 0.0
-    cfg = prefill_config(
-        h, hkv, d, block_size, window, cap, _fp32_math(key_cache), block_m, block_n
-    )
+    block_tables = meta.block_tables.contiguous()
+    fp32 = _fp32_math(layer.key_cache)
+    cfg = prefill_config(h, hkv, d, block_size, layer.window, layer.cap, fp32, block_m, block_n)
     grid = (triton.cdiv(max_q * cfg["G"], cfg["BLOCK_M"]), num_seqs, hkv)
     _prefill_kernel[grid](
         query,
-        key_cache,
-        value_cache,
+        layer.key_cache,
+        layer.value_cache,
         block_tables,
-        cu_seqlens_q,
-        seq_lens,
+        meta.cu_seqlens_q.contiguous(),
+        meta.seq_lens.contiguous(),
         out,
-        float(scale),
-        cap,
-        window,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_scoring_and_strides(query, layer, block_tables, out),
         **cfg,
     )
     return out
@@ -748,48 +683,17 @@ def plan(meta: AttentionMetadata, key_cache: torch.Tensor, num_query_heads: int)
 
 
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
+    query: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> torch.Tensor:
     """Dispatch a ragged step: decode-only batches take the decode kernel (CUDA-graph safe),
     anything else (prefill, chunked prefill, mixed batches) the prefill kernel."""
     if meta.decode_only:
-        return paged_decode_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            scale,
-            sliding_window,
-            softcap,
-        )
-    return paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
-        meta.block_tables,
-        meta.cu_seqlens_q,
-        meta.seq_lens,
-        scale,
-        sliding_window,
-        softcap,
-        meta.query_lens_host,
-        meta.seq_lens_host,
-    )
+        return paged_decode_attention(query, layer, meta.block_tables, meta.seq_lens)
+    return paged_prefill_attention(query, layer, meta)
 
 
 def store_step_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    key: torch.Tensor, value: torch.Tensor, layer: AttentionLayer, meta: AttentionMetadata
 ) -> None:
     """The kernel skips slot -1 itself: nothing to work out per step."""
-    store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    store_kv(key, value, layer, meta.slot_mapping)

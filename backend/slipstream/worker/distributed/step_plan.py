@@ -9,8 +9,9 @@ tables (every rank has as many blocks as the others, each holding its own KV hea
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 import numpy as np
@@ -28,7 +29,7 @@ class PlanKind(enum.IntEnum):
 
 
 class WireArray(msgspec.Struct, array_like=True):
-    """A host tensor as its dtype, shape and bytes."""
+    """A host tensor as its dtype, shape and bytes: how a tensor travels (``_to_wire``)."""
 
     dtype: str
     shape: list[int]
@@ -39,26 +40,38 @@ class WireArray(msgspec.Struct, array_like=True):
         array = np.ascontiguousarray(tensor.detach().cpu().numpy())
         return cls(array.dtype.str, list(array.shape), array.tobytes())
 
-    def tensor(self, device: torch.device) -> torch.Tensor:
+    def tensor(self) -> torch.Tensor:
         array = np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
-        return torch.from_numpy(array.copy()).to(device)
+        return torch.from_numpy(array.copy())
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return WireArray.of(obj)
+    raise NotImplementedError(f"a step plan cannot carry a {type(obj).__name__}")
+
+
+def _from_wire(kind: type, obj: Any) -> Any:
+    if kind is torch.Tensor:
+        return msgspec.convert(obj, WireArray).tensor()
+    raise NotImplementedError(f"a step plan cannot carry a {kind.__name__}")
+
+
+def _on(device: torch.device, meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` with its tensors on ``device``."""
+    moved = {
+        f.name: getattr(meta, f.name).to(device)
+        for f in dataclasses.fields(meta)
+        if isinstance(getattr(meta, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(meta, **moved)
 
 
 class StepPlan(msgspec.Struct, array_like=True):
     kind: PlanKind
-    input_ids: Optional[WireArray] = None
-    positions: Optional[WireArray] = None
-    slot_mapping: Optional[WireArray] = None
-    cu_seqlens_q: Optional[WireArray] = None
-    seq_lens: Optional[WireArray] = None
-    block_tables: Optional[WireArray] = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    block_size: int = 0
-    query_lens: list[int] = []
-    seq_lens_host: list[int] = []
-    verify: list[bool] = []
-    prompt: list[bool] = []
+    input_ids: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    meta: Optional[AttentionMetadata] = None  # without its plan: each rank plans its own
     rows: list[int] = []  # the logits rows rank 0 keeps (sampled, then prompt-logprob rows)
     # (source, destination) KV blocks to copy before this step's forward, in order
     block_copies: list[tuple[int, int]] = []
@@ -70,60 +83,22 @@ class StepPlan(msgspec.Struct, array_like=True):
 
     @classmethod
     def of_batch(cls, batch: StepBatch, block_copies: list[tuple[int, int]]) -> "StepPlan":
-        meta = batch.meta
         rows = [r for rows in batch.sample_rows for r in rows]
         rows += [r for rows in batch.prompt_rows or [] for r in rows]
-        return cls(
-            PlanKind.STEP,
-            WireArray.of(batch.input_ids),
-            WireArray.of(batch.positions),
-            WireArray.of(meta.slot_mapping),
-            WireArray.of(meta.cu_seqlens_q),
-            WireArray.of(meta.seq_lens),
-            WireArray.of(meta.block_tables),
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-            meta.block_size,
-            list(meta.query_lens_host),
-            list(meta.seq_lens_host),
-            list(meta.verify_host),
-            list(meta.prompt_host),
-            rows,
-            block_copies,
-        )
+        meta = dataclasses.replace(batch.meta, plan=None)
+        return cls(PlanKind.STEP, batch.input_ids, batch.positions, meta, rows, block_copies)
 
     def batch(self, device: torch.device) -> StepBatch:
         """The batch rank 0 runs, on ``device``: its rows kept as one request's."""
-        arrays = (
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.cu_seqlens_q,
-            self.seq_lens,
-            self.block_tables,
-        )
-        if any(a is None for a in arrays):
+        if self.input_ids is None or self.positions is None or self.meta is None:
             raise ValueError("a step plan without its batch")
-        ids, pos, slots, cu, lens, tables = (a.tensor(device) for a in arrays if a is not None)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            cu_seqlens_q=cu,
-            seq_lens=lens,
-            block_tables=tables,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            block_size=self.block_size,
-            query_lens_host=self.query_lens,
-            seq_lens_host=self.seq_lens_host,
-            verify_host=self.verify,
-            prompt_host=self.prompt,
-        )
+        ids, pos = self.input_ids.to(device), self.positions.to(device)
         keep = torch.tensor(self.rows or [0], dtype=torch.long, device=device)
-        return StepBatch(ids, pos, meta, [self.rows], keep)
+        return StepBatch(ids, pos, _on(device, self.meta), [self.rows], keep)
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(StepPlan)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_to_wire)
+_DECODER = msgspec.msgpack.Decoder(StepPlan, dec_hook=_from_wire)
 
 
 def encode(plan: StepPlan) -> bytes:

@@ -14,14 +14,16 @@ Three paths compute the same logits over the paged KV cache:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from slipstream.worker.attention import transformers_hook
 from slipstream.worker.attention.base import AttentionOps
+from slipstream.worker.attention.layer import AttentionLayer
 from slipstream.worker.attention.metadata import AttentionMetadata
 from slipstream.worker.kv_cache import KVCache
 from slipstream.worker.model import llama
@@ -115,7 +117,14 @@ class ModelForward:
         meta.plan = self.ops.plan(meta, self.kv.key_caches[0], self.num_query_heads)
         path = self.path_for(meta, keep.numel() == input_ids.shape[0])
         if path is ForwardPath.TRANSFORMERS:
-            return self._transformers(input_ids, positions, meta, keep)
+            with self._hooked(meta, self.kv) as model:
+                out = model(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    logits_to_keep=keep,
+                )
+            return out.logits[0]
         assert self.lean is not None  # path_for chose a lean path
         stacked = self._stacked(meta) if path is ForwardPath.DECODE_STACK else None
         return self.lean(input_ids, positions, keep, self._attention_step(meta), stacked)
@@ -135,30 +144,19 @@ class ModelForward:
             return self.lean.hidden_states(
                 input_ids, positions, every_row, self._attention_step(meta, kv)
             )[0]
-        context = transformers_hook.StepContext(meta, kv.key_caches, kv.value_caches, self.ops)
-        with transformers_hook.step_context(context):
-            hf: Any = self.model  # a transformers model: its base model returns the states
-            out = hf.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        with self._hooked(meta, kv) as model:  # its base model returns the states
+            out = model.model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+            )
         return out.last_hidden_state[0]
 
-    def _transformers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        keep: torch.Tensor,
-    ) -> torch.Tensor:
-        context = transformers_hook.StepContext(
-            meta, self.kv.key_caches, self.kv.value_caches, self.ops
-        )
+    @contextlib.contextmanager
+    def _hooked(self, meta: AttentionMetadata, kv: KVCache) -> Iterator[Any]:
+        """The transformers model (typed Any: torch types its methods as Tensor | Module),
+        its attention layers reading and writing ``kv`` through the hook for this step."""
+        context = transformers_hook.StepContext(meta, kv.key_caches, kv.value_caches, self.ops)
         with transformers_hook.step_context(context):
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=keep,
-            )
-        return out.logits[0]
+            yield self.model
 
     def _stacked(self, meta: AttentionMetadata) -> Layers:
         """The compiled decode stack over this step's caches and decode rows."""
@@ -177,10 +175,9 @@ class ModelForward:
         kv = kv or self.kv
         key_caches, value_caches, ops = kv.key_caches, kv.value_caches, self.ops
 
-        def step(layer: int, q, k, v, scaling: float, window) -> torch.Tensor:
-            ops.store_step_kv(k, v, key_caches[layer], value_caches[layer], meta)
-            return ops.paged_attention(
-                q, key_caches[layer], value_caches[layer], meta, scaling, window, None
-            )
+        def step(index: int, q, k, v, scaling: float, window) -> torch.Tensor:
+            layer = AttentionLayer(key_caches[index], value_caches[index], scaling, window)
+            ops.store_step_kv(k, v, layer, meta)
+            return ops.paged_attention(q, layer, meta)
 
         return step
