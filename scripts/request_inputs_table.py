@@ -1,8 +1,8 @@
-"""README.md's table of request inputs, regenerated from the one table of inputs
+"""docs/requests.md's table of request inputs, regenerated from the one table of inputs
 (``backend/slipstream/server/stub/input_table.py``).
 
-    python scripts/request_inputs_table.py          # rewrite README.md's table
-    python scripts/request_inputs_table.py --check  # exit 1 when README.md is stale
+    python scripts/request_inputs_table.py          # rewrite docs/requests.md's table
+    python scripts/request_inputs_table.py --check  # exit 1 when docs/requests.md is stale
 
 ``tests/server/unit/test_input_table.py`` runs the check.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO / "backend"))
 
 from slipstream.server.stub.input_table import markdown_table  # noqa: E402
 
-README = REPO / "README.md"
+DOC = REPO / "docs" / "requests.md"
 # The marker lines around the table; what lies between them is generated.
 _SPAN = re.compile(r"(<!-- request-inputs:[^\n]*-->\n)(.*?)(<!-- /request-inputs -->)", re.S)
 
@@ -27,7 +27,7 @@ _SPAN = re.compile(r"(<!-- request-inputs:[^\n]*-->\n)(.*?)(<!-- /request-inputs
 def render(readme: str) -> str:
     """``readme`` with its inputs table replaced by the generated one."""
     if not _SPAN.search(readme):
-        raise SystemExit(f"{README}: no request-inputs markers")
+        raise SystemExit(f"{DOC}: no request-inputs markers")
     return _SPAN.sub(lambda m: m.group(1) + markdown_table() + m.group(3), readme, count=1)
 
 
@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say whether it is current")
     args = parser.parse_args(argv)
-    current = README.read_text()
+    current = DOC.read_text()
     wanted = render(current)
     if args.check:
         if wanted != current:
-            print("README.md's inputs table is stale: run scripts/request_inputs_table.py")
+            print("docs/requests.md's inputs table is stale: run scripts/request_inputs_table.py")
             return 1
         return 0
-    README.write_text(wanted)
+    DOC.write_text(wanted)
     return 0
 
 

@@ -1,5 +1,5 @@
 """The one table of request inputs (server/stub/input_table.py) is what the model config
-declares, what the parser reads and what README.md lists."""
+declares, what the parser reads and what docs/requests.md lists."""
 
 import subprocess
 import sys
