@@ -60,6 +60,7 @@ SOURCE_CLASSES: dict[str, FlagClass] = {
     "cpu_small_gemm.cpp": FlagClass.FAST,
     "cpu_weight_gemm.cpp": FlagClass.FAST,
     "cpu_q8_gemm.cpp": FlagClass.FAST,
+    "cpu_q4_gemm.cpp": FlagClass.FAST,
     "cpu_bf16_gemm.cpp": FlagClass.FAST,
     "cpu_rms_norm.cpp": FlagClass.FAST,
     "cpu_rotary.cpp": FlagClass.EXACT,

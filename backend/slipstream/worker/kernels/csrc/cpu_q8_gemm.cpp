@@ -22,8 +22,8 @@
 // AVX512-VNNI (Zen 4, Ice Lake and later Xeons): vpdpbusd multiplies unsigned by signed bytes,
 // four pairs a lane. The weights are the unsigned operand, stored as qw + 128; the extra
 // 128 * sum(qa) of a block is taken off with the activation's scale: t = acc * sa + comp with
-// comp[m, b] = -128 * sa[m, b] * sum_{k in b} qa[m, k]. Elsewhere the same sums are plain
-// loops the compiler vectorizes.
+// comp[m, b] = -128 * sa[m, b] * sum_{k in b} qa[m, k] (-128 times cpu_quant_rows.h's ssum).
+// Elsewhere the same sums are plain loops the compiler vectorizes.
 //
 // Packed weight (slipstream.worker.cpu_q8_weight packs it): u8 [N/32][K/4][2][16][4] (panels
 // of 32 output columns, two vectors of 16 lanes, each lane four consecutive k), scales f32
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -62,62 +63,8 @@ constexpr int64_t kPrefetchBytes = 4096;
 
 bool g_force_portable = false;
 
-// A row of activations quantized per block: q (s8), and per block its scale and the
-// correction for the weights' +128; the outlier channels' values as they are.
-struct QuantRows {
-  const int8_t* q;      // [M][K]
-  const float* scale;   // [M][KB]
-  const float* comp;    // [M][KB]
-  const float* out;     // [M][k]: x[m, idx[j]]
-  int64_t k;            // outlier channels (0: none)
-};
-
-// The outlier channels' weight columns, float32 [N/32][k][32] (a panel's k x 32 together).
-struct Outliers {
-  const int64_t* idx = nullptr;  // [k]
-  const float* w = nullptr;
-  int64_t k = 0;
-};
-
-void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* comp) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      // nearest, ties to even (the default rounding mode), as torch.round
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      const int32_t c = std::min(127, std::max(-127, v));
-      q[b * kBlock + i] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    const float s = amax / 127.f;
-    scale[b] = s;
-    comp[b] = -128.f * s * static_cast<float>(sum);
-  }
-}
-
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const Outliers& o,
-                   int8_t* q, float* scale, float* comp, float* out) {
-  const int64_t KB = K / kBlock;
-  slipstream_cpu::dynamic_for(M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(o.k ? K : 0);
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xm = x + m * ldx;
-      if (o.k) {  // the outliers left out of the blocks, kept as they are
-        std::copy(xm, xm + K, row.begin());
-        for (int64_t j = 0; j < o.k; ++j) {
-          out[m * o.k + j] = xm[o.idx[j]];
-          row[o.idx[j]] = 0.f;
-        }
-        xm = row.data();
-      }
-      quantize_row(xm, K, q + m * K, scale + m * KB, comp + m * KB);
-    }
-  });
-}
+using slipstream_cpu::Outliers;
+using slipstream_cpu::QuantRows;
 
 // Output columns [n0, n0 + cols) of rows [m0, m0 + rows) written from acc tile values.
 inline void store(float* y, int64_t N, int64_t m, int64_t n0, const float* vals, int64_t cols,
@@ -161,7 +108,7 @@ void vnni_tile(const QuantRows& a, int64_t m0, int64_t K, const uint8_t* __restr
     for (int c = 0; c < kVecs; ++c) sw[c] = _mm512_loadu_ps(sp + b * kPanel + c * kLanes);
     for (int r = 0; r < R; ++r) {
       const __m512 sa = _mm512_set1_ps(a.scale[(m0 + r) * KB + b]);
-      const __m512 comp = _mm512_set1_ps(a.comp[(m0 + r) * KB + b]);
+      const __m512 comp = _mm512_set1_ps(-128.f * a.ssum[(m0 + r) * KB + b]);
       for (int c = 0; c < kVecs; ++c) {
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sa, comp);
         facc[r][c] = _mm512_fmadd_ps(t, sw[c], facc[r][c]);
@@ -224,7 +171,7 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const 
           }
         }
       }
-      const float sa = a.scale[m * KB + b], comp = a.comp[m * KB + b];
+      const float sa = a.scale[m * KB + b], comp = -128.f * a.ssum[m * KB + b];
       const float* sw = sp + b * kPanel;
       for (int64_t l = 0; l < kPanel; ++l)
         facc[l] = std::fma(std::fma(float(acc[l]), sa, comp), sw[l], facc[l]);
@@ -276,11 +223,12 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t KB = K / kBlock;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor sa = at::empty({M, KB}, x.options());
-  at::Tensor comp = at::empty({M, KB}, x.options());
+  at::Tensor ssum = at::empty({M, KB}, x.options());
   at::Tensor out = at::empty({M, o.k}, x.options());
-  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, xq.data_ptr<int8_t>(),
-                sa.data_ptr<float>(), comp.data_ptr<float>(), out.data_ptr<float>());
-  const QuantRows a{xq.data_ptr<int8_t>(), sa.data_ptr<float>(), comp.data_ptr<float>(),
+  slipstream_cpu::quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, nullptr,
+                                xq.data_ptr<int8_t>(), sa.data_ptr<float>(),
+                                ssum.data_ptr<float>(), out.data_ptr<float>());
+  const QuantRows a{xq.data_ptr<int8_t>(), sa.data_ptr<float>(), ssum.data_ptr<float>(),
                     out.data_ptr<float>(), o.k};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();

@@ -12,7 +12,7 @@ weight: a tied input embedding looks its rows up in it (``rows``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -61,13 +61,24 @@ class Q8Weight:
         """The whole weight in float32 ``[N, K]`` (tests)."""
         return self.rows(torch.arange(self.out_features))
 
+    def with_outliers(self, channels: torch.Tensor) -> "Q8Weight":
+        """Blocks loaded as they were shipped (``from_blocks``) with input ``channels``
+        multiplied apart in float32: their values stay in the blocks (the activations there
+        are zero), and their columns, the blocks' own values, are kept beside them."""
+        if channels.numel() == 0:
+            return replace(self, outliers=None, outlier_w=None)
+        channels = channels.to(torch.int64).sort().values.contiguous()
+        q, scale = self.columns(torch.arange(self.out_features))
+        values = q[:, channels] * scale[:, channels // BLOCK]
+        return replace(self, outliers=channels, outlier_w=_panels(values).contiguous())
+
 
 def supports(weight: torch.Tensor) -> bool:
     """The layout needs K in whole blocks."""
     return weight.dim() == 2 and weight.shape[1] % BLOCK == 0 and weight.shape[1] > 0
 
 
-def _block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32 along the last dim: ``x ~= q * scale`` per block.
     ``q`` int16 ``[..., K]``, ``scale`` float32 ``[..., K/32]``. Rounds as the kernel does
     (``x * (127 / amax)``, ties to even)."""
@@ -93,9 +104,20 @@ def quantize(weight: torch.Tensor, outliers: Optional[torch.Tensor] = None) -> Q
         weight = weight.index_fill(1, outliers, 0.0)
     else:
         outliers = None
-    q, scale = _block_quantize(weight)
+    q, scale = block_quantize(weight)
     packed = panel_layout.pack((q + 128).to(torch.uint8), QUAD)  # padding: never stored
     return Q8Weight(packed, _panels(scale).contiguous(), n, k, outliers, outlier_w)
+
+
+def from_blocks(q: torch.Tensor, scale: torch.Tensor) -> Q8Weight:
+    """Blocks as a checkpoint ships them (GGUF's Q8_0): ``q`` int8 ``[N, K]`` and ``scale``
+    ``[N, K/32]`` (float16 or float32, held as float32: exact), packed as they are."""
+    n, k = q.shape
+    if k % BLOCK or scale.shape != (n, k // BLOCK):
+        raise ValueError(f"int8 blocks need K a multiple of {BLOCK}, got {tuple(q.shape)}")
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    packed = panel_layout.pack(shifted, QUAD)
+    return Q8Weight(packed, _panels(scale.float()).contiguous(), n, k)
 
 
 def _panels(per_column: torch.Tensor) -> torch.Tensor:
@@ -160,7 +182,7 @@ def _torch_product(weight: Q8Weight, x: torch.Tensor, bias: Optional[torch.Tenso
     32 x 127 x 127), each scaled by both operands' block scales, summed over the blocks."""
     idx = weight.outliers
     blocked = x if idx is None else x.index_fill(1, idx, 0.0)
-    qa, sa = _block_quantize(blocked)
+    qa, sa = block_quantize(blocked)
     qw, sw = weight.columns(torch.arange(weight.out_features))
     rows, blocks = x.shape[0], x.shape[1] // BLOCK
     a = qa.float().view(rows, blocks, BLOCK).transpose(0, 1)  # [B, M, 32]
