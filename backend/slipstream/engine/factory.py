@@ -70,8 +70,10 @@ class ModelFactory:
         s = self.settings
         path: Optional[Path] = None
         if model is None:
-            path = loader.resolve_model_path(self.config.model)
-            model = loader.load_model(path, s.dtype, s.device, lean=self.config.fast_forward)
+            path = loader.resolve_model_path(self.config.model, s.quantization)
+            model = loader.load_model(
+                path, s.dtype, s.device, lean=self.config.fast_forward, quantization=s.quantization
+            )
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(path, self.config.tokenizer)
         config = self.config = fit_max_model_len(self.config, model.config)

@@ -163,6 +163,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "model directory; same as --set model=...",
     )
     p.add_argument(
+        "--quantization",
+        choices=("int8", "gguf", "awq", "gptq"),
+        help="int8: quantize the weights at load; gguf / awq / gptq: serve a 4-bit "
+        "checkpoint's blocks as they ship (with --model default, the embedded model's own "
+        "Q4_1 GGUF), CPU; same as --set quantization=...",
+    )
+    p.add_argument(
         "--model-repository",
         default=os.environ.get("SLIPSTREAM_MODEL_REPOSITORY", str(DEFAULT_MODEL_REPOSITORY)),
         help="Triton model repository to serve (copied with the overrides applied)",
@@ -410,6 +417,8 @@ def _plan_serve(args: argparse.Namespace) -> _ServePlan:
     overrides = parse_sets(args.set)
     if args.model:
         overrides["model"] = args.model
+    if args.quantization:
+        overrides["quantization"] = args.quantization
     work = Path(tempfile.mkdtemp(prefix="slipstream-serve-"))
     repo = render_model_repository(args.model_repository, work / "model_repository", overrides)
     aliases = ["vllm"] if args.vllm_alias else []

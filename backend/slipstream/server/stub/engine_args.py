@@ -63,17 +63,22 @@ def _dtype(value: Any) -> dict:
     return {"dtype": names[str(value)]}
 
 
+SHIPPED_SCHEMES = ("gguf", "awq", "gptq")  # 4-bit checkpoints served as they ship (CPU)
+
+
 def _quantization(value: Any) -> dict:
-    """vLLM's ``quantization`` names a checkpoint's scheme; here ``int8`` (weight-only, per-row
-    scales, made at load) is the one scheme, and null / "" none."""
+    """vLLM's ``quantization`` names a checkpoint's scheme: ``gguf``, ``awq`` and ``gptq``
+    (4 bits) are served as they ship; ``int8`` (weights and activations in blocks of 32,
+    made at load) is Slipstream's own; null / "" none."""
     if value in (None, "", "none"):
         return {"quantization": None}
-    if value != "int8":
+    if value != "int8" and value not in SHIPPED_SCHEMES:
         raise ValueError(
-            f"quantization={value!r} is not supported (weights load unquantized, "
-            "or with 'int8' quantized at load: weight-only, per-row scales, CPU)"
+            f"quantization={value!r} is not supported (weights load unquantized, with "
+            f"'int8' quantized at load, or a 4-bit checkpoint as it ships: "
+            f"{', '.join(SHIPPED_SCHEMES)}; CPU)"
         )
-    return {"quantization": "int8"}
+    return {"quantization": str(value)}
 
 
 def _kv_cache_dtype(value: Any) -> dict:

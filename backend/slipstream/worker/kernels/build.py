@@ -68,6 +68,7 @@ SOURCE_CLASSES: dict[str, FlagClass] = {
     "cpu_silu_mul.cpp": FlagClass.ORDERED,
     "cpu_logit_stats.cpp": FlagClass.ORDERED,
     "cpu_decode_stack.cpp": FlagClass.FAST,
+    "cpu_machine_probe.cpp": FlagClass.FAST,
 }
 CLASS_FLAGS: dict[FlagClass, tuple[str, ...]] = {
     FlagClass.FAST: ("-ffast-math",),

@@ -38,8 +38,10 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cpu_parallel.h"
+#include "cpu_products.h"
 #include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
@@ -57,7 +59,7 @@ constexpr int kVecs = 2;
 constexpr int64_t kPanel = kLanes * kVecs;          // output columns per panel
 constexpr int64_t kBlockBytes = kBlock * kPanel / 2;  // a panel's block: 512 bytes
 constexpr int kRowTile = 4;                         // rows per register tile
-constexpr int64_t kRowChunk = 192;                  // rows per task at prompt sizes
+constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 constexpr int64_t kPrefetchBytes = 4096;
 
 bool g_force_portable = false;
@@ -96,14 +98,7 @@ inline void store(float* y, int64_t N, int64_t m, int64_t n0, const float* vals,
   for (int64_t c = 0; c < cols; ++c) out[c] = vals[c] + (bias ? bias[n0 + c] : 0.f);
 }
 
-// What one task reads: a panel's blocks and scales, and the layout's sizes.
-struct Panel {
-  const uint8_t* w;  // [K/32][512]
-  const void* s;     // [K/G][2][32] float or half
-  const float* out_w;  // the outlier columns [k][32], or null
-  int64_t K, G;
-  int64_t n0, cols;
-};
+using Panel = slipstream_cpu::Q4Panel;
 
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
@@ -253,12 +248,36 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, const Panel& p, f
   }
 }
 
+}  // namespace
+
+namespace slipstream_cpu {
+
+void q4_panel_rows(const QuantRows& a, int64_t m0, int64_t m1, const Q4Panel& p, float* y,
+                   int64_t N, const float* bias) {
+#if defined(__AVX512VNNI__)
+  if (!g_force_portable) {
+    if (p.half)
+      vnni_rows<uint16_t>(a, m0, m1, p, y, N, bias);
+    else
+      vnni_rows<float>(a, m0, m1, p, y, N, bias);
+    return;
+  }
+#endif
+  if (p.half)
+    portable_rows<uint16_t>(a, m0, m1, p, y, N, bias);
+  else
+    portable_rows<float>(a, m0, m1, p, y, N, bias);
+}
+
+}  // namespace slipstream_cpu
+
+namespace {
+
 template <typename S>
 void run(const QuantRows& a, int64_t M, int64_t K, int64_t G, int64_t N, const uint8_t* wp,
          const S* sp, const Outliers& o, const float* bias, float* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  const bool vnni = kVnni && !g_force_portable;
   // A few rows: several panels a task, so that each thread streams a long run of memory;
   // still ~4 tasks a thread, so that one preempted thread's share moves on.
   const int64_t grain =
@@ -273,14 +292,9 @@ void run(const QuantRows& a, int64_t M, int64_t K, int64_t G, int64_t N, const u
                     K,
                     G,
                     pi * kPanel,
-                    std::min(kPanel, N - pi * kPanel)};
-#if defined(__AVX512VNNI__)
-      if (vnni) {
-        vnni_rows<S>(a, m0, m1, p, y, N, bias);
-        continue;
-      }
-#endif
-      portable_rows<S>(a, m0, m1, p, y, N, bias);
+                    std::min(kPanel, N - pi * kPanel),
+                    std::is_same_v<S, uint16_t>};
+      slipstream_cpu::q4_panel_rows(a, m0, m1, p, y, N, bias);
     }
   });
 }

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_products.h"
 #include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
@@ -55,7 +56,7 @@ constexpr int64_t kLanes = 16;  // output columns per vector
 constexpr int kVecs = 2;        // vectors per panel
 constexpr int64_t kPanel = kLanes * kVecs;
 constexpr int kRowTile = 6;   // rows per register tile (kRowTile x kVecs x 2 accumulators)
-constexpr int64_t kRowChunk = 192;  // rows per task at prompt sizes
+constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 // Weights are prefetched this far ahead of the quad being read: a decode step streams every
 // layer's weights from memory once, and the hardware prefetcher alone (restarting at every
 // task's panel) kept that at ~14 of the ~27 GB/s a plain read gets.
@@ -183,6 +184,46 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const 
   }
 }
 
+}  // namespace
+
+namespace slipstream_cpu {
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* ssum) {
+  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {
+      // nearest, ties to even (the default rounding mode), as torch.round
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      const int32_t c = std::min(127, std::max(-127, v));
+      q[b * kQuantBlock + i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    const float s = amax / 127.f;
+    scale[b] = s;
+    ssum[b] = s * static_cast<float>(sum);
+  }
+}
+
+void q8_panel_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const uint8_t* wp,
+                   const float* sp, const float* op, float* y, int64_t N, int64_t n0,
+                   int64_t cols, const float* bias) {
+#if defined(__AVX512VNNI__)
+  if (!g_force_portable) {
+    vnni_rows(a, m0, m1, K, wp, sp, op, y, N, n0, cols, bias);
+    return;
+  }
+#endif
+  portable_rows(a, m0, m1, K, wp, sp, op, y, N, n0, cols, bias);
+}
+
+}  // namespace slipstream_cpu
+
+namespace {
+
 at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                    int64_t N, const c10::optional<at::Tensor>& bias,
                    const c10::optional<at::Tensor>& outlier_idx,
@@ -236,7 +277,6 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   // Tasks: (panel, chunk of rows), a panel's chunks in a row so that a thread keeps reusing
   // the panel's weights from its cache.
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  const bool vnni = kVnni && !g_force_portable;
   // A few rows: several panels a task, so that each thread streams a long run of memory;
   // still ~4 tasks a thread, so that one preempted thread's share moves on.
   const int64_t grain =
@@ -249,13 +289,7 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       const uint8_t* wpp = wp + p * kPanel * K;
       const float* spp = sp + p * kPanel * KB;
       const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
-#if defined(__AVX512VNNI__)
-      if (vnni) {
-        vnni_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
-        continue;
-      }
-#endif
-      portable_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
+      slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
     }
   });
   return y;

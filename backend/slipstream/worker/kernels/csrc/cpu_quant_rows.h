@@ -38,25 +38,9 @@ struct Outliers {
   int64_t k = 0;
 };
 
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* ssum) {
-  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
-    const float* xb = x + b * kQuantBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kQuantBlock; ++i) {
-      // nearest, ties to even (the default rounding mode), as torch.round
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      const int32_t c = std::min(127, std::max(-127, v));
-      q[b * kQuantBlock + i] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    const float s = amax / 127.f;
-    scale[b] = s;
-    ssum[b] = s * static_cast<float>(sum);
-  }
-}
+// Row x [K] -> q [K], scale and ssum [K/32] (one compiled copy, in cpu_q8_gemm.cpp: every
+// product and the decode stack quantize alike).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* ssum);
 
 // Rows [0, M) of x (row stride ldx); perm: K-space channel j reads x[:, perm[j]] (or null).
 inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const Outliers& o,
