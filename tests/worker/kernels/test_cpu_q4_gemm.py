@@ -26,7 +26,8 @@ def _random_weight(n: int, k: int, group: int, dtype: torch.dtype, seed: int):
     """Random codes, scales and offsets, and the weight they give in float64 ``[N, K]``."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3).to(dtype)
+    # every format's d is a float16 value, or one times a small integer (Q4_K's)
+    d = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3).half().to(dtype)
     m = (torch.randn(n, k // group, generator=gen) * 0.1).to(dtype)
     w = q.double().view(n, -1, group) * d.double()[..., None] + m.double()[..., None]
     return q, d, m, w.view(n, k)
