@@ -11,7 +11,9 @@ shared machine, and alternates the formats' order. Figures are the fastest step 
 round (a step can only be slowed by others), then the median over rounds: the step as the
 engine runs it (``engine.step``: scheduling, forward, sampling, output) and its forward alone,
 each over the floor. The weights' bytes are what the step reads: every product's packed
-layout (scales and outlier columns included), the LM head's too.
+layout (scales and outlier columns included), the LM head's too. Where the compiled decode
+stack runs the layers, its phases' share of the step is reported too (``--no-phases`` skips
+it): where the time goes at one row.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from slipstream_bench.machine_probe import Bandwidth, describe_cpu
+from slipstream_bench.machine_probe import BUFFER_BYTES, Bandwidth, describe_cpu
 
 # --formats names -> engine settings (gguf: the embedded model's own Q4_1 blocks)
 FORMATS = {
@@ -50,6 +52,8 @@ class FloorRow:
     step_over_floor: float
     forward_over_floor: float
     tokens_per_s: float
+    layers_ms: float = 0.0  # the decoder layers (the compiled stack), within the forward
+    phases_ms: Optional[dict] = None  # per step, the stack's phases (the first thread's view)
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
@@ -90,7 +94,20 @@ class _Engine:
         self.engine = LLMEngine(EngineConfig.from_dict(config))
         self.weight_bytes = step_weight_bytes(self.engine.model)
         self.forward_s: list[float] = []
+        self.layers_s: list[float] = []
         run = self.engine.runner.run
+        lean = self.engine.runner.forward.lean
+        self.stack = lean.stack if lean is not None else None
+        if self.stack is not None:
+            stack_run = self.stack.run
+
+            def timed_layers(*args, **kwargs):
+                start = time.perf_counter()
+                out = stack_run(*args, **kwargs)
+                self.layers_s.append(time.perf_counter() - start)
+                return out
+
+            self.stack.run = timed_layers  # type: ignore[method-assign]
 
         def timed(batch_):
             start = time.perf_counter()
@@ -100,9 +117,9 @@ class _Engine:
 
         self.engine.runner.run = timed
 
-    def steps(self, batch: int, context: int, n: int, seed: int) -> tuple[float, float]:
+    def steps(self, batch: int, context: int, n: int, seed: int) -> tuple[float, float, float]:
         """The fastest of ``n`` decode steps at ``batch`` sequences of ``context`` tokens:
-        (engine step seconds, forward seconds)."""
+        (engine step seconds, forward seconds, layers' seconds)."""
         from slipstream.core.sampling_params import SamplingParams
 
         rng = random.Random(seed)
@@ -114,30 +131,54 @@ class _Engine:
         engine = self.engine
         for _ in range(warm):
             engine.step()
-        steps, forwards = [], []
+        steps, forwards, layers = [], [], []
         for _ in range(n):
             self.forward_s.clear()
+            self.layers_s.clear()
             start = time.perf_counter()
             engine.step()
             steps.append(time.perf_counter() - start)
             forwards.append(sum(self.forward_s))
+            layers.append(sum(self.layers_s))
         while engine.has_unfinished():
             engine.step()
-        return min(steps), min(forwards)
+        return min(steps), min(forwards), min(layers)
+
+    def phases(self, batch: int, context: int, n: int) -> Optional[dict]:
+        """Milliseconds a step spends in each of the stack's phases, averaged over ``n``."""
+        if self.stack is None:
+            return None
+        self.stack.time_phases(True)
+        self.stack.phase_times()
+        try:
+            self.steps(batch, context, n, seed=10_000)
+            return {k: v * 1e3 / n for k, v in self.stack.phase_times().items()}
+        finally:
+            self.stack.time_phases(False)
 
 
-def run(formats: list[str], batches: list[int], rounds: int, context: int, steps: int) -> dict:
-    bandwidth = Bandwidth()
-    engines = [_Engine(f, FORMATS[f], max(batches)) for f in formats]
+def run(
+    formats: list[str],
+    batches: list[int],
+    rounds: int,
+    context: int,
+    steps: int,
+    phases: bool = True,
+    model: str = "default",
+    bandwidth_bytes: int = BUFFER_BYTES,
+) -> dict:
+    bandwidth = Bandwidth(bandwidth_bytes)
+    extra = {} if model == "default" else {"model": model}
+    engines = [_Engine(f, {**FORMATS[f], **extra}, max(batches)) for f in formats]
     found: dict = {(e.name, b): [] for e in engines for b in batches}
     for r in range(rounds):
         order = engines if r % 2 == 0 else engines[::-1]
         for b in batches:
             for e in order:
                 before = bandwidth.measure()
-                step_s, forward_s = e.steps(b, context, steps, seed=r)
+                step_s, forward_s, layers_s = e.steps(b, context, steps, seed=r)
                 after = bandwidth.measure()
-                found[(e.name, b)].append((max(before, after), step_s, forward_s))
+                found[(e.name, b)].append((max(before, after), step_s, forward_s, layers_s))
                 print(
                     json.dumps(
                         {
@@ -158,6 +199,7 @@ def run(formats: list[str], batches: list[int], rounds: int, context: int, steps
             bw = statistics.median(x[0] for x in runs)
             step_s = statistics.median(x[1] for x in runs)
             forward_s = statistics.median(x[2] for x in runs)
+            layers_s = statistics.median(x[3] for x in runs)
             floor = e.weight_bytes / bw
             rows.append(
                 FloorRow(
@@ -171,6 +213,8 @@ def run(formats: list[str], batches: list[int], rounds: int, context: int, steps
                     step_s / floor,
                     forward_s / floor,
                     b / step_s,
+                    layers_s * 1e3,
+                    e.phases(b, context, steps) if phases else None,
                 )
             )
     return {"cpu": describe_cpu().line(), "context": context, "rows": [asdict(r) for r in rows]}
@@ -188,6 +232,18 @@ def format_table(result: dict) -> str:
             f"{r['floor_ms']:>8.2f} {r['step_ms']:>8.2f} {r['step_over_floor']:>7.2f} "
             f"{r['forward_ms']:>7.2f} {r['forward_over_floor']:>7.2f} {r['tokens_per_s']:>7.1f}"
         )
+    timed = [r for r in result["rows"] if r.get("phases_ms")]
+    if timed:
+        names = list(timed[0]["phases_ms"])
+        lines.append("where a step's layers go (ms, the stack's phases; layers = their sum):")
+        lines.append(
+            f"{'format':<9} {'batch':>5} {'layers':>7} " + " ".join(f"{n:>12}" for n in names)
+        )
+        for r in timed:
+            lines.append(
+                f"{r['format']:<9} {r['batch']:>5} {r['layers_ms']:>7.2f} "
+                + " ".join(f"{r['phases_ms'][n]:>12.3f}" for n in names)
+            )
     return "\n".join(lines)
 
 
@@ -198,6 +254,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
+    p.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -205,7 +262,12 @@ def main(argv: Optional[list] = None) -> int:
     if unknown:
         p.error(f"unknown formats {unknown}; choose from {sorted(FORMATS)}")
     result = run(
-        formats, [int(b) for b in args.batches.split(",")], args.rounds, args.context, args.steps
+        formats,
+        [int(b) for b in args.batches.split(",")],
+        args.rounds,
+        args.context,
+        args.steps,
+        not args.no_phases,
     )
     print(format_table(result), flush=True)
     if args.json:

@@ -64,6 +64,7 @@ SOURCE_CLASSES: dict[str, FlagClass] = {
     "cpu_bf16_gemm.cpp": FlagClass.FAST,
     "cpu_rms_norm.cpp": FlagClass.FAST,
     "cpu_rotary.cpp": FlagClass.EXACT,
+    "cpu_packed_rows.cpp": FlagClass.EXACT,
     "cpu_sampling.cpp": FlagClass.FAST,
     "cpu_silu_mul.cpp": FlagClass.ORDERED,
     "cpu_logit_stats.cpp": FlagClass.ORDERED,

@@ -92,12 +92,34 @@ def _layer_args(
     return tensors, ints, [norm_in[1], norm_post[1], float(layer.scaling)]
 
 
+# What ``phase_times`` reports, in the kernel's order (cpu_decode_stack.cpp's Timed).
+PHASES = (
+    "prepare",  # the norms, and the products' inputs quantized (or rounded to bf16)
+    "qkv",
+    "rotary_store",
+    "attention",
+    "o",
+    "gate_up",
+    "activation",
+    "down",
+)
+
+
 class DecodeStack:
     """``run(hidden [T, H], cos, sin, key_caches, value_caches, rows)`` -> hidden after the
     last layer (updated in place)."""
 
     def __init__(self, native: Any) -> None:
         self.native = native
+
+    def time_phases(self, on: bool) -> None:
+        """Sum where a step's time goes (``phase_times``) from now on (benchmarks)."""
+        self.native.time_phases(on)
+
+    def phase_times(self) -> dict[str, float]:
+        """Seconds spent in each kind of phase of the steps run as one region since the last
+        call (the region's first thread's view, its waits included)."""
+        return dict(zip(PHASES, self.native.phase_times()))
 
     @classmethod
     def build(

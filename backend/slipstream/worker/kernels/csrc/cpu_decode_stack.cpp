@@ -13,7 +13,8 @@
 // through each layer's phases (the q/k/v product, rotary and the cache store, attention, the
 // o product with its residual add, the gate/up product, the activation, the down product
 // with its residual add), each phase a set of tasks taken from a shared counter, the next
-// phase starting once the last task of this one is done. One sequence's step reads ~100 MB of
+// phase starting once the last task of this one is done (a thread waiting meanwhile requests
+// the next products' weights). One sequence's step reads ~100 MB of
 // weights in a few milliseconds: forking and joining the threads for each of its ~200
 // operators, and each operator's allocations and dispatch, were a third of it. A thread never
 // waits for a given thread, only for the phase's tasks, so a thread the machine preempts
@@ -34,9 +35,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -202,8 +205,34 @@ constexpr size_t kTensors = 2 + 4 * kProductTensors, kInts = 4 * kProductInts + 
 struct alignas(64) Phase {
   std::atomic<int64_t> next{0};
   char pad[64 - sizeof(std::atomic<int64_t>)];
-  std::atomic<int64_t> done{0};
+  std::atomic<int32_t> done{0};  // 32 bits: waited on with a futex
 };
+
+// Pauses a waiting thread spins (~50 us) before it sleeps until the phase's count moves: a
+// phase at one row lasts tens of microseconds, and a sleeping thread takes ~10 to wake; on a
+// busy machine a spinning thread would hold the core its partner needs to finish its task.
+constexpr int64_t kSpins = 2048;
+
+// Weights a waiting thread pulls towards the cores (into L2, whence the L3 keeps them) while
+// another runs a phase alone (rotary, attention, the activation at one row) or finishes its
+// last task: the step is bound by reading the weights, and the memory would otherwise idle
+// meanwhile. The threads share a cursor per tensor, so no line is requested twice.
+struct alignas(64) Prefetch {
+  const char* base = nullptr;
+  int64_t lines = 0;
+  std::atomic<int64_t> next{0};
+
+  // Requests up to `count` more lines; false once every line is requested.
+  bool step(int64_t count) {
+    if (next.load(std::memory_order_relaxed) >= lines) return false;
+    const int64_t first = next.fetch_add(count, std::memory_order_relaxed);
+    for (int64_t i = first; i < std::min(lines, first + count); ++i)
+      __builtin_prefetch(base + i * 64, 0, 2);
+    return first < lines;
+  }
+};
+
+constexpr int64_t kPrefetchLines = 8;  // a waiting thread's requests between checks
 
 // The region's shared state: its phases, and the first error a task raised (the others then
 // stop at their next phase instead of waiting for tasks that will not be done).
@@ -216,9 +245,11 @@ struct Schedule {
   explicit Schedule(int64_t count) : phases(new Phase[count]) {}
 
   // Takes tasks [0, tasks) of phase `index` until none is left, then waits until every one
-  // is done. False where a task failed.
+  // is done, meanwhile requesting the lines of `ahead` (the weights of the next products).
+  // False where a task failed.
   template <typename F>
-  bool work(int64_t index, int64_t tasks, const F& task) {
+  bool work(int64_t index, int64_t tasks, const F& task,
+            std::initializer_list<Prefetch*> ahead = {}) {
     Phase& phase = phases[index];
     for (int64_t t = phase.next.fetch_add(1); t < tasks; t = phase.next.fetch_add(1)) {
       if (!failed.load(std::memory_order_relaxed)) {
@@ -231,16 +262,26 @@ struct Schedule {
         }
       }
       phase.done.fetch_add(1, std::memory_order_release);
+      phase.done.notify_all();  // no system call unless a thread sleeps on it
     }
-    for (int64_t spins = 0; phase.done.load(std::memory_order_acquire) < tasks; ++spins) {
+    for (int64_t spins = 0;; ++spins) {
+      const int32_t done = phase.done.load(std::memory_order_acquire);
+      if (done >= tasks) break;
       if (failed.load(std::memory_order_relaxed)) return false;
-#if defined(__SSE2__)
-      if (spins < 4096) {
-        _mm_pause();
+      bool requested = false;
+      for (Prefetch* p : ahead)
+        if (p && (requested = p->step(kPrefetchLines))) break;
+      if (requested) {
+        spins = 0;
         continue;
       }
+      if (spins < kSpins) {
+#if defined(__SSE2__)
+        _mm_pause();
 #endif
-      std::this_thread::yield();  // the task's thread is not running: give it the core
+        continue;
+      }
+      phase.done.wait(done, std::memory_order_acquire);  // until a task finishes
     }
     return !failed.load(std::memory_order_relaxed);
   }
@@ -258,9 +299,36 @@ enum Step : int64_t {
   kSteps
 };
 
+// What phase_times reports, in its order.
+enum Timed : int64_t {
+  kTimedPrepare = 0,  // the norms, and the products' inputs quantized (or rounded to bf16)
+  kTimedQkv,
+  kTimedRotaryStore,
+  kTimedAttention,
+  kTimedOut,
+  kTimedGateUp,
+  kTimedActivation,
+  kTimedDown,
+  kTimedKinds
+};
+
+using Clock = std::chrono::steady_clock;
+
 struct DecodeStack : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   std::vector<Layer> layers;
+  // Seconds the region's first thread spent in each kind of phase (its wait for the others
+  // included), summed over the steps since the last phase_times, while timing is on.
+  bool timing = false;
+  mutable std::vector<double> phase_seconds = std::vector<double>(kTimedKinds, 0.0);
+
+  void time_phases(bool on) { timing = on; }
+
+  std::vector<double> phase_times() {
+    std::vector<double> out = phase_seconds;
+    std::fill(phase_seconds.begin(), phase_seconds.end(), 0.0);
+    return out;
+  }
 
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim) {}
@@ -415,6 +483,16 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor attn = at::empty({t, heads, head_dim}, like.options());
     at::Tensor q_rot, act;  // written by one task, read by the next phase's
     Schedule schedule(static_cast<int64_t>(layers.size()) * kSteps);
+    // each layer's products' weights: q/k/v, o, gate/up, down
+    std::unique_ptr<Prefetch[]> weights(new Prefetch[layers.size() * 4]);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Product* products[] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up,
+                                   &layers[i].down};
+      for (int j = 0; j < 4; ++j) {
+        weights[i * 4 + j].base = static_cast<const char*>(products[j]->packed.data_ptr());
+        weights[i * 4 + j].lines = products[j]->packed.nbytes() / 64;
+      }
+    }
     float* h = hidden.data_ptr<float>();
     // runs of panels per task: a few per thread, so that one preempted thread's share moves on
     auto panel_tasks = [&](const Product& p) {
@@ -423,7 +501,7 @@ struct DecodeStack : torch::CustomClassHolder {
       return std::make_pair(chunks, grain);
     };
     auto product_phase = [&](int64_t index, const Product& p, const Input& in, int64_t K,
-                             void* y, bool residual) {
+                             void* y, bool residual, std::initializer_list<Prefetch*> ahead) {
       const auto [chunks, grain] = panel_tasks(p);
       const int64_t total = p.panels() * chunks, tasks = (total + grain - 1) / grain;
       return schedule.work(index, tasks, [&](int64_t task) {
@@ -450,52 +528,82 @@ struct DecodeStack : torch::CustomClassHolder {
             }
           }
         }
-      });
+      }, ahead);
     };
-    const int64_t attention_tasks = std::min<int64_t>(seqs, 2 * threads);
+    // attention's work items, as its operator splits them (one per sequence and KV head at
+    // one sequence: the threads share it)
+    const int64_t heads_per_item =
+        slipstream_cpu::decode_attention_heads_per_item(seqs, kv_heads, threads);
+    const int64_t attention_items = seqs * (kv_heads / heads_per_item);
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       thread_local Input in;
       thread_local std::vector<float> normed;
       normed.resize(t * width);
       const at::Tensor x = at::from_blob(normed.data(), {t, width}, like.options());
+      // where the time goes, seen by the region's first thread (phase_times)
+      const bool timed = timing && at::get_thread_num() == 0;
+      auto last = Clock::now();
+      auto mark = [&](Timed kind) {
+        if (!timed) return;
+        const auto now = Clock::now();
+        phase_seconds[kind] += std::chrono::duration<double>(now - last).count();
+        last = now;
+      };
       for (size_t i = 0; i < layers.size(); ++i) {
         const Layer& l = layers[i];
         const int64_t base = static_cast<int64_t>(i) * kSteps;
+        Prefetch* o_w = &weights[i * 4 + 1];
+        Prefetch* gate_up_w = &weights[i * 4 + 2];
+        Prefetch* down_w = &weights[i * 4 + 3];
+        Prefetch* next_qkv = i + 1 < layers.size() ? &weights[(i + 1) * 4] : nullptr;
         norm_rows(h, l.norm_in, l.eps_in, t, width, normed.data());
         l.qkv.prepare(x, in);
+        mark(kTimedPrepare);
         float* qkv = qkv_buf.data_ptr<float>();  // rows of this layer's width, [t, l.qkv.n]
-        if (!product_phase(base + kQkv, l.qkv, in, width, qkv, false)) return;
+        if (!product_phase(base + kQkv, l.qkv, in, width, qkv, false, {o_w})) return;
+        mark(kTimedQkv);
         if (!schedule.work(base + kRotaryStore, 1, [&](int64_t) {
               const at::Tensor written = at::from_blob(qkv, {t, l.qkv.n}, like.options());
               rotary_and_store(l, written, cos, sin, key_caches[i], value_caches[i], store_rows,
                                store_slots, q_rot);
-            }))
+            }, {o_w, gate_up_w}))
           return;
-        if (!schedule.work(base + kAttention, attention_tasks, [&](int64_t task) {
-              const int64_t s0 = seqs * task / attention_tasks;
-              const int64_t s1 = seqs * (task + 1) / attention_tasks;
-              if (s1 <= s0) return;
-              attend(l, attn, q_rot, key_caches[i], value_caches[i], tables.narrow(0, s0, s1 - s0),
-                     seq_lens.narrow(0, s0, s1 - s0), rows.narrow(0, s0, s1 - s0));
-            }))
+        mark(kTimedRotaryStore);
+        if (!schedule.work(base + kAttention, attention_items, [&](int64_t item) {
+              slipstream_cpu::decode_attention_items(attn, q_rot, key_caches[i],
+                                                     value_caches[i], tables, seq_lens, rows,
+                                                     l.scaling, l.window, 0.0, heads_per_item,
+                                                     item, item + 1);
+            }, {o_w, gate_up_w}))
           return;
+        mark(kTimedAttention);
         l.o.prepare(attn.view({t, heads * head_dim}), in);
+        mark(kTimedPrepare);
         void* o_y = l.o.bf16_out ? o_bf16.data_ptr() : o_f32.data_ptr();
-        if (!product_phase(base + kOutProj, l.o, in, heads * head_dim, o_y, true)) return;
+        if (!product_phase(base + kOutProj, l.o, in, heads * head_dim, o_y, true,
+                           {gate_up_w, down_w}))
+          return;
+        mark(kTimedOut);
         norm_rows(h, l.norm_post, l.eps_post, t, width, normed.data());
         l.gate_up.prepare(x, in);
+        mark(kTimedPrepare);
         void* gu = l.gate_up.bf16_out ? gu_bf16.data_ptr() : gu_f32.data_ptr();
-        if (!product_phase(base + kGateUp, l.gate_up, in, width, gu, false)) return;
+        if (!product_phase(base + kGateUp, l.gate_up, in, width, gu, false, {down_w})) return;
+        mark(kTimedGateUp);
         if (!schedule.work(base + kActivation, 1, [&](int64_t) {
               const at::Tensor written = at::from_blob(
                   gu, {t, l.gate_up.n},
                   like.options().dtype(l.gate_up.bf16_out ? at::kBFloat16 : at::kFloat));
               act = silu_mul.call(written);
-            }))
+            }, {down_w, next_qkv}))
           return;
+        mark(kTimedActivation);
         l.down.prepare(act, in);
+        mark(kTimedPrepare);
         void* d_y = l.down.bf16_out ? o_bf16.data_ptr() : o_f32.data_ptr();
-        if (!product_phase(base + kDown, l.down, in, l.gate_up.n / 2, d_y, true)) return;
+        if (!product_phase(base + kDown, l.down, in, l.gate_up.n / 2, d_y, true, {next_qkv}))
+          return;
+        mark(kTimedDown);
       }
     });
     if (schedule.error) std::rethrow_exception(schedule.error);
@@ -544,7 +652,9 @@ void decode_stack_run(const c10::intrusive_ptr<DecodeStack>& stack, at::Tensor h
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
-      .def("add_layer", &DecodeStack::add_layer);
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("time_phases", &DecodeStack::time_phases)
+      .def("phase_times", &DecodeStack::phase_times);
   m.def(
       "decode_stack_run(__torch__.torch.classes.slipstream_cpu.DecodeStack stack, "
       "Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor(b!)[] key_caches, "

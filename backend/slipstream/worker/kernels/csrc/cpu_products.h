@@ -1,9 +1,11 @@
 // The products' and norm's inner entry points, shared by their operators and the decode stack
 // (cpu_decode_stack.cpp): both call the one compiled function for a panel's rows, so a decode
 // step run by the stack is bit for bit what the operators compute. Defined in
-// cpu_q8_gemm.cpp, cpu_q4_gemm.cpp, cpu_bf16_gemm.cpp and cpu_rms_norm.cpp (one library:
-// the FAST flag class).
+// cpu_q8_gemm.cpp, cpu_q4_gemm.cpp, cpu_bf16_gemm.cpp, cpu_rms_norm.cpp and
+// cpu_paged_attention.cpp (one library: the FAST flag class).
 #pragma once
+
+#include <ATen/ATen.h>
 
 #include <cstdint>
 
@@ -39,5 +41,15 @@ void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const
 
 // RMSNorm of one row (cpu_rms_norm.cpp).
 void rms_norm_row(const float* row, const float* w, float eps, int64_t width, float* out);
+
+// Decode attention (cpu_paged_attention.cpp): a step's work items, each a sequence with
+// `heads` of its KV heads (decode_attention_heads_per_item: all of them, or one where there
+// are fewer sequences than threads); items [begin, end) of paged_decode_attention's arguments.
+int64_t decode_attention_heads_per_item(int64_t num_seqs, int64_t kv_heads, int64_t threads);
+void decode_attention_items(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
+                            int64_t sliding_window, double softcap, int64_t heads,
+                            int64_t begin, int64_t end);
 
 }  // namespace slipstream_cpu

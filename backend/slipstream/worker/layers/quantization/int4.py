@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from slipstream.worker import kernels
 from slipstream.worker.layers.quantization import panel_layout
 from slipstream.worker.layers.quantization.int8 import block_quantize
 from slipstream.worker.layers.quantization.panel_layout import LANES, PANEL
@@ -72,6 +73,17 @@ class Int4Weight:
         """Rows ``ids`` of the dequantized weight in the input's channel order, float32
         ``[*ids.shape, K]`` (a tied embedding's lookups)."""
         flat = ids.reshape(-1)
+        if kernels.load():  # the compiled reader: the same values
+            found = torch.ops.slipstream_cpu.q4_rows(
+                self.packed,
+                self.scales,
+                self.group,
+                self.out_features,
+                self.in_features,
+                flat.to(torch.int64).contiguous(),
+                self.perm,
+            )
+            return found.reshape(*ids.shape, self.in_features)
         values = self.columns(flat)
         if self.perm is not None:
             values = torch.empty_like(values).index_copy_(1, self.perm, values)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from slipstream.worker import kernels
 from slipstream.worker.layers.quantization import panel_layout
 from slipstream.worker.layers.quantization.panel_layout import PANEL
 
@@ -48,8 +49,19 @@ class Q8Weight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight, float32 ``[*ids.shape, K]`` (the lookups of
-        a tied embedding)."""
+        a tied embedding; the compiled reader where the kernels are loaded, same values)."""
         flat = ids.reshape(-1)
+        if kernels.load():
+            found = torch.ops.slipstream_cpu.q8_rows(
+                self.packed,
+                self.scales,
+                self.out_features,
+                self.in_features,
+                flat.to(torch.int64).contiguous(),
+                self.outliers,
+                self.outlier_w,
+            )
+            return found.reshape(*ids.shape, self.in_features)
         q, scale = self.columns(flat)
         values = q.view(-1, self.in_features // BLOCK, BLOCK).mul_(scale[..., None])
         values = values.view(-1, self.in_features)
