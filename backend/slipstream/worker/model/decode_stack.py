@@ -111,6 +111,8 @@ class DecodeStack:
 
     def __init__(self, native: Any) -> None:
         self.native = native
+        # the cache lists bound to the native stack (an engine's are one list for its life)
+        self._bound: Optional[tuple[list, list]] = None
 
     def time_phases(self, on: bool) -> None:
         """Sum where a step's time goes (``phase_times``) from now on (benchmarks)."""
@@ -149,13 +151,17 @@ class DecodeStack:
     ) -> torch.Tensor:
         store_rows = _NONE if rows.store_rows is None else rows.store_rows
         d = rows.decode
+        bound = self._bound
+        if bound is None or bound[0] is not key_caches or bound[1] is not value_caches:
+            self.native.bind_caches(key_caches, value_caches)
+            self._bound = (key_caches, value_caches)
         torch.ops.slipstream_cpu.decode_stack_run(
             self.native,
             hidden,
             cos,
             sin,
-            key_caches,
-            value_caches,
+            [],  # the bound caches
+            [],
             store_rows,
             rows.store_slots,
             d.tables,

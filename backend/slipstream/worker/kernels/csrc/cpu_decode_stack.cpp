@@ -313,6 +313,10 @@ enum Timed : int64_t {
 };
 
 using Clock = std::chrono::steady_clock;
+// cpu_rotary.cpp's rows function (rotary_rows_address)
+using RotaryRows = void (*)(const float* src, int64_t src_stride, const float* cos,
+                            const float* sin, int64_t r0, int64_t r1, int64_t width,
+                            int64_t head_dim, float* dst);
 
 struct DecodeStack : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
@@ -321,6 +325,17 @@ struct DecodeStack : torch::CustomClassHolder {
   // included), summed over the steps since the last phase_times, while timing is on.
   bool timing = false;
   mutable std::vector<double> phase_seconds = std::vector<double>(kTimedKinds, 0.0);
+
+  // The engine's caches, bound once (run then takes empty lists): the 2 x layers tensors of
+  // its arguments were converted from Python on every step.
+  std::vector<at::Tensor> bound_keys, bound_values;
+
+  void bind_caches(std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
+                "DecodeStack.bind_caches: one key and one value cache per layer");
+    bound_keys = std::move(keys);
+    bound_values = std::move(values);
+  }
 
   void time_phases(bool on) { timing = on; }
 
@@ -377,14 +392,16 @@ struct DecodeStack : torch::CustomClassHolder {
            const at::Tensor& seq_lens, const at::Tensor& rows) const {
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
                 "DecodeStack.run: hidden must be float32 [T, H], contiguous");
-    TORCH_CHECK(key_caches.size() == layers.size() && value_caches.size() == layers.size(),
+    const bool bound = key_caches.empty() && value_caches.empty();
+    const auto& keys = bound ? bound_keys : key_caches;
+    const auto& values = bound ? bound_values : value_caches;
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
                 "DecodeStack.run: one key and one value cache per layer");
     if (hidden.size(0) <= kFusedRows && fusable())
-      run_fused(hidden, cos, sin, key_caches, value_caches, store_rows, store_slots, tables,
-                seq_lens, rows);
+      run_fused(hidden, cos, sin, keys, values, store_rows, store_slots, tables, seq_lens, rows);
     else
-      run_operators(hidden, cos, sin, key_caches, value_caches, store_rows, store_slots, tables,
-                    seq_lens, rows);
+      run_operators(hidden, cos, sin, keys, values, store_rows, store_slots, tables, seq_lens,
+                    rows);
   }
 
   // Every layer's q/k/v product hands out float32 (rotary's input): the region's layout.
@@ -481,7 +498,22 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor o_f32 = at::empty({t, width}, like.options());
     at::Tensor o_bf16 = at::empty({t, width}, like.options().dtype(at::kBFloat16));
     at::Tensor attn = at::empty({t, heads, head_dim}, like.options());
-    at::Tensor q_rot, act;  // written by one task, read by the next phase's
+    at::Tensor act;  // written by one task, read by the next phase's
+    // q and k through rotary: q read by attention, k stored (rotary_rows, the operator's own)
+    int64_t q_max = 0, kv_max = 0;
+    for (const Layer& l : layers) {
+      q_max = std::max(q_max, l.q_size);
+      kv_max = std::max(kv_max, l.kv_size);
+    }
+    at::Tensor q_rot = at::empty({t, heads, head_dim}, like.options());
+    at::Tensor k_rot = at::empty({t, kv_max}, like.options());
+    TORCH_CHECK(q_max == heads * head_dim, "DecodeStack: q width must be heads * head_dim");
+    const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    TORCH_CHECK(cos_c.scalar_type() == at::kFloat && cos_c.dim() == 2 && cos_c.size(0) == t &&
+                    cos_c.size(1) == head_dim && sin_c.sizes() == cos_c.sizes(),
+                "DecodeStack.run: cos/sin must be float32 [T, head_dim]");
+    static const auto rotary_rows = reinterpret_cast<RotaryRows>(
+        op("slipstream_cpu::rotary_rows_address").typed<int64_t()>().call());
     Schedule schedule(static_cast<int64_t>(layers.size()) * kSteps);
     // each layer's products' weights: q/k/v, o, gate/up, down
     std::unique_ptr<Prefetch[]> weights(new Prefetch[layers.size() * 4]);
@@ -563,9 +595,15 @@ struct DecodeStack : torch::CustomClassHolder {
         if (!product_phase(base + kQkv, l.qkv, in, width, qkv, false, {o_w})) return;
         mark(kTimedQkv);
         if (!schedule.work(base + kRotaryStore, 1, [&](int64_t) {
-              const at::Tensor written = at::from_blob(qkv, {t, l.qkv.n}, like.options());
-              rotary_and_store(l, written, cos, sin, key_caches[i], value_caches[i], store_rows,
-                               store_slots, q_rot);
+              const float* c = cos_c.data_ptr<float>();
+              const float* sn = sin_c.data_ptr<float>();
+              rotary_rows(qkv, l.qkv.n, c, sn, 0, t, l.q_size, head_dim,
+                          q_rot.data_ptr<float>());
+              float* k = k_rot.data_ptr<float>();
+              rotary_rows(qkv + l.q_size, l.qkv.n, c, sn, 0, t, l.kv_size, head_dim, k);
+              store_rows_into(k, l.kv_size, key_caches[i], store_rows, store_slots);
+              store_rows_into(qkv + l.q_size + l.kv_size, l.qkv.n, value_caches[i], store_rows,
+                              store_slots);
             }, {o_w, gate_up_w}))
           return;
         mark(kTimedRotaryStore);
@@ -618,6 +656,32 @@ struct DecodeStack : torch::CustomClassHolder {
                                    out + r * width);
   }
 
+  // The stored rows of x (row stride `stride`, one cache row wide) into their slots of the
+  // flat cache, rounded to the cache's dtype as torch's .to() rounds (store below, without
+  // its index_select and dtype copies).
+  static void store_rows_into(const float* x, int64_t stride, const at::Tensor& cache,
+                              const at::Tensor& store_rows, const at::Tensor& slots) {
+    if (slots.numel() == 0) return;  // no row has a slot
+    TORCH_CHECK(cache.is_contiguous() && slots.scalar_type() == at::kLong &&
+                    (store_rows.numel() == 0 || store_rows.scalar_type() == at::kLong),
+                "DecodeStack: a contiguous cache, int64 slots and rows");
+    const int64_t flat = cache.size(0) * cache.size(1), width = cache.size(2) * cache.size(3);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* row = store_rows.numel() ? store_rows.data_ptr<int64_t>() : nullptr;
+    const bool bf16 = cache.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16 || cache.scalar_type() == at::kFloat, "DecodeStack: a float32 or bf16 cache");
+    for (int64_t j = 0; j < slots.numel(); ++j) {
+      TORCH_CHECK(slot[j] >= 0 && slot[j] < flat, "DecodeStack: slot ", slot[j], " out of range");
+      const float* src = x + (row ? row[j] : j) * stride;
+      if (bf16) {
+        auto* dst = reinterpret_cast<c10::BFloat16*>(cache.data_ptr()) + slot[j] * width;
+        for (int64_t c = 0; c < width; ++c) dst[c] = c10::BFloat16(src[c]);
+      } else {
+        std::memcpy(cache.data_ptr<float>() + slot[j] * width, src, width * sizeof(float));
+      }
+    }
+  }
+
   // torch_ops._write_kv: the stored rows' K/V into their slots of the flat cache.
   static void store(at::Tensor k, at::Tensor v, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& store_rows,
@@ -653,6 +717,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("bind_caches", &DecodeStack::bind_caches)
       .def("time_phases", &DecodeStack::time_phases)
       .def("phase_times", &DecodeStack::phase_times);
   m.def(

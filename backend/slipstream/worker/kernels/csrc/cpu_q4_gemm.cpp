@@ -39,6 +39,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_parallel.h"
 #include "cpu_products.h"
@@ -183,9 +184,127 @@ void vnni_tile(const QuantRows& a, int64_t m0, const Panel& p, float* y, int64_t
   }
 }
 
+// Many rows (a prompt chunk): the panel's nibbles are widened once into bytes, laid out as
+// the int8 kernel's (a block's eight quads of k, each two vectors of 16 columns x 4 k), so
+// that each tile of rows reads them with a load and no unpacking, and holds more rows (6 where
+// a group is one block: no per-group sums to keep). Each row's sums are the nibble tile's in
+// another order of exact integer additions, folded alike: the same results.
+constexpr int64_t kWideRows = 8;  // from this many rows of a task the panel is widened
+constexpr int64_t kWideBlockBytes = kBlock * kPanel;  // 1 KB a block
+
+void widen_panel(const Panel& p, uint8_t* wide) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < p.K / kBlock; ++b) {
+    const uint8_t* wb = p.w + b * kBlockBytes;
+    uint8_t* out = wide + b * kWideBlockBytes;
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < kVecs; ++c) {
+        const __m512i raw = _mm512_loadu_si512(wb + (j * kVecs + c) * 64);
+        _mm512_storeu_si512(out + (j * kVecs + c) * 64, _mm512_and_si512(raw, nibble));
+        _mm512_storeu_si512(out + ((j + 4) * kVecs + c) * 64,
+                            _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+      }
+  }
+}
+
+// R rows x kVecs vectors of a widened panel, over all of K; `single`: a group is one block.
+template <int R, typename S, bool single>
+void wide_tile(const QuantRows& a, int64_t m0, const Panel& p, const uint8_t* wide, float* y,
+               int64_t N, const float* bias) {
+  const int64_t K = p.K, KB = K / kBlock, bpg = p.G / kBlock, groups = K / p.G;
+  const S* sp = static_cast<const S*>(p.s);
+  __m512 facc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 t[single ? 1 : R][kVecs];
+    float s_sum[R];
+    for (int r = 0; r < R; ++r) s_sum[r] = 0.f;
+    if constexpr (!single)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kVecs; ++c) t[r][c] = _mm512_setzero_ps();
+    __m512 ts[R][kVecs];  // single: this block's scaled sums
+    for (int64_t bi = 0; bi < bpg; ++bi) {
+      const int64_t b = g * bpg + bi;
+      const uint8_t* wb = wide + b * kWideBlockBytes;
+      __m512i acc[R][kVecs];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_si512();
+      for (int quad = 0; quad < 8; ++quad) {
+        __m512i w[kVecs];
+        for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_si512(wb + (quad * kVecs + c) * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, a.q + (m0 + r) * K + b * kBlock + quad * 4, 4);
+          const __m512i x = _mm512_set1_epi32(four);
+          for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], x);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 sa = _mm512_set1_ps(a.scale[(m0 + r) * KB + b]);
+        s_sum[r] += a.ssum[(m0 + r) * KB + b];
+        for (int c = 0; c < kVecs; ++c) {
+          if constexpr (single)  // fma(x, sa, 0): the nibble tile's first fold, exactly
+            ts[r][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), sa);
+          else
+            t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sa, t[r][c]);
+        }
+      }
+    }
+    const S* sg = sp + g * 2 * kPanel;
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512 d = load_meta(sg + c * kLanes), m = load_meta(sg + kPanel + c * kLanes);
+      for (int r = 0; r < R; ++r) {
+        facc[r][c] = _mm512_fmadd_ps(d, single ? ts[r][c] : t[single ? 0 : r][c], facc[r][c]);
+        facc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(s_sum[r]), facc[r][c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < a.k; ++j) {
+    __m512 w[kVecs];
+    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(p.out_w + j * kPanel + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
+      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
+    }
+  }
+  alignas(64) float vals[kPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
+    store(y, N, m0 + r, p.n0, vals, p.cols, bias);
+  }
+}
+
+template <int R, typename S>
+void wide_tile_of(bool single, const QuantRows& a, int64_t m, const Panel& p,
+                  const uint8_t* wide, float* y, int64_t N, const float* bias) {
+  if (single)
+    wide_tile<R, S, true>(a, m, p, wide, y, N, bias);
+  else
+    wide_tile<(R > 4 ? 4 : R), S, false>(a, m, p, wide, y, N, bias);
+}
+
 template <typename S>
 void vnni_rows(const QuantRows& a, int64_t m0, int64_t m1, const Panel& p, float* y, int64_t N,
                const float* bias) {
+  if (m1 - m0 >= kWideRows) {
+    thread_local std::vector<uint8_t> wide;
+    wide.resize(p.K / kBlock * kWideBlockBytes);
+    widen_panel(p, wide.data());
+    const bool single = p.G == kBlock;
+    const int tile = single ? 6 : 4;
+    for (int64_t m = m0; m < m1; m += tile) {
+      switch (std::min<int64_t>(tile, m1 - m)) {
+        case 1: wide_tile_of<1, S>(single, a, m, p, wide.data(), y, N, bias); break;
+        case 2: wide_tile_of<2, S>(single, a, m, p, wide.data(), y, N, bias); break;
+        case 3: wide_tile_of<3, S>(single, a, m, p, wide.data(), y, N, bias); break;
+        case 4: wide_tile_of<4, S>(single, a, m, p, wide.data(), y, N, bias); break;
+        case 5: wide_tile_of<5, S>(single, a, m, p, wide.data(), y, N, bias); break;
+        default: wide_tile_of<6, S>(single, a, m, p, wide.data(), y, N, bias); break;
+      }
+    }
+    return;
+  }
   for (int64_t m = m0; m < m1; m += kRowTile) {
     switch (std::min<int64_t>(kRowTile, m1 - m)) {
       case 1: vnni_tile<1, S>(a, m, p, y, N, bias); break;
