@@ -208,10 +208,19 @@ struct alignas(64) Phase {
   std::atomic<int32_t> done{0};  // 32 bits: waited on with a futex
 };
 
-// Pauses a waiting thread spins (~50 us) before it sleeps until the phase's count moves: a
-// phase at one row lasts tens of microseconds, and a sleeping thread takes ~10 to wake; on a
-// busy machine a spinning thread would hold the core its partner needs to finish its task.
-constexpr int64_t kSpins = 2048;
+// Pauses a waiting thread spins (~0.5 ms) before it sleeps until the phase's count moves: a
+// phase at a few rows lasts tens of microseconds, and a sleeping thread must be woken and
+// scheduled again (on a busy machine, after others); but a partner preempted for longer than
+// this needs the core a spinning thread would hold. On a loaded 2-core machine 2,048 pauses
+// (~50 us) made steps slower than 20,000 (noisy: compare again on a quiet one).
+constexpr int64_t kSpins = 20000;
+
+// How a region splits and waits (DecodeStack.tune: the benchmarks try others).
+struct Tuning {
+  int64_t tasks_per_thread = 4;  // a product's panels in this many runs a thread
+  int64_t prefetch_lines = 8;    // a waiting thread's requests between checks (0: none)
+  int64_t spins = kSpins;
+};
 
 // Weights a waiting thread pulls towards the cores (into L2, whence the L3 keeps them) while
 // another runs a phase alone (rotary, attention, the activation at one row) or finishes its
@@ -232,7 +241,6 @@ struct alignas(64) Prefetch {
   }
 };
 
-constexpr int64_t kPrefetchLines = 8;  // a waiting thread's requests between checks
 
 // The region's shared state: its phases, and the first error a task raised (the others then
 // stop at their next phase instead of waiting for tasks that will not be done).
@@ -242,7 +250,9 @@ struct Schedule {
   std::exception_ptr error;
   std::mutex error_lock;
 
-  explicit Schedule(int64_t count) : phases(new Phase[count]) {}
+  Tuning tuning;
+
+  Schedule(int64_t count, const Tuning& tuning) : phases(new Phase[count]), tuning(tuning) {}
 
   // Takes tasks [0, tasks) of phase `index` until none is left, then waits until every one
   // is done, meanwhile requesting the lines of `ahead` (the weights of the next products).
@@ -270,12 +280,12 @@ struct Schedule {
       if (failed.load(std::memory_order_relaxed)) return false;
       bool requested = false;
       for (Prefetch* p : ahead)
-        if (p && (requested = p->step(kPrefetchLines))) break;
+        if (p && tuning.prefetch_lines && (requested = p->step(tuning.prefetch_lines))) break;
       if (requested) {
         spins = 0;
         continue;
       }
-      if (spins < kSpins) {
+      if (spins < tuning.spins) {
 #if defined(__SSE2__)
         _mm_pause();
 #endif
@@ -338,6 +348,14 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   void time_phases(bool on) { timing = on; }
+
+  Tuning tuning;
+
+  void tune(int64_t tasks_per_thread, int64_t prefetch_lines, int64_t spins) {
+    TORCH_CHECK(tasks_per_thread > 0 && prefetch_lines >= 0 && spins >= 0,
+                "DecodeStack.tune: positive tasks, non-negative prefetch and spins");
+    tuning = {tasks_per_thread, prefetch_lines, spins};
+  }
 
   std::vector<double> phase_times() {
     std::vector<double> out = phase_seconds;
@@ -514,7 +532,7 @@ struct DecodeStack : torch::CustomClassHolder {
                 "DecodeStack.run: cos/sin must be float32 [T, head_dim]");
     static const auto rotary_rows = reinterpret_cast<RotaryRows>(
         op("slipstream_cpu::rotary_rows_address").typed<int64_t()>().call());
-    Schedule schedule(static_cast<int64_t>(layers.size()) * kSteps);
+    Schedule schedule(static_cast<int64_t>(layers.size()) * kSteps, tuning);
     // each layer's products' weights: q/k/v, o, gate/up, down
     std::unique_ptr<Prefetch[]> weights(new Prefetch[layers.size() * 4]);
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -529,7 +547,9 @@ struct DecodeStack : torch::CustomClassHolder {
     // runs of panels per task: a few per thread, so that one preempted thread's share moves on
     auto panel_tasks = [&](const Product& p) {
       const int64_t chunks = (t + kProductRowChunk - 1) / kProductRowChunk;
-      const int64_t grain = chunks > 1 ? 1 : std::max<int64_t>(1, p.panels() / (4 * threads));
+      const int64_t grain =
+          chunks > 1 ? 1
+                     : std::max<int64_t>(1, p.panels() / (tuning.tasks_per_thread * threads));
       return std::make_pair(chunks, grain);
     };
     auto product_phase = [&](int64_t index, const Product& p, const Input& in, int64_t K,
@@ -719,6 +739,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("bind_caches", &DecodeStack::bind_caches)
       .def("time_phases", &DecodeStack::time_phases)
+      .def("tune", &DecodeStack::tune)
       .def("phase_times", &DecodeStack::phase_times);
   m.def(
       "decode_stack_run(__torch__.torch.classes.slipstream_cpu.DecodeStack stack, "

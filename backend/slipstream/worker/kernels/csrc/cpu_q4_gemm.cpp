@@ -189,7 +189,9 @@ void vnni_tile(const QuantRows& a, int64_t m0, const Panel& p, float* y, int64_t
 // that each tile of rows reads them with a load and no unpacking, and holds more rows (6 where
 // a group is one block: no per-group sums to keep). Each row's sums are the nibble tile's in
 // another order of exact integer additions, folded alike: the same results.
-constexpr int64_t kWideRows = 8;  // from this many rows of a task the panel is widened
+// From this many rows of a task the panel is widened: fewer (a decode step) are bound by
+// reading the nibbles, which the nibble tiles prefetch as they go.
+constexpr int64_t kWideRows = 17;
 constexpr int64_t kWideBlockBytes = kBlock * kPanel;  // 1 KB a block
 
 void widen_panel(const Panel& p, uint8_t* wide) {
@@ -197,6 +199,8 @@ void widen_panel(const Panel& p, uint8_t* wide) {
   for (int64_t b = 0; b < p.K / kBlock; ++b) {
     const uint8_t* wb = p.w + b * kBlockBytes;
     uint8_t* out = wide + b * kWideBlockBytes;
+    for (int64_t line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     for (int j = 0; j < 4; ++j)
       for (int c = 0; c < kVecs; ++c) {
         const __m512i raw = _mm512_loadu_si512(wb + (j * kVecs + c) * 64);
