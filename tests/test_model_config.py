@@ -69,7 +69,7 @@ def test_unknown_engine_argument_is_named_with_the_supported_ones():
     [
         ("tensor_parallel_size", 2, "one device per model"),
         ("pipeline_parallel_size", "2", "one device per model"),
-        ("quantization", "awq", "weights load unquantized"),
+        ("quantization", "fp8", "weights load unquantized"),
         ("trust_remote_code", True, "built into transformers"),
         ("kv_cache_dtype", "fp8", "the model's dtype"),
     ],

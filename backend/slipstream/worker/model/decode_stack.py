@@ -114,6 +114,11 @@ class DecodeStack:
         # the cache lists bound to the native stack (an engine's are one list for its life)
         self._bound: Optional[tuple[list, list]] = None
 
+    def tune(self, tasks_per_thread: int = 4, prefetch_lines: int = 8, spins: int = 20_000) -> None:
+        """How a step's region splits its products and waits (benchmarks; the defaults are the
+        kernel's)."""
+        self.native.tune(tasks_per_thread, prefetch_lines, spins)
+
     def time_phases(self, on: bool) -> None:
         """Sum where a step's time goes (``phase_times``) from now on (benchmarks)."""
         self.native.time_phases(on)
