@@ -308,7 +308,7 @@ def write_gguf(
     return path, reference, config
 
 
-def _activation_blocks(x: torch.Tensor, outliers: Optional[torch.Tensor]) -> torch.Tensor:
+def activation_blocks(x: torch.Tensor, outliers: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x`` [T, K] as the kernels multiply it: its float32 value in int8 blocks of 32, the
     outlier channels as they are (float64 out)."""
     x32 = x.float()
@@ -348,7 +348,7 @@ def reference_greedy(
         if isinstance(module, torch.nn.Linear):
             kept = outliers.get(name)
             module.forward = lambda x, m=module, o=kept: torch.nn.functional.linear(
-                _activation_blocks(x.reshape(-1, x.shape[-1]), o).view(x.shape), m.weight
+                activation_blocks(x.reshape(-1, x.shape[-1]), o).view(x.shape), m.weight
             )
     tokens = list(prompt)
     with torch.no_grad():

@@ -247,6 +247,23 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_formats(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--formats``: comma-separated names of ``FORMATS`` (an unknown one is an error)."""
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        parser.error(f"unknown formats {unknown}; choose from {sorted(FORMATS)}")
+    return formats
+
+
+def publish(table: str, result: dict, path: Optional[str]) -> None:
+    """The table on stdout, the figures as JSON at ``path`` where given."""
+    print(table, flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="bfloat16,int8,gguf")
@@ -257,10 +274,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--no-phases", action="store_true", help="skip the per-phase breakdown")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown:
-        p.error(f"unknown formats {unknown}; choose from {sorted(FORMATS)}")
+    formats = parse_formats(p, args.formats)
     result = run(
         formats,
         [int(b) for b in args.batches.split(",")],
@@ -269,10 +283,7 @@ def main(argv: Optional[list] = None) -> int:
         args.steps,
         not args.no_phases,
     )
-    print(format_table(result), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    publish(format_table(result), result, args.json)
     return 0
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from slipstream_bench.decode_floor import FORMATS
+from slipstream_bench.decode_floor import FORMATS, parse_formats, publish
 from slipstream_bench.machine_probe import describe_cpu, peak_macs_per_second
 
 
@@ -173,16 +173,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown:
-        p.error(f"unknown formats {unknown}; choose from {sorted(FORMATS)}")
+    formats = parse_formats(p, args.formats)
     chunks = [int(c) for c in args.chunks.split(",")]
     result = run(formats, chunks, args.rounds, args.repeats)
-    print(format_table(result), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    publish(format_table(result), result, args.json)
     return 0
 
 

@@ -7,6 +7,7 @@ import torch
 
 from slipstream.worker import kernels
 from slipstream.worker.layers.quantization import int4
+from int4_support import activation_blocks as _activation_blocks
 
 pytestmark = pytest.mark.skipif(
     not kernels.load(), reason=f"no CPU kernel: {kernels.unavailable_reason()}"
@@ -31,22 +32,6 @@ def _random_weight(n: int, k: int, group: int, dtype: torch.dtype, seed: int):
     m = (torch.randn(n, k // group, generator=gen) * 0.1).to(dtype)
     w = q.double().view(n, -1, group) * d.double()[..., None] + m.double()[..., None]
     return q, d, m, w.view(n, k)
-
-
-def _activation_blocks(x: torch.Tensor, outliers=None) -> torch.Tensor:
-    """``x`` as the kernel multiplies it, in float64: int8 per block of 32 (scale amax / 127,
-    nearest ties to even, as float32 computes it), the outlier channels as they are."""
-    kept = x.clone()
-    if outliers is not None:
-        kept[:, outliers] = 0
-    b = kept.view(x.shape[0], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(b * inv).clamp(-127, 127)
-    out = (q.double() * (amax / 127).double()).view(x.shape)
-    if outliers is not None:
-        out[:, outliers] = x[:, outliers].double()
-    return out
 
 
 def _reference(x, w, bias=None, outliers=None) -> torch.Tensor:

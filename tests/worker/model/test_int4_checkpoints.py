@@ -17,7 +17,7 @@ from int4_support import (
     write_gguf,
     write_int4_dir,
 )
-from support import step_logits, tiny_model_dir
+from support import chunked_engine, stack_and_loop_logits, tiny_model_dir
 
 PROMPTS = [[5, 17, 300, 4000, 22, 9], [1000, 2000, 3000]]
 TOKENS = 8
@@ -126,30 +126,11 @@ def test_int4_decode_steps_on_the_stack_give_the_python_loops_logits_bit_for_bit
         pytest.skip(f"no CPU kernels: {kernels.unavailable_reason()}")
     path, _, _ = write_gguf(tmp_path / "tiny.gguf", "Q4_1")
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    runs = []
-    for stacked in (False, True):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(path),
-                tokenizer=str(tiny_model_dir("llama")),
-                device="cpu",
-                block_size=4,
-                max_num_batched_tokens=48,
-                max_num_seqs=8,
-                max_model_len=256,
-                num_gpu_blocks_override=300,
-            )
-        )
-        fast = engine.runner.forward.lean
-        assert fast is not None and fast.stack is not None
-        calls = [0]
-        if stacked:
-            run = fast.stack.run
-            fast.stack.run = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or run(*a, **k)
-        else:
-            fast.stack = None
-        runs.append((step_logits(engine, params), calls[0]))
-    (loop, _), (stack, calls) = runs
+
+    def engine() -> LLMEngine:
+        return chunked_engine("llama", model=str(path), tokenizer=str(tiny_model_dir("llama")))
+
+    loop, stack, calls = stack_and_loop_logits(engine, params)
     assert calls >= 4 and len(stack) == len(loop) > calls
     assert all(torch.equal(a, b) for a, b in zip(loop, stack))
 

@@ -109,6 +109,25 @@ inline __m512 load_meta(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A tile's sums: the outlier channels' products added, the bias, stored.
+template <int R>
+inline void finish_tile(__m512 (&facc)[R][kVecs], const QuantRows& a, int64_t m0,
+                        const Panel& p, float* y, int64_t N, const float* bias) {
+  for (int64_t j = 0; j < a.k; ++j) {
+    __m512 w[kVecs];
+    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(p.out_w + j * kPanel + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
+      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
+    }
+  }
+  alignas(64) float vals[kPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
+    store(y, N, m0 + r, p.n0, vals, p.cols, bias);
+  }
+}
+
 // R rows x kVecs vectors of one panel, over all of K.
 template <int R, typename S>
 void vnni_tile(const QuantRows& a, int64_t m0, const Panel& p, float* y, int64_t N,
@@ -169,19 +188,7 @@ void vnni_tile(const QuantRows& a, int64_t m0, const Panel& p, float* y, int64_t
       }
     }
   }
-  for (int64_t j = 0; j < a.k; ++j) {
-    __m512 w[kVecs];
-    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(p.out_w + j * kPanel + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
-      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
-    }
-  }
-  alignas(64) float vals[kPanel];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
-    store(y, N, m0 + r, p.n0, vals, p.cols, bias);
-  }
+  finish_tile<R>(facc, a, m0, p, y, N, bias);
 }
 
 // Many rows (a prompt chunk): the panel's nibbles are widened once into bytes, laid out as
@@ -264,19 +271,7 @@ void wide_tile(const QuantRows& a, int64_t m0, const Panel& p, const uint8_t* wi
       }
     }
   }
-  for (int64_t j = 0; j < a.k; ++j) {
-    __m512 w[kVecs];
-    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(p.out_w + j * kPanel + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
-      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
-    }
-  }
-  alignas(64) float vals[kPanel];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
-    store(y, N, m0 + r, p.n0, vals, p.cols, bias);
-  }
+  finish_tile<R>(facc, a, m0, p, y, N, bias);
 }
 
 template <int R, typename S>
@@ -440,26 +435,8 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   scales.is_contiguous() && scales.numel() == panels * 2 * kPanel * (K / G),
               "q4_gemm: scales must be float32 or float16 [N/32, K/G, 2, 32]");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "q4_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  Outliers o;
-  if (outlier_idx.has_value() && outlier_idx->defined() && outlier_idx->numel() > 0) {
-    o.k = outlier_idx->numel();
-    TORCH_CHECK(outlier_idx->scalar_type() == at::kLong && outlier_idx->is_contiguous(),
-                "q4_gemm: outlier_idx must be int64 [k]");
-    TORCH_CHECK(outlier_w.has_value() && outlier_w->defined() &&
-                    outlier_w->scalar_type() == at::kFloat && outlier_w->is_contiguous() &&
-                    outlier_w->numel() == panels * o.k * kPanel,
-                "q4_gemm: outlier_w must be float32 [N/32, k, 32]");
-    o.idx = outlier_idx->data_ptr<int64_t>();
-    o.w = outlier_w->data_ptr<float>();
-    for (int64_t j = 0; j < o.k; ++j)
-      TORCH_CHECK(o.idx[j] >= 0 && o.idx[j] < K, "q4_gemm: outlier channel out of range");
-  }
+  const float* b = slipstream_cpu::product_bias("q4_gemm", bias, N);
+  const Outliers o = slipstream_cpu::product_outliers("q4_gemm", outlier_idx, outlier_w, panels, K);
   const int64_t* pp = nullptr;
   if (perm.has_value() && perm->defined() && perm->numel() > 0) {
     TORCH_CHECK(perm->scalar_type() == at::kLong && perm->is_contiguous() && perm->numel() == K,
@@ -470,16 +447,9 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t KB = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor sa = at::empty({M, KB}, x.options());
-  at::Tensor ssum = at::empty({M, KB}, x.options());
-  at::Tensor out = at::empty({M, o.k}, x.options());
-  slipstream_cpu::quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, pp,
-                                xq.data_ptr<int8_t>(), sa.data_ptr<float>(),
-                                ssum.data_ptr<float>(), out.data_ptr<float>());
-  const QuantRows a{xq.data_ptr<int8_t>(), sa.data_ptr<float>(), ssum.data_ptr<float>(),
-                    out.data_ptr<float>(), o.k};
+  const slipstream_cpu::QuantizedActivations quantized =
+      slipstream_cpu::quantize_activations(x, o, pp);
+  const QuantRows& a = quantized.rows;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   if (scales.scalar_type() == at::kHalf) {
     run(a, M, K, G, N, wp, reinterpret_cast<const uint16_t*>(scales.data_ptr()), o, b,

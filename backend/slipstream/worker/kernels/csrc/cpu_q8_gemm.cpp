@@ -239,38 +239,13 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == panels * kPanel * (K / kBlock),
               "q8_gemm: scales must be float32 [N/32, K/32, 32]");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "q8_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  Outliers o;
-  if (outlier_idx.has_value() && outlier_idx->defined() && outlier_idx->numel() > 0) {
-    o.k = outlier_idx->numel();
-    TORCH_CHECK(outlier_idx->scalar_type() == at::kLong && outlier_idx->is_contiguous(),
-                "q8_gemm: outlier_idx must be int64 [k]");
-    TORCH_CHECK(outlier_w.has_value() && outlier_w->defined() &&
-                    outlier_w->scalar_type() == at::kFloat && outlier_w->is_contiguous() &&
-                    outlier_w->numel() == panels * o.k * kPanel,
-                "q8_gemm: outlier_w must be float32 [N/32, k, 32]");
-    o.idx = outlier_idx->data_ptr<int64_t>();
-    o.w = outlier_w->data_ptr<float>();
-    for (int64_t j = 0; j < o.k; ++j)
-      TORCH_CHECK(o.idx[j] >= 0 && o.idx[j] < K, "q8_gemm: outlier channel out of range");
-  }
+  const float* b = slipstream_cpu::product_bias("q8_gemm", bias, N);
+  const Outliers o = slipstream_cpu::product_outliers("q8_gemm", outlier_idx, outlier_w, panels, K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t KB = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor sa = at::empty({M, KB}, x.options());
-  at::Tensor ssum = at::empty({M, KB}, x.options());
-  at::Tensor out = at::empty({M, o.k}, x.options());
-  slipstream_cpu::quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, nullptr,
-                                xq.data_ptr<int8_t>(), sa.data_ptr<float>(),
-                                ssum.data_ptr<float>(), out.data_ptr<float>());
-  const QuantRows a{xq.data_ptr<int8_t>(), sa.data_ptr<float>(), ssum.data_ptr<float>(),
-                    out.data_ptr<float>(), o.k};
+  const slipstream_cpu::QuantizedActivations quantized =
+      slipstream_cpu::quantize_activations(x, o, nullptr);
+  const QuantRows& a = quantized.rows;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -287,7 +262,7 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const uint8_t* wpp = wp + p * kPanel * K;
-      const float* spp = sp + p * kPanel * KB;
+      const float* spp = sp + p * kPanel * (K / kBlock);
       const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
       slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
     }

@@ -8,6 +8,7 @@
 // in float32; a permutation of K (GPTQ's act-order) is applied as the row is read.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -66,6 +67,55 @@ inline void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, con
       quantize_row(xm, K, q + m * K, scale + m * KB, ssum + m * KB);
     }
   });
+}
+
+// A product's bias [N] (float32), or null; `op` names the product in errors.
+inline const float* product_bias(const char* op, const c10::optional<at::Tensor>& bias,
+                                 int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              op, ": bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+// A product's outlier channels (int64 [k], of its K) and their weight columns (float32
+// [N/32, k, 32]), checked.
+inline Outliers product_outliers(const char* op, const c10::optional<at::Tensor>& idx,
+                                 const c10::optional<at::Tensor>& w, int64_t panels, int64_t K) {
+  Outliers o;
+  if (!idx.has_value() || !idx->defined() || idx->numel() == 0) return o;
+  o.k = idx->numel();
+  TORCH_CHECK(idx->scalar_type() == at::kLong && idx->is_contiguous(), op,
+              ": outlier_idx must be int64 [k]");
+  TORCH_CHECK(w.has_value() && w->defined() && w->scalar_type() == at::kFloat &&
+                  w->is_contiguous() && w->numel() == panels * o.k * 32,
+              op, ": outlier_w must be float32 [N/32, k, 32]");
+  o.idx = idx->data_ptr<int64_t>();
+  o.w = w->data_ptr<float>();
+  for (int64_t j = 0; j < o.k; ++j)
+    TORCH_CHECK(o.idx[j] >= 0 && o.idx[j] < K, op, ": outlier channel out of range");
+  return o;
+}
+
+// x [M, K] (float32, rows contiguous) quantized: the buffers and their view.
+struct QuantizedActivations {
+  at::Tensor q, scale, ssum, out;
+  QuantRows rows;
+};
+
+inline QuantizedActivations quantize_activations(const at::Tensor& x, const Outliers& o,
+                                                 const int64_t* perm) {
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kQuantBlock;
+  QuantizedActivations a;
+  a.q = at::empty({M, K}, x.options().dtype(at::kChar));
+  a.scale = at::empty({M, KB}, x.options());
+  a.ssum = at::empty({M, KB}, x.options());
+  a.out = at::empty({M, o.k}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, perm, a.q.data_ptr<int8_t>(),
+                a.scale.data_ptr<float>(), a.ssum.data_ptr<float>(), a.out.data_ptr<float>());
+  a.rows = {a.q.data_ptr<int8_t>(), a.scale.data_ptr<float>(), a.ssum.data_ptr<float>(),
+            a.out.data_ptr<float>(), o.k};
+  return a;
 }
 
 }  // namespace slipstream_cpu

@@ -106,16 +106,7 @@ class Int4Weight:
             kernel_channels = inverse[kernel_channels]
         kernel_channels = kernel_channels.sort().values.contiguous()
         values = self.columns(torch.arange(self.out_features))[:, kernel_channels]
-        return replace(self, outliers=kernel_channels, outlier_w=_panels(values))
-
-
-def _panels(per_column: torch.Tensor) -> torch.Tensor:
-    """``[N, c]`` values of each output column as ``[N/32, c, 32]`` (zero columns padding N)."""
-    n, c = per_column.shape
-    padded = panel_layout.padded(n)
-    if padded != n:
-        per_column = torch.cat([per_column, per_column.new_zeros(padded - n, c)])
-    return per_column.view(-1, PANEL, c).permute(0, 2, 1).contiguous()
+        return replace(self, outliers=kernel_channels, outlier_w=panel_layout.per_column(values))
 
 
 def supports(out_features: int, in_features: int, group: int) -> bool:
@@ -155,7 +146,9 @@ def pack(
     cells = q.view(padded // PANEL, 2, LANES, k // BLOCK, 2, 4, 4)
     nibbles = cells[:, :, :, :, 0] | (cells[:, :, :, :, 1] << 4)  # [P, c, l, b, j, i]
     packed = nibbles.permute(0, 3, 4, 1, 2, 5).contiguous()
-    scales = torch.stack([_panels(d), _panels(m)], dim=2).contiguous()  # [P, K/G, 2, 32]
+    scales = torch.stack(
+        [panel_layout.per_column(d), panel_layout.per_column(m)], dim=2
+    ).contiguous()  # [P, K/G, 2, 32]
     if perm is not None:
         perm = perm.to(torch.int64).contiguous()
     return Int4Weight(packed, scales, group, n, k, perm=perm)
@@ -171,8 +164,8 @@ def stack(weights: Sequence[Int4Weight]) -> Optional[Int4Weight]:
         or w.group != group
         or w.scales.dtype != dtype
         or w.out_features % PANEL
-        or not _same(w.outliers, first.outliers)
-        or not _same(w.perm, first.perm)
+        or not panel_layout.same(w.outliers, first.outliers)
+        or not panel_layout.same(w.perm, first.perm)
         for w in weights
     ):
         return None
@@ -189,12 +182,6 @@ def stack(weights: Sequence[Int4Weight]) -> Optional[Int4Weight]:
         outlier_w,
         first.perm,
     )
-
-
-def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return torch.equal(a, b)
 
 
 def product(

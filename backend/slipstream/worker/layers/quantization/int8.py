@@ -82,7 +82,7 @@ class Q8Weight:
         channels = channels.to(torch.int64).sort().values.contiguous()
         q, scale = self.columns(torch.arange(self.out_features))
         values = q[:, channels] * scale[:, channels // BLOCK]
-        return replace(self, outliers=channels, outlier_w=_panels(values).contiguous())
+        return replace(self, outliers=channels, outlier_w=panel_layout.per_column(values))
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -112,13 +112,13 @@ def quantize(weight: torch.Tensor, outliers: Optional[torch.Tensor] = None) -> Q
     if outliers is not None and outliers.numel():
         outliers = outliers.to(torch.int64).contiguous()
         columns = weight[:, outliers]  # [N, k]
-        outlier_w = _panels(columns).contiguous()
+        outlier_w = panel_layout.per_column(columns)
         weight = weight.index_fill(1, outliers, 0.0)
     else:
         outliers = None
     q, scale = block_quantize(weight)
     packed = panel_layout.pack((q + 128).to(torch.uint8), QUAD)  # padding: never stored
-    return Q8Weight(packed, _panels(scale).contiguous(), n, k, outliers, outlier_w)
+    return Q8Weight(packed, panel_layout.per_column(scale), n, k, outliers, outlier_w)
 
 
 def from_blocks(q: torch.Tensor, scale: torch.Tensor) -> Q8Weight:
@@ -129,15 +129,7 @@ def from_blocks(q: torch.Tensor, scale: torch.Tensor) -> Q8Weight:
         raise ValueError(f"int8 blocks need K a multiple of {BLOCK}, got {tuple(q.shape)}")
     shifted = (q.to(torch.int16) + 128).to(torch.uint8)
     packed = panel_layout.pack(shifted, QUAD)
-    return Q8Weight(packed, _panels(scale.float()).contiguous(), n, k)
-
-
-def _panels(per_column: torch.Tensor) -> torch.Tensor:
-    """``[N, c]`` values of each output column as ``[N/32, c, 32]`` (zero columns padding N)."""
-    n, c = per_column.shape
-    if panel_layout.padded(n) != n:
-        per_column = torch.cat([per_column, per_column.new_zeros(panel_layout.padded(n) - n, c)])
-    return per_column.view(-1, PANEL, c).permute(0, 2, 1)
+    return Q8Weight(packed, panel_layout.per_column(scale.float()), n, k)
 
 
 def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
@@ -146,7 +138,7 @@ def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
     k, first = weights[0].in_features, weights[0].outliers
     if any(w.in_features != k or w.out_features % PANEL for w in weights):
         return None
-    if any(not _same(w.outliers, first) for w in weights):
+    if any(not panel_layout.same(w.outliers, first) for w in weights):
         return None  # one input, one set of outlier channels
     outlier_w = None
     if first is not None:
@@ -159,12 +151,6 @@ def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
         first,
         outlier_w,
     )
-
-
-def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return torch.equal(a, b)
 
 
 def product(
