@@ -121,13 +121,14 @@ def tiny_engine_config(**overrides):
 
 def chunked_engine(arch: str, **settings):
     """An engine on the tiny ``arch`` whose steps chunk prompts and mix them with decode rows
-    (48-token steps, 4-token blocks), for ``step_logits``; ``settings``: more EngineConfig."""
+    (48-token steps, 4-token blocks), for ``step_logits``; ``settings``: more EngineConfig
+    (``model``: another checkpoint of that shape)."""
     from slipstream import EngineConfig
     from slipstream.engine import LLMEngine
 
+    settings.setdefault("model", str(tiny_model_dir(arch)))
     return LLMEngine(
         EngineConfig(
-            model=str(tiny_model_dir(arch)),
             block_size=4,
             max_num_batched_tokens=48,
             max_num_seqs=8,
@@ -146,6 +147,28 @@ def step_logits(engine, params) -> list:
     engine.runner.run = lambda batch: logits.append(run(batch)) or logits[-1]
     engine.generate(prompts, params)
     return logits
+
+
+def stack_and_loop_logits(make_engine, params) -> tuple[list, list, int]:
+    """Every step's logits of ``step_logits``' workload on two engines ``make_engine()``
+    builds: one with its compiled decode stack taken away (the Python loop runs every layer),
+    one on it; and how many steps ran on the stack. Skips where there is no stack."""
+    runs = []
+    for stacked in (False, True):
+        engine = make_engine()
+        fast = engine.runner.forward.lean
+        assert fast is not None
+        if fast.stack is None:
+            pytest.skip("this CPU runs these products without the compiled reduced kernels")
+        calls = [0]
+        if stacked:
+            run = fast.stack.run
+            fast.stack.run = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or run(*a, **k)
+        else:
+            fast.stack = None
+        runs.append((step_logits(engine, params), calls[0]))
+    (loop, _), (stack, calls) = runs
+    return loop, stack, calls
 
 
 def random_workload(

@@ -75,9 +75,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quality-weights",
-        default="bfloat16,int8",
-        help="quality scenario: comma list of weight formats to gate "
-        "(bfloat16, int8; default both)",
+        default="bfloat16,int8,gguf",
+        help="quality scenario: comma list of weight formats to gate (bfloat16, int8, "
+        "gguf: the embedded model's own Q4_1 blocks as they ship; default all three)",
     )
     p.add_argument(
         "--num-requests",

@@ -1,4 +1,5 @@
-"""Decode steps and resident memory per weight format (fp32, bf16, int8), in one process.
+"""Decode steps and resident memory per weight format (fp32, bf16, int8, and the embedded
+model's own 4-bit GGUF blocks: gguf), in one process.
 
     python -m slipstream_bench.dtype_steps --batches 1,8,32,64 --rounds 3
     python -m slipstream_bench.dtype_steps --rss      # resident MB after load, one process each
@@ -24,7 +25,12 @@ from slipstream_bench.decode_steps import _Slipstream, measure
 
 # Issue 25's target: resident memory at most the weights' own bytes, the KV cache and this.
 RUNTIME_BUDGET_MB = 300
-FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+FORMATS = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
+}
 
 
 def _flags() -> str:
@@ -55,9 +61,9 @@ def steps(batches: list[int], rounds: int, context: int, n_steps: int, settings:
 
 
 # As the server's stub process runs it (server/stub/adapter.py: OpenAI Triton kept out
-# on a machine without CUDA). weights_mb: every parameter at its format's bytes (int8: one and
-# a float32 scale per 32, and the float32 columns of the outlier channels kept out of the
-# blocks), a tied embedding counted once.
+# on a machine without CUDA). weights_mb: the linear layers' weights as held (every product's
+# layout, scales and outlier columns included: slipstream_bench.decode_floor), a tied
+# embedding counted once, plus the other parameters held (norms; an untied embedding).
 _RSS_CHILD = """
 import gc, json, sys, torch
 from slipstream.worker.device import keep_gpu_compiler_out
@@ -75,18 +81,14 @@ loaded = rss()
 engine.generate(['The lighthouse at the end of the pier'] * 4,
                 SamplingParams(max_tokens=8, temperature=0))
 generated = rss()  # before the counting below, which allocates
-bytes_per = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 32}[engine.weight_format]
+from slipstream_bench.decode_floor import step_weight_bytes
 model = engine.model
-params = sum(p.numel() for p in model.parameters())
-embedding, head = model.get_input_embeddings().weight, model.lm_head.weight
-if model.config.tie_word_embeddings and embedding is not head:  # stand-ins for one table
-    params -= embedding.numel()
-from slipstream.worker.layers.quantization.int8 import Q8Weight
-outlier_columns = sum(o.outlier_w.nbytes for o in gc.get_objects()
-                      if isinstance(o, Q8Weight) and o.outlier_w is not None)
+linear = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+other = sum(p.numel() * p.element_size() for p in model.parameters()
+            if id(p) not in linear and p.device.type != 'meta')
 print(json.dumps({'rss_after_load_mb': loaded, 'rss_after_generate_mb': generated,
                   'kv_cache_mb': engine.kv_cache.nbytes / 2**20,
-                  'weights_mb': (params * bytes_per + outlier_columns) / 2**20}))
+                  'weights_mb': (step_weight_bytes(model) + other) / 2**20}))
 """
 
 

@@ -1,5 +1,9 @@
-"""The quality gate of reduced-precision weights: the CPU engine serving with ``dtype=bfloat16``
-or ``quantization=int8`` against the Hugging Face fp32 model.
+"""The quality gate of reduced-precision weights: the CPU engine serving with ``dtype=bfloat16``,
+``quantization=int8`` or, for a model converted from a GGUF file (the embedded one),
+``quantization=gguf`` (its own 4-bit blocks as they ship) against the Hugging Face fp32 model.
+
+For ``gguf`` the fp32 reference is the file's own weights dequantized (the conversion), so the
+figures measure what serving the blocks as they are adds: the int8 activation blocks.
 
 Three figures, each on fixed inputs shipped here:
 
@@ -9,7 +13,7 @@ Three figures, each on fixed inputs shipped here:
   over every position of ``quality_text.txt`` (written for this project; public domain);
 * perplexity on that text, and its change against the reference's.
 
-Gate (``GATES``): perplexity within 0.5% (bf16) / 2% (int8) of fp32's. The candidate is the
+Gate (``GATES``): perplexity within 0.5% (bf16) / 2% (int8, gguf) of fp32's. The candidate is the
 engine itself (``LLMEngine`` with ``dtype`` / ``quantization`` set, everything else as shipped):
 its lean forward, prepared layers, compiled kernels and KV cache in the dtype it serves with
 (bf16 with reduced weights), so the figures are those of what a server with that setting
@@ -42,7 +46,7 @@ PROMPTS = (
 )
 NEW_TOKENS = 24
 # Largest relative perplexity change each weight format may show against fp32.
-GATES = {"bfloat16": 0.005, "int8": 0.02}
+GATES = {"bfloat16": 0.005, "int8": 0.02, "gguf": 0.02}
 
 
 @dataclass
@@ -129,7 +133,23 @@ def reference(
 
 
 # The engine settings of each candidate (as `--set` names them).
-CANDIDATES = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+CANDIDATES = {
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
+}
+
+
+def candidate_model(path: Path, weights: str) -> str:
+    """What the candidate engine loads: the converted directory, or for ``gguf`` the GGUF
+    file it was converted from (named in its ``.complete`` marker)."""
+    if weights != "gguf":
+        return str(path)
+    marker = path / ".complete"
+    source = json.loads(marker.read_text()).get("source") if marker.exists() else None
+    if not source:
+        raise ValueError(f"the gguf candidate needs a model converted from a GGUF file: {path}")
+    return str(source)
 
 
 def candidate_engine(path: Path, weights: str, max_model_len: int):
@@ -138,7 +158,13 @@ def candidate_engine(path: Path, weights: str, max_model_len: int):
 
     settings = {**CANDIDATES.get(weights, {}), "enable_prefix_caching": False}
     return LLMEngine(
-        EngineConfig(model=str(path), device="cpu", max_model_len=max_model_len, **settings)
+        EngineConfig(
+            model=candidate_model(path, weights),
+            tokenizer=str(path),
+            device="cpu",
+            max_model_len=max_model_len,
+            **settings,
+        )
     )
 
 

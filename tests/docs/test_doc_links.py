@@ -10,7 +10,11 @@ import pytest
 
 from support import ROOT
 
-DOCUMENTS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [
+    ROOT / "README.md",
+    ROOT / "deploy" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 LINK = re.compile(r"(?<!`)!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 

@@ -15,7 +15,9 @@ POLICIES = ("fifo", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtype
-QUANTIZATIONS = (None, "int8")  # int8: weights and activations in blocks of 32 (worker/q8_weight)
+# int8: weights and activations in blocks of 32, made at load (worker/layers/quantization/int8);
+# gguf / awq / gptq: a 4-bit checkpoint served as it ships (CPU; quantization/int4)
+QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
 CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
 ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
 
@@ -73,7 +75,9 @@ class EngineConfig:
     model: str = "default"  # "default" = embedded SmolLM2, or a local HF model directory
     tokenizer: Optional[str] = None
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    # CPU: bfloat16 / int8 hold the linear layers' weights so (activations stay float32)
+    # CPU: bfloat16 / int8 hold the linear layers' weights so (activations stay float32);
+    # gguf / awq / gptq serve such a checkpoint's 4-bit blocks as they ship (None: read from
+    # the checkpoint, as vLLM does: a .gguf file, or config.json's quantization_config)
     quantization: Optional[str] = None
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu

@@ -110,12 +110,14 @@ class ModelFactory:
         s = self.settings
         path: Optional[Path] = None
         if model is None:
-            path = loader.resolve_model_path(self.config.model)
+            path = loader.resolve_model_path(self.config.model, s.quantization)
             # a rank's share is cut on the host, then moved to its device
             device = torch.device("cpu") if self.member is not None else s.device
             lean = self.config.fast_forward and s.device.type == "cpu"
             with phase(Phase.WEIGHT_LOAD, model=str(path)):
-                model = loader.load_model(path, s.dtype, device, lean=lean)
+                model = loader.load_model(
+                    path, s.dtype, device, lean=lean, quantization=s.quantization
+                )
         elif self.member is not None:
             raise ValueError(
                 "tensor parallelism loads the model from its path on every rank: give the "

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from slipstream.core.config import EngineConfig
+from slipstream.worker.model.loader import SHIPPED_QUANTIZATIONS, checkpoint_quantization
 
 log = logging.getLogger("slipstream")
 
@@ -20,16 +22,29 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def resolve_quantization(config: EngineConfig, device: torch.device) -> Optional[str]:
+    """The quantization a model is served with: ``quantization`` where set, else on CPU the
+    scheme its checkpoint ships (a GGUF file, an AWQ / GPTQ directory: served as it ships, as
+    vLLM reads it from the checkpoint), else None."""
+    if config.quantization is not None or device.type != "cpu":
+        return config.quantization
+    return checkpoint_quantization(config.model)
+
+
 def resolve_weight_format(config: EngineConfig, device: torch.device) -> str:
-    """How a CPU model's linear weights are held: ``float32``, ``bfloat16`` or ``int8``
-    (``worker/cpu_reduced_linear``; the activations stay float32). On CUDA ``dtype`` is
-    the whole model's dtype and this is always ``float32`` (nothing converted after load)."""
+    """How a CPU model's linear weights are held: ``float32``, ``bfloat16``, ``int8`` or
+    ``int4`` (a 4-bit checkpoint's own blocks; ``worker/layers/reduced_linear``; the
+    activations stay float32). On CUDA ``dtype`` is the whole model's dtype and this is
+    always ``float32`` (nothing converted after load)."""
     if device.type != "cpu":
         if config.quantization is not None:
             raise ValueError(f"quantization={config.quantization} is CPU only")
         return "float32"
-    if config.quantization == "int8":
+    quantization = resolve_quantization(config, device)
+    if quantization == "int8":
         return "int8"
+    if quantization in SHIPPED_QUANTIZATIONS:
+        return "int4"
     return "bfloat16" if config.dtype in ("bfloat16", "float16") else "float32"
 
 
@@ -53,7 +68,7 @@ def resolve_kv_cache_dtype(
     or int8 weights (the attention kernels widen it as they read it; a decode step's cache
     reads halve), else the activations' dtype."""
     if config.kv_cache_dtype == "auto":
-        return torch.bfloat16 if weight_format in ("bfloat16", "int8") else compute
+        return torch.bfloat16 if weight_format in ("bfloat16", "int8", "int4") else compute
     return getattr(torch, config.kv_cache_dtype)
 
 
@@ -84,6 +99,7 @@ class DeviceSettings:
     dtype: torch.dtype  # the activations'
     weight_format: str  # how a CPU model holds its linear weights
     kv_dtype: torch.dtype
+    quantization: Optional[str] = None  # the checkpoint's scheme, resolved (resolve_quantization)
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> "DeviceSettings":
@@ -95,4 +111,5 @@ class DeviceSettings:
             dtype,
             weight_format,
             resolve_kv_cache_dtype(config, dtype, weight_format),
+            resolve_quantization(config, device),
         )

@@ -73,7 +73,7 @@ def test_unknown_engine_argument_is_named_with_the_supported_ones():
     [
         ("pipeline_parallel_size", "2", "tensor parallelism only"),
         ("node_rank", 1, "headless"),
-        ("quantization", "awq", "weights load unquantized"),
+        ("quantization", "fp8", "weights load unquantized"),
         ("trust_remote_code", True, "built into transformers"),
         ("kv_cache_dtype", "fp8", "the model's dtype"),
     ],

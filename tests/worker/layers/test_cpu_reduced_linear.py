@@ -219,8 +219,8 @@ def test_reduced_weights_are_refused_on_cuda_and_named_in_model_json():
         "quantization": "int8",
         "kv_cache_dtype": "bfloat16",
     }
-    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
-        translate({"quantization": "awq"})
+    with pytest.raises(ValueError, match="quantization='fp8' is not supported"):
+        translate({"quantization": "fp8"})
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
 

@@ -8,7 +8,7 @@ from slipstream import SamplingParams
 from slipstream.engine import LLMEngine
 from slipstream.worker import kernels
 from slipstream.worker.attention.metadata import DecodeRows, DecodeStep
-from support import chunked_engine, step_logits
+from support import chunked_engine, stack_and_loop_logits
 
 REDUCED = [dict(quantization="int8"), dict(dtype="bfloat16")]
 
@@ -19,29 +19,11 @@ def _engine(arch: str, **settings) -> LLMEngine:
     return chunked_engine(arch, device="cpu", **settings)
 
 
-def _step_logits(arch: str, stacked: bool, settings: dict) -> tuple[list, int]:
-    """Every step's logits for a chunked, mixed prefill/decode workload (sampled, seeded),
-    and how many steps ran on the stack."""
-    engine = _engine(arch, **settings)
-    fast = engine.runner.forward.lean
-    assert fast is not None
-    if fast.stack is None:
-        pytest.skip("this CPU runs these products without the compiled reduced kernels")
-    calls = [0]
-    if stacked:
-        run = fast.stack.run
-        fast.stack.run = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or run(*a, **k)
-    else:
-        fast.stack = None
-    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    return step_logits(engine, params), calls[0]
-
-
 @pytest.mark.parametrize("settings", REDUCED, ids=["int8", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k, v biases
 def test_decode_steps_on_the_stack_give_the_python_loops_logits_bit_for_bit(arch, settings):
-    loop, _ = _step_logits(arch, stacked=False, settings=settings)
-    stack, calls = _step_logits(arch, stacked=True, settings=settings)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    loop, stack, calls = stack_and_loop_logits(lambda: _engine(arch, **settings), params)
     assert calls >= 4  # the all-decode steps ran on it (prompt chunks never do)
     assert len(stack) == len(loop) > calls
     for a, b in zip(loop, stack):

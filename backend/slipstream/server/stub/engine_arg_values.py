@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from slipstream.core.block_hash import HASH_ALGOS
 from slipstream.core.boolean_text import Spelling, parse_bool
-from slipstream.core.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from slipstream.core.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 GIB = 2**30
 Converter = Callable[[Any, Spelling], dict]
@@ -36,16 +36,17 @@ def convert_dtype(value: Any, spelling: Spelling) -> dict:
 
 
 def convert_quantization(value: Any, spelling: Spelling) -> dict:
-    """vLLM's ``quantization`` names a checkpoint's scheme; here ``int8`` (made at load) is the
-    one scheme, and null / "" none."""
+    """vLLM's ``quantization`` names a checkpoint's scheme: ``gguf``, ``awq`` and ``gptq``
+    (4 bits) are served as they ship; ``int8`` (weights and activations in blocks of 32, made
+    at load) is Slipstream's own; null / "" none."""
     if value in (None, "", "none", "None"):
         return {"quantization": None}
-    if value != "int8":
+    if value not in QUANTIZATIONS:
         raise ValueError(
-            f"quantization={value!r} is not supported (weights load unquantized, "
-            "or with 'int8' quantized at load: weight-only, per-row scales, CPU)"
+            f"quantization={value!r} is not supported (weights load unquantized, with 'int8' "
+            "quantized at load, or a 4-bit checkpoint as it ships: gguf, awq, gptq; CPU)"
         )
-    return {"quantization": "int8"}
+    return {"quantization": str(value)}
 
 
 def convert_kv_cache_dtype(value: Any, spelling: Spelling) -> dict:

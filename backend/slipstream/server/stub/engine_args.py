@@ -130,9 +130,11 @@ ENGINE_ARGUMENTS: tuple[EngineArgument, ...] = (
     _same(
         "quantization",
         T.STR,
-        "int8: every linear layer quantized at load (CPU); none: unquantized",
+        "int8: every linear layer quantized at load; gguf / awq / gptq: a 4-bit "
+        "checkpoint's blocks served as they ship (default model: its own Q4_1 GGUF); CPU; "
+        "none: unquantized",
         convert=convert_quantization,
-        choices=("none", "int8"),
+        choices=("none", "int8", "gguf", "awq", "gptq"),
     ),
     _same("seed", T.INT, "the engine's random seed (a request's own seed wins)"),
     _same("device", T.STR, "auto (CUDA when available), cpu, cuda, cuda:N"),

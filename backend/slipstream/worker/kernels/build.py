@@ -60,13 +60,16 @@ SOURCE_CLASSES: dict[str, FlagClass] = {
     "cpu_small_gemm.cpp": FlagClass.FAST,
     "cpu_weight_gemm.cpp": FlagClass.FAST,
     "cpu_q8_gemm.cpp": FlagClass.FAST,
+    "cpu_q4_gemm.cpp": FlagClass.FAST,
     "cpu_bf16_gemm.cpp": FlagClass.FAST,
     "cpu_rms_norm.cpp": FlagClass.FAST,
     "cpu_rotary.cpp": FlagClass.EXACT,
+    "cpu_packed_rows.cpp": FlagClass.EXACT,
     "cpu_sampling.cpp": FlagClass.FAST,
     "cpu_silu_mul.cpp": FlagClass.ORDERED,
     "cpu_logit_stats.cpp": FlagClass.ORDERED,
     "cpu_decode_stack.cpp": FlagClass.FAST,
+    "cpu_machine_probe.cpp": FlagClass.FAST,
 }
 CLASS_FLAGS: dict[FlagClass, tuple[str, ...]] = {
     FlagClass.FAST: ("-ffast-math",),

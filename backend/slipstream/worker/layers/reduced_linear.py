@@ -31,6 +31,12 @@ the products read is the only one kept (``WeightPlan``):
   Q8_0), multiplied by ``ops/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop), each
   layer's 8 outlier input channels apart in float32 (``activation_outliers``). The LM head
   too: a tied input embedding looks its rows up in the head's packed weight.
+* int4: a 4-bit checkpoint's weights as it shipped them (GGUF Q4_0 / Q4_1 / Q4_K, AWQ,
+  GPTQ; ``q4_weight``), multiplied with int8 activation blocks by ``ops/cpu_q4_gemm.cpp``.
+  The plans are made at load, from the checkpoint's blocks (``model/gguf_checkpoint``,
+  ``model/int4_checkpoint``): no float copy of a weight is made. A GGUF's Q8_0 tensors (the
+  embedding and head of a Q4_0 / Q4_1 file) are int8 blocks as they are; only a checkpoint's
+  other tensors are converted at load (to int8 blocks).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from slipstream.worker.layers.memory import (
 )
 from slipstream.worker.layers.quantization import (
     bf16 as bf16_weight,
+    int4 as q4_weight,
     int8 as q8_weight,
     int8_outliers as activation_outliers,
 )
@@ -65,6 +72,7 @@ class WeightFormat(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     INT8 = "int8"
+    INT4 = "int4"  # a 4-bit checkpoint's own blocks (quantization=gguf / awq / gptq)
 
 
 @dataclass
@@ -86,11 +94,12 @@ class WeightPlan:
     # whose consumers take bf16: vLLM's bf16 MLP), else widened to fp32.
     bf16_out: bool = False
     q8: Optional[q8_weight.Q8Weight] = None  # int8: the packed blocks
-    kernel: bool = False  # the compiled kernels are loaded (int8's product)
+    q4: Optional[q4_weight.Int4Weight] = None  # int4: the checkpoint's nibbles
+    kernel: bool = False  # the compiled kernels are loaded (int8's and int4's products)
 
     def held(self) -> Optional[torch.Tensor]:
         """The tensor that holds the weight (None once stacked into a fused plan)."""
-        for layout in (self.q8, self.panels):
+        for layout in (self.q8, self.q4, self.panels):
             if layout is not None:
                 return layout.packed
         return self.packed if self.packed is not None else self.plain
@@ -144,6 +153,8 @@ def _reduced_forward(plan: WeightPlan, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(rows, width)
     if plan.q8 is not None:
         y = q8_weight.product(plan.q8, x2, plan.bias, plan.kernel)
+    elif plan.q4 is not None:
+        y = q4_weight.product(plan.q4, x2, plan.bias, plan.kernel)
     elif plan.panels is not None:
         y = bf16_weight.product(plan.panels, x2, plan.bias, plan.bf16_out)
     elif plan.pack:
@@ -190,12 +201,12 @@ def _onednn_ok() -> bool:
     )
 
 
-def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
+def read_rows_from(embedding: torch.nn.Module, plan: WeightPlan) -> None:
     """A tied embedding looks its rows up in the head's weight and returns them as fp32:
     int8 and bf16 panels read the head's packed weight; a plain bf16 head's table, or, where
     oneDNN packs the head (AMX), a plain bf16 table of its own (oneDNN's packing cannot be
     gathered)."""
-    panels = plan.q8 if plan.q8 is not None else plan.panels
+    panels = next((p for p in (plan.q8, plan.q4, plan.panels) if p is not None), None)
     if panels is not None:
         rows = panels.rows
 
@@ -214,6 +225,33 @@ def _prepare_embedding(embedding: torch.nn.Module, plan: WeightPlan) -> None:
     embedding.forward = forward
 
 
+def apply_plan(
+    module: torch.nn.Module, plan: WeightPlan, embedding: Optional[torch.nn.Embedding] = None
+) -> None:
+    """``module``'s products run ``plan`` (its own weight and bias go); ``embedding``, a tied
+    input embedding, looks its rows up in the plan's weight."""
+    held = plan.held()
+    assert held is not None  # a new plan holds its weight
+    module.weight = storage_less(held)
+    if getattr(module, "bias", None) is not None:
+        module.register_parameter("bias", None)  # the plan holds it as fp32
+    setattr(module, "forward", functools.partial(_reduced_forward, plan))
+    if embedding is not None:
+        read_rows_from(embedding, plan)
+
+
+def loaded_plan(
+    layout: "q4_weight.Int4Weight | q8_weight.Q8Weight", bias: Optional[torch.Tensor] = None
+) -> WeightPlan:
+    """The plan of a layer whose weight a checkpoint shipped in a kernel's layout (its 4-bit
+    or Q8_0 blocks)."""
+    bias = None if bias is None else bias.detach().float().contiguous()
+    kernel = kernels.load()
+    if isinstance(layout, q4_weight.Int4Weight):
+        return WeightPlan(layout.out_features, None, bias, 0, q4=layout, kernel=kernel)
+    return WeightPlan(layout.out_features, None, bias, 0, q8=layout, kernel=kernel)
+
+
 def _prepare_one(
     module: torch.nn.Linear,
     fmt: WeightFormat,
@@ -222,33 +260,55 @@ def _prepare_one(
     outliers: Optional[torch.Tensor] = None,
 ) -> WeightPlan:
     plan = _plan(module, fmt, features, kernel, outliers)
-    held = plan.held()
-    assert held is not None  # a new plan holds its weight
-    module.weight = storage_less(held)
-    if module.bias is not None:
-        module.register_parameter("bias", None)  # the plan holds it as fp32
-    setattr(module, "forward", functools.partial(_reduced_forward, plan))
+    apply_plan(module, plan)
     return plan
 
 
 def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     """Convert every ``nn.Linear`` of an fp32 CPU model to ``fmt`` (one copy of each weight);
-    returns what runs the products, for the start-up log."""
+    returns what runs the products, for the start-up log. ``int4``: the checkpoint's blocks
+    were planned at load; the outlier channels are found and set apart here."""
     features = CpuFeatures.detect()
     kernel = kernels.load()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if fmt is WeightFormat.INT4:
+        _set_outliers_apart(model, linears)
+        own_storage(model)
+        return describe(fmt, features, kernel)
     embedding = tied_embedding(model)
     head = getattr(model, "lm_head", None)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     outliers = activation_outliers.find(model, linears) if fmt is WeightFormat.INT8 else {}
     for module in linears:
         plan = _prepare_one(module, fmt, features, kernel, outliers.get(module))
         if module is head and embedding is not None:
-            _prepare_embedding(embedding, plan)
+            read_rows_from(embedding, plan)
     own_storage(model)
     return describe(fmt, features, kernel)
 
 
+def _set_outliers_apart(model: torch.nn.Module, linears: Sequence[torch.nn.Module]) -> None:
+    """The outlier input channels of layers planned from a checkpoint's blocks, found by a
+    calibration forward through those blocks (the channels are the model's, not the
+    products'), multiplied apart in float32 as int8's are."""
+    outliers = activation_outliers.find(model, linears)
+    for module in linears:
+        plan, channels = applied_plan(module), outliers.get(module)
+        if plan is None or channels is None:
+            continue
+        if plan.q4 is not None:
+            plan.q4 = plan.q4.with_outliers(channels)
+        elif plan.q8 is not None:
+            plan.q8 = plan.q8.with_outliers(channels)
+
+
 def describe(fmt: WeightFormat, features: CpuFeatures, kernel: bool) -> str:
+    if fmt is WeightFormat.INT4:
+        path = torch.ops.slipstream_cpu.q4_gemm_path() if kernel else None
+        how = f"compiled kernel ({path})" if path else "torch (no compiled kernel: slow)"
+        return (
+            "4-bit weights as the checkpoint shipped them, int8 activations in blocks of 32; "
+            f"products: {how}"
+        )
     if fmt is WeightFormat.INT8:
         path = torch.ops.slipstream_cpu.q8_gemm_path() if kernel else None
         how = f"compiled kernel ({path})" if path else "torch (no compiled kernel: slow)"
@@ -277,6 +337,20 @@ def applied_plan(module: torch.nn.Module) -> Optional[WeightPlan]:
     return applied_plan_of(module.__dict__.get("forward"))
 
 
+def product_of(plan: WeightPlan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``plan``'s product as the forward runs it (``x [..., K] -> [..., N]``)."""
+    return functools.partial(_reduced_forward, plan)
+
+
+def serving_plan(module: torch.nn.Module) -> Optional[WeightPlan]:
+    """The plan that runs ``module``'s products: its own, or the fused plan (q/k/v, gate/up)
+    whose slice it has become (``fused_reduced``)."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _slice_of:
+        return applied_plan_of(forward.args[0])
+    return applied_plan_of(forward)
+
+
 def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) -> Optional[Callable]:
     """One product over reduced layers that share an input (q, k, v or gate, up): their
     weights stacked into one plan; each layer's own copy goes (its forward becomes a slice of
@@ -300,11 +374,11 @@ def fused_reduced(modules: Sequence[torch.nn.Module], bf16_out: bool = False) ->
 
 def _unpacked(plan: WeightPlan) -> bool:
     """Its weight is still whole (not stacked into a fused plan, not packed by oneDNN)."""
-    return any(t is not None for t in (plan.plain, plan.panels, plan.q8))
+    return any(t is not None for t in (plan.plain, plan.panels, plan.q8, plan.q4))
 
 
-def _kind(plan: WeightPlan) -> tuple[bool, bool, bool]:
-    return plan.pack, plan.panels is not None, plan.q8 is not None
+def _kind(plan: WeightPlan) -> tuple[bool, bool, bool, bool]:
+    return plan.pack, plan.panels is not None, plan.q8 is not None, plan.q4 is not None
 
 
 def _bf16_product(plan: WeightPlan) -> bool:
@@ -345,6 +419,13 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> Optional[WeightPlan]:
         for p in plans:
             p.q8 = None
         return WeightPlan(n, None, bias, 0, q8=q8, kernel=first.kernel)
+    if first.q4 is not None:
+        q4 = q4_weight.stack(_all_set([p.q4 for p in plans]))
+        if q4 is None:
+            return None
+        for p in plans:
+            p.q4 = None
+        return WeightPlan(n, None, bias, 0, q4=q4, kernel=first.kernel)
     stacked = torch.cat(_all_set([p.plain for p in plans])).contiguous()  # not packed yet
     for p in plans:
         p.plain = None

@@ -31,9 +31,14 @@ def default_gguf_path() -> Path:
     return path
 
 
+def converted_dir() -> Path:
+    """Where the embedded model's conversion is kept (``default_model_dir``)."""
+    return cache_root() / "smollm2-135m-instruct"
+
+
 def default_model_dir() -> Path:
     """The embedded SmolLM2 converted once to a plain safetensors directory (fast to load)."""
-    target = cache_root() / "smollm2-135m-instruct"
+    target = converted_dir()
     if (target / "config.json").exists() and (target / ".complete").exists():
         return target
     with _convert_lock:

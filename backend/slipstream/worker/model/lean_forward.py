@@ -150,7 +150,7 @@ def _gated_activation(gate_up: Projection) -> Optional[Callable[[torch.Tensor], 
     if not isinstance(gate_up, _Split) or not kernels.load():
         return None
     plan = applied_plan_of(gate_up.product)
-    if plan is None or not (plan.bf16_out or plan.q8 is not None):
+    if plan is None or not (plan.bf16_out or plan.q8 is not None or plan.q4 is not None):
         return None
     product = gate_up.product
     return lambda x: torch.ops.slipstream_cpu.silu_mul(product(x))

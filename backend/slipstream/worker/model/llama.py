@@ -60,8 +60,9 @@ class LlamaShape:
         return self
 
     @classmethod
-    def parse(cls, raw: dict) -> Optional["LlamaShape"]:
-        """The shape of a checkpoint this module builds exactly, else None."""
+    def parse(cls, raw: dict, quantized: bool = False) -> Optional["LlamaShape"]:
+        """The shape of a checkpoint this module builds exactly, else None; ``quantized``:
+        one whose linear weights a quantized loader places (``int4_checkpoint``)."""
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         plain = (
@@ -69,7 +70,7 @@ class LlamaShape:
             and raw.get("hidden_act", "silu") == "silu"
             and raw.get("pretraining_tp", 1) in (1, None)
             and rope_type == "default"
-            and raw.get("quantization_config") is None
+            and (quantized or raw.get("quantization_config") is None)
         )
         if not plain:
             return None
@@ -251,12 +252,12 @@ def read_shape(path: Path) -> Optional[LlamaShape]:
     """The checkpoint's shape where this module can build it (a plain Llama with safetensors
     weights), else None."""
     config = path / CONFIG_FILE
-    if not config.exists() or not _weight_files(path):
+    if not config.exists() or not weight_files(path):
         return None
     return LlamaShape.parse(json.loads(config.read_text()))
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = path / WEIGHTS_INDEX_FILE
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -272,7 +273,7 @@ def load(path: Path, shape: LlamaShape, dtype: torch.dtype) -> LlamaForCausalLM:
     # (not built on the meta device: torch's meta initialisers import torch._dynamo)
     model = LlamaForCausalLM(shape, GenerationDefaults.read(path))
     state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if not name.endswith(_DERIVED_SUFFIXES):

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "cpu_parallel.h"
+#include "cpu_products.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,7 +37,7 @@ constexpr int64_t kLanes = 16;
 constexpr int kVecs = 2;
 constexpr int64_t kPanel = kLanes * kVecs;  // output columns per panel
 constexpr int kRowTile = 12;
-constexpr int64_t kRowChunk = 192;  // rows per task at prompt sizes
+constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 constexpr int64_t kPrefetchBytes = 4096;
 // Only tiles this small prefetch: at 1-4 rows the kernel waits on memory and the prefetches
 // keep more lines in flight (SmolLM2's layers, one row: 20.7 -> 24.3 GB/s); from 8 rows the
@@ -195,6 +196,27 @@ void portable_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const u
   }
 }
 
+}  // namespace
+
+namespace slipstream_cpu {
+
+void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* wp,
+                     float* f32, uint16_t* bf16, int64_t N, const float* bias, int64_t n0,
+                     int64_t cols) {
+  const Out out{f32, bf16, N, bias};
+#if defined(__AVX512BF16__)
+  if (!g_force_portable) {
+    dp_rows(x, m0, m1, K, wp, out, n0, cols);
+    return;
+  }
+#endif
+  portable_rows(x, m0, m1, K, wp, out, n0, cols);
+}
+
+}  // namespace slipstream_cpu
+
+namespace {
+
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                      const c10::optional<at::Tensor>& bias, bool bf16_out) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
@@ -221,7 +243,6 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   Out out{bf16_out ? nullptr : y.data_ptr<float>(),
           bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, N, b};
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  const bool dp = kDp && !g_force_portable;
   const int64_t grain =
       chunks > 1 ? 1 : std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
   slipstream_cpu::dynamic_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
@@ -230,13 +251,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const uint16_t* wpp = wp + p * kPanel * K;
-#if defined(__AVX512BF16__)
-      if (dp) {
-        dp_rows(xp, m0, m1, K, wpp, out, n0, cols);
-        continue;
-      }
-#endif
-      portable_rows(xp, m0, m1, K, wpp, out, n0, cols);
+      slipstream_cpu::bf16_panel_rows(xp, m0, m1, K, wpp, out.f32, out.bf16, N, b, n0, cols);
     }
   });
   return y;

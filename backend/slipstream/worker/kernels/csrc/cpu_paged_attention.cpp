@@ -22,6 +22,7 @@
 #include "cpu_attention_checks.h"
 #include "cpu_paged_rows.h"
 #include "cpu_parallel.h"
+#include "cpu_products.h"
 #include "cpu_vector.h"
 
 #if defined(__AVX512BF16__)
@@ -339,67 +340,56 @@ void check(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key
               "one row, one block table and one length per sequence");
 }
 
+// Work items [begin, end) of the step: item i is sequence i / (Hkv / heads) with `heads` of
+// its KV heads (all of them, or one: items_per_step says which).
 template <typename T>
-void run(at::Tensor& out, const at::Tensor& query, const T* k_base, const T* v_base,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-         const Geometry& g) {
-  const int64_t num_seqs = seq_lens.size(0);
+void attend_items(at::Tensor& out, const at::Tensor& query, const T* k_base, const T* v_base,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const at::Tensor& rows, const Geometry& g, int64_t heads, int64_t begin,
+                  int64_t end) {
   const float* q_base = query.data_ptr<float>();
   float* o_base = out.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* row_of = rows.data_ptr<int64_t>();
-  // A work item is one sequence with all its KV heads, so that K and V are read as whole
-  // token rows (Hkv * D contiguous values), each once; with fewer sequences than threads an
-  // item is one (sequence, KV head) pair instead.
-  const int64_t heads = num_seqs >= at::get_num_threads() ? g.Hkv : 1;
   const int64_t items_per_seq = g.Hkv / heads;
-  // Items are taken one at a time: sequences differ in length, and a thread stalled by
-  // another process must not hold up the rest.
-  slipstream_cpu::dynamic_for(num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch sc;  // per thread, not per call: dynamic_for calls this per item
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t h0 = (item % items_per_seq) * heads;  // first KV head
-      const int64_t len = lens[seq];
-      const int64_t first = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
-      const int64_t n = len - first;
-      const float* q = q_base + row_of[seq] * g.q_row + h0 * g.G * g.q_head;
-      float* o = o_base + row_of[seq] * g.o_row + h0 * g.G * g.o_head;
-      if (n <= 0) {
-        for (int64_t j = 0; j < heads * g.G; ++j)
-          std::fill(o + j * g.o_head, o + j * g.o_head + g.D, 0.f);
-        continue;
-      }
-      TORCH_CHECK((len + g.block_size - 1) / g.block_size <= g.max_blocks,
-                  "block table too short");
-      const int32_t* table = tables + seq * g.table_stride;
-      sc.rows.resize(2 * n);
-      const T** k = reinterpret_cast<const T**>(sc.rows.data());
-      const T** v = k + n;
-      slipstream_cpu::paged_rows(k_base, table, g.block_size, g.block_stride, g.token_stride,
-                                 h0 * g.D, first, len, k);
-      slipstream_cpu::paged_rows(v_base, table, g.block_size, g.block_stride, g.token_stride,
-                                 h0 * g.D, first, len, v);
-      switch (g.D) {
-        case 16: attend_item<1>(g, q, o, k, v, n, heads, sc); break;
-        case 32: attend_item<2>(g, q, o, k, v, n, heads, sc); break;
-        case 64: attend_item<4>(g, q, o, k, v, n, heads, sc); break;
-        case 128: attend_item<8>(g, q, o, k, v, n, heads, sc); break;
-        default: attend_item_any(g, q, o, k, v, n, heads, sc); break;
-      }
+  thread_local Scratch sc;  // per thread, not per call: a step calls this per item
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t seq = item / items_per_seq;
+    const int64_t h0 = (item % items_per_seq) * heads;  // first KV head
+    const int64_t len = lens[seq];
+    const int64_t first = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
+    const int64_t n = len - first;
+    const float* q = q_base + row_of[seq] * g.q_row + h0 * g.G * g.q_head;
+    float* o = o_base + row_of[seq] * g.o_row + h0 * g.G * g.o_head;
+    if (n <= 0) {
+      for (int64_t j = 0; j < heads * g.G; ++j)
+        std::fill(o + j * g.o_head, o + j * g.o_head + g.D, 0.f);
+      continue;
     }
-  });
+    TORCH_CHECK((len + g.block_size - 1) / g.block_size <= g.max_blocks,
+                "block table too short");
+    const int32_t* table = tables + seq * g.table_stride;
+    sc.rows.resize(2 * n);
+    const T** k = reinterpret_cast<const T**>(sc.rows.data());
+    const T** v = k + n;
+    slipstream_cpu::paged_rows(k_base, table, g.block_size, g.block_stride, g.token_stride,
+                               h0 * g.D, first, len, k);
+    slipstream_cpu::paged_rows(v_base, table, g.block_size, g.block_stride, g.token_stride,
+                               h0 * g.D, first, len, v);
+    switch (g.D) {
+      case 16: attend_item<1>(g, q, o, k, v, n, heads, sc); break;
+      case 32: attend_item<2>(g, q, o, k, v, n, heads, sc); break;
+      case 64: attend_item<4>(g, q, o, k, v, n, heads, sc); break;
+      case 128: attend_item<8>(g, q, o, k, v, n, heads, sc); break;
+      default: attend_item_any(g, q, o, k, v, n, heads, sc); break;
+    }
+  }
 }
 
-// out[rows[i]] = softmax(scale * q k^T) v over sequence i's first seq_lens[i] cached tokens
-// (the last sliding_window of them when > 0; scores tanh-capped when softcap > 0). The caches
-// are fp32 or bf16; every sum runs in fp32.
-void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
-                            int64_t sliding_window, double softcap) {
-  check(out, query, key_cache, value_cache, block_tables, seq_lens, rows);
+Geometry geometry(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& block_tables, double scale, int64_t sliding_window,
+                  double softcap) {
   Geometry g;
   g.H = query.size(1);
   g.D = query.size(2);
@@ -417,14 +407,59 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   g.scale = static_cast<float>(scale);
   g.cap = static_cast<float>(softcap);
   g.window = sliding_window;
+  return g;
+}
+
+}  // namespace
+
+namespace slipstream_cpu {
+
+// A work item is one sequence with all its KV heads, so that K and V are read as whole token
+// rows (Hkv * D contiguous values), each once; with fewer sequences than threads an item is
+// one (sequence, KV head) pair instead.
+int64_t decode_attention_heads_per_item(int64_t num_seqs, int64_t kv_heads, int64_t threads) {
+  return num_seqs >= threads ? kv_heads : 1;
+}
+
+void decode_attention_items(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
+                            int64_t sliding_window, double softcap, int64_t heads,
+                            int64_t begin, int64_t end) {
+  const Geometry g =
+      geometry(out, query, key_cache, block_tables, scale, sliding_window, softcap);
   if (key_cache.scalar_type() == at::kBFloat16) {
-    run(out, query, reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-        reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), block_tables, seq_lens, rows,
-        g);
+    attend_items(out, query, reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), block_tables,
+                 seq_lens, rows, g, heads, begin, end);
   } else {
-    run(out, query, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), block_tables,
-        seq_lens, rows, g);
+    attend_items(out, query, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+                 block_tables, seq_lens, rows, g, heads, begin, end);
   }
+}
+
+}  // namespace slipstream_cpu
+
+namespace {
+
+// out[rows[i]] = softmax(scale * q k^T) v over sequence i's first seq_lens[i] cached tokens
+// (the last sliding_window of them when > 0; scores tanh-capped when softcap > 0). The caches
+// are fp32 or bf16; every sum runs in fp32.
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& rows, double scale,
+                            int64_t sliding_window, double softcap) {
+  check(out, query, key_cache, value_cache, block_tables, seq_lens, rows);
+  const int64_t num_seqs = seq_lens.size(0), kv_heads = key_cache.size(2);
+  const int64_t heads =
+      slipstream_cpu::decode_attention_heads_per_item(num_seqs, kv_heads, at::get_num_threads());
+  // Items are taken one at a time: sequences differ in length, and a thread stalled by
+  // another process must not hold up the rest.
+  slipstream_cpu::dynamic_for(num_seqs * (kv_heads / heads), 1, [&](int64_t begin, int64_t end) {
+    slipstream_cpu::decode_attention_items(out, query, key_cache, value_cache, block_tables,
+                                           seq_lens, rows, scale, sliding_window, softcap, heads,
+                                           begin, end);
+  });
 }
 
 // Whether decode rows over a bf16 cache take q.k on vdpbf16ps with q rounded to bf16

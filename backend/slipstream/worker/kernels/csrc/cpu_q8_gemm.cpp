@@ -22,8 +22,8 @@
 // AVX512-VNNI (Zen 4, Ice Lake and later Xeons): vpdpbusd multiplies unsigned by signed bytes,
 // four pairs a lane. The weights are the unsigned operand, stored as qw + 128; the extra
 // 128 * sum(qa) of a block is taken off with the activation's scale: t = acc * sa + comp with
-// comp[m, b] = -128 * sa[m, b] * sum_{k in b} qa[m, k]. Elsewhere the same sums are plain
-// loops the compiler vectorizes.
+// comp[m, b] = -128 * sa[m, b] * sum_{k in b} qa[m, k] (-128 times cpu_quant_rows.h's ssum).
+// Elsewhere the same sums are plain loops the compiler vectorizes.
 //
 // Packed weight (slipstream.worker.cpu_q8_weight packs it): u8 [N/32][K/4][2][16][4] (panels
 // of 32 output columns, two vectors of 16 lanes, each lane four consecutive k), scales f32
@@ -42,6 +42,8 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_products.h"
+#include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -54,7 +56,7 @@ constexpr int64_t kLanes = 16;  // output columns per vector
 constexpr int kVecs = 2;        // vectors per panel
 constexpr int64_t kPanel = kLanes * kVecs;
 constexpr int kRowTile = 6;   // rows per register tile (kRowTile x kVecs x 2 accumulators)
-constexpr int64_t kRowChunk = 192;  // rows per task at prompt sizes
+constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 // Weights are prefetched this far ahead of the quad being read: a decode step streams every
 // layer's weights from memory once, and the hardware prefetcher alone (restarting at every
 // task's panel) kept that at ~14 of the ~27 GB/s a plain read gets.
@@ -62,62 +64,8 @@ constexpr int64_t kPrefetchBytes = 4096;
 
 bool g_force_portable = false;
 
-// A row of activations quantized per block: q (s8), and per block its scale and the
-// correction for the weights' +128; the outlier channels' values as they are.
-struct QuantRows {
-  const int8_t* q;      // [M][K]
-  const float* scale;   // [M][KB]
-  const float* comp;    // [M][KB]
-  const float* out;     // [M][k]: x[m, idx[j]]
-  int64_t k;            // outlier channels (0: none)
-};
-
-// The outlier channels' weight columns, float32 [N/32][k][32] (a panel's k x 32 together).
-struct Outliers {
-  const int64_t* idx = nullptr;  // [k]
-  const float* w = nullptr;
-  int64_t k = 0;
-};
-
-void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* comp) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) {
-      // nearest, ties to even (the default rounding mode), as torch.round
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      const int32_t c = std::min(127, std::max(-127, v));
-      q[b * kBlock + i] = static_cast<int8_t>(c);
-      sum += c;
-    }
-    const float s = amax / 127.f;
-    scale[b] = s;
-    comp[b] = -128.f * s * static_cast<float>(sum);
-  }
-}
-
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const Outliers& o,
-                   int8_t* q, float* scale, float* comp, float* out) {
-  const int64_t KB = K / kBlock;
-  slipstream_cpu::dynamic_for(M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(o.k ? K : 0);
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xm = x + m * ldx;
-      if (o.k) {  // the outliers left out of the blocks, kept as they are
-        std::copy(xm, xm + K, row.begin());
-        for (int64_t j = 0; j < o.k; ++j) {
-          out[m * o.k + j] = xm[o.idx[j]];
-          row[o.idx[j]] = 0.f;
-        }
-        xm = row.data();
-      }
-      quantize_row(xm, K, q + m * K, scale + m * KB, comp + m * KB);
-    }
-  });
-}
+using slipstream_cpu::Outliers;
+using slipstream_cpu::QuantRows;
 
 // Output columns [n0, n0 + cols) of rows [m0, m0 + rows) written from acc tile values.
 inline void store(float* y, int64_t N, int64_t m, int64_t n0, const float* vals, int64_t cols,
@@ -161,7 +109,7 @@ void vnni_tile(const QuantRows& a, int64_t m0, int64_t K, const uint8_t* __restr
     for (int c = 0; c < kVecs; ++c) sw[c] = _mm512_loadu_ps(sp + b * kPanel + c * kLanes);
     for (int r = 0; r < R; ++r) {
       const __m512 sa = _mm512_set1_ps(a.scale[(m0 + r) * KB + b]);
-      const __m512 comp = _mm512_set1_ps(a.comp[(m0 + r) * KB + b]);
+      const __m512 comp = _mm512_set1_ps(-128.f * a.ssum[(m0 + r) * KB + b]);
       for (int c = 0; c < kVecs; ++c) {
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sa, comp);
         facc[r][c] = _mm512_fmadd_ps(t, sw[c], facc[r][c]);
@@ -224,7 +172,7 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const 
           }
         }
       }
-      const float sa = a.scale[m * KB + b], comp = a.comp[m * KB + b];
+      const float sa = a.scale[m * KB + b], comp = -128.f * a.ssum[m * KB + b];
       const float* sw = sp + b * kPanel;
       for (int64_t l = 0; l < kPanel; ++l)
         facc[l] = std::fma(std::fma(float(acc[l]), sa, comp), sw[l], facc[l]);
@@ -235,6 +183,46 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const 
     store(y, N, m, n0, facc, cols, bias);
   }
 }
+
+}  // namespace
+
+namespace slipstream_cpu {
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* ssum) {
+  for (int64_t b = 0; b < K / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {
+      // nearest, ties to even (the default rounding mode), as torch.round
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      const int32_t c = std::min(127, std::max(-127, v));
+      q[b * kQuantBlock + i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    const float s = amax / 127.f;
+    scale[b] = s;
+    ssum[b] = s * static_cast<float>(sum);
+  }
+}
+
+void q8_panel_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const uint8_t* wp,
+                   const float* sp, const float* op, float* y, int64_t N, int64_t n0,
+                   int64_t cols, const float* bias) {
+#if defined(__AVX512VNNI__)
+  if (!g_force_portable) {
+    vnni_rows(a, m0, m1, K, wp, sp, op, y, N, n0, cols, bias);
+    return;
+  }
+#endif
+  portable_rows(a, m0, m1, K, wp, sp, op, y, N, n0, cols, bias);
+}
+
+}  // namespace slipstream_cpu
+
+namespace {
 
 at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                    int64_t N, const c10::optional<at::Tensor>& bias,
@@ -251,44 +239,19 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == panels * kPanel * (K / kBlock),
               "q8_gemm: scales must be float32 [N/32, K/32, 32]");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "q8_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  Outliers o;
-  if (outlier_idx.has_value() && outlier_idx->defined() && outlier_idx->numel() > 0) {
-    o.k = outlier_idx->numel();
-    TORCH_CHECK(outlier_idx->scalar_type() == at::kLong && outlier_idx->is_contiguous(),
-                "q8_gemm: outlier_idx must be int64 [k]");
-    TORCH_CHECK(outlier_w.has_value() && outlier_w->defined() &&
-                    outlier_w->scalar_type() == at::kFloat && outlier_w->is_contiguous() &&
-                    outlier_w->numel() == panels * o.k * kPanel,
-                "q8_gemm: outlier_w must be float32 [N/32, k, 32]");
-    o.idx = outlier_idx->data_ptr<int64_t>();
-    o.w = outlier_w->data_ptr<float>();
-    for (int64_t j = 0; j < o.k; ++j)
-      TORCH_CHECK(o.idx[j] >= 0 && o.idx[j] < K, "q8_gemm: outlier channel out of range");
-  }
+  const float* b = slipstream_cpu::product_bias("q8_gemm", bias, N);
+  const Outliers o = slipstream_cpu::product_outliers("q8_gemm", outlier_idx, outlier_w, panels, K);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t KB = K / kBlock;
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor sa = at::empty({M, KB}, x.options());
-  at::Tensor comp = at::empty({M, KB}, x.options());
-  at::Tensor out = at::empty({M, o.k}, x.options());
-  quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, o, xq.data_ptr<int8_t>(),
-                sa.data_ptr<float>(), comp.data_ptr<float>(), out.data_ptr<float>());
-  const QuantRows a{xq.data_ptr<int8_t>(), sa.data_ptr<float>(), comp.data_ptr<float>(),
-                    out.data_ptr<float>(), o.k};
+  const slipstream_cpu::QuantizedActivations quantized =
+      slipstream_cpu::quantize_activations(x, o, nullptr);
+  const QuantRows& a = quantized.rows;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Tasks: (panel, chunk of rows), a panel's chunks in a row so that a thread keeps reusing
   // the panel's weights from its cache.
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  const bool vnni = kVnni && !g_force_portable;
   // A few rows: several panels a task, so that each thread streams a long run of memory;
   // still ~4 tasks a thread, so that one preempted thread's share moves on.
   const int64_t grain =
@@ -299,15 +262,9 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       const int64_t m1 = std::min(M, m0 + kRowChunk);
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const uint8_t* wpp = wp + p * kPanel * K;
-      const float* spp = sp + p * kPanel * KB;
+      const float* spp = sp + p * kPanel * (K / kBlock);
       const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
-#if defined(__AVX512VNNI__)
-      if (vnni) {
-        vnni_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
-        continue;
-      }
-#endif
-      portable_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
+      slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
     }
   });
   return y;

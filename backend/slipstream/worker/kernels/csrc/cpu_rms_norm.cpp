@@ -12,6 +12,21 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_products.h"
+
+namespace slipstream_cpu {
+
+void rms_norm_row(const float* row, const float* w, float eps, int64_t width, float* o) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t j = 0; j < width; ++j) squares += row[j] * row[j];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) o[j] = w[j] * (row[j] * inv);
+}
+
+}  // namespace slipstream_cpu
+
 namespace {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -30,16 +45,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // Threads only for prefill-sized inputs: a few rows cost less than waking them.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(width, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = src + r * width;
-      float* o = dst + r * width;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t j = 0; j < width; ++j) squares += row[j] * row[j];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + epsilon);
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) o[j] = w[j] * (row[j] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      slipstream_cpu::rms_norm_row(src + r * width, w, epsilon, width, dst + r * width);
   });
   return out;
 }

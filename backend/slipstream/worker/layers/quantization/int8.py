@@ -12,11 +12,12 @@ weight: a tied input embedding looks its rows up in it (``rows``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
 
+from slipstream.worker import kernels
 from slipstream.worker.layers.quantization import panel_layout
 from slipstream.worker.layers.quantization.panel_layout import PANEL
 
@@ -48,8 +49,19 @@ class Q8Weight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the dequantized weight, float32 ``[*ids.shape, K]`` (the lookups of
-        a tied embedding)."""
+        a tied embedding; the compiled reader where the kernels are loaded, same values)."""
         flat = ids.reshape(-1)
+        if kernels.load():
+            found = torch.ops.slipstream_cpu.q8_rows(
+                self.packed,
+                self.scales,
+                self.out_features,
+                self.in_features,
+                flat.to(torch.int64).contiguous(),
+                self.outliers,
+                self.outlier_w,
+            )
+            return found.reshape(*ids.shape, self.in_features)
         q, scale = self.columns(flat)
         values = q.view(-1, self.in_features // BLOCK, BLOCK).mul_(scale[..., None])
         values = values.view(-1, self.in_features)
@@ -61,13 +73,24 @@ class Q8Weight:
         """The whole weight in float32 ``[N, K]`` (tests)."""
         return self.rows(torch.arange(self.out_features))
 
+    def with_outliers(self, channels: torch.Tensor) -> "Q8Weight":
+        """Blocks loaded as they were shipped (``from_blocks``) with input ``channels``
+        multiplied apart in float32: their values stay in the blocks (the activations there
+        are zero), and their columns, the blocks' own values, are kept beside them."""
+        if channels.numel() == 0:
+            return replace(self, outliers=None, outlier_w=None)
+        channels = channels.to(torch.int64).sort().values.contiguous()
+        q, scale = self.columns(torch.arange(self.out_features))
+        values = q[:, channels] * scale[:, channels // BLOCK]
+        return replace(self, outliers=channels, outlier_w=panel_layout.per_column(values))
+
 
 def supports(weight: torch.Tensor) -> bool:
     """The layout needs K in whole blocks."""
     return weight.dim() == 2 and weight.shape[1] % BLOCK == 0 and weight.shape[1] > 0
 
 
-def _block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32 along the last dim: ``x ~= q * scale`` per block.
     ``q`` int16 ``[..., K]``, ``scale`` float32 ``[..., K/32]``. Rounds as the kernel does
     (``x * (127 / amax)``, ties to even)."""
@@ -89,21 +112,24 @@ def quantize(weight: torch.Tensor, outliers: Optional[torch.Tensor] = None) -> Q
     if outliers is not None and outliers.numel():
         outliers = outliers.to(torch.int64).contiguous()
         columns = weight[:, outliers]  # [N, k]
-        outlier_w = _panels(columns).contiguous()
+        outlier_w = panel_layout.per_column(columns)
         weight = weight.index_fill(1, outliers, 0.0)
     else:
         outliers = None
-    q, scale = _block_quantize(weight)
+    q, scale = block_quantize(weight)
     packed = panel_layout.pack((q + 128).to(torch.uint8), QUAD)  # padding: never stored
-    return Q8Weight(packed, _panels(scale).contiguous(), n, k, outliers, outlier_w)
+    return Q8Weight(packed, panel_layout.per_column(scale), n, k, outliers, outlier_w)
 
 
-def _panels(per_column: torch.Tensor) -> torch.Tensor:
-    """``[N, c]`` values of each output column as ``[N/32, c, 32]`` (zero columns padding N)."""
-    n, c = per_column.shape
-    if panel_layout.padded(n) != n:
-        per_column = torch.cat([per_column, per_column.new_zeros(panel_layout.padded(n) - n, c)])
-    return per_column.view(-1, PANEL, c).permute(0, 2, 1)
+def from_blocks(q: torch.Tensor, scale: torch.Tensor) -> Q8Weight:
+    """Blocks as a checkpoint ships them (GGUF's Q8_0): ``q`` int8 ``[N, K]`` and ``scale``
+    ``[N, K/32]`` (float16 or float32, held as float32: exact), packed as they are."""
+    n, k = q.shape
+    if k % BLOCK or scale.shape != (n, k // BLOCK):
+        raise ValueError(f"int8 blocks need K a multiple of {BLOCK}, got {tuple(q.shape)}")
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    packed = panel_layout.pack(shifted, QUAD)
+    return Q8Weight(packed, panel_layout.per_column(scale.float()), n, k)
 
 
 def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
@@ -112,7 +138,7 @@ def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
     k, first = weights[0].in_features, weights[0].outliers
     if any(w.in_features != k or w.out_features % PANEL for w in weights):
         return None
-    if any(not _same(w.outliers, first) for w in weights):
+    if any(not panel_layout.same(w.outliers, first) for w in weights):
         return None  # one input, one set of outlier channels
     outlier_w = None
     if first is not None:
@@ -125,12 +151,6 @@ def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
         first,
         outlier_w,
     )
-
-
-def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return torch.equal(a, b)
 
 
 def product(
@@ -160,7 +180,7 @@ def _torch_product(weight: Q8Weight, x: torch.Tensor, bias: Optional[torch.Tenso
     32 x 127 x 127), each scaled by both operands' block scales, summed over the blocks."""
     idx = weight.outliers
     blocked = x if idx is None else x.index_fill(1, idx, 0.0)
-    qa, sa = _block_quantize(blocked)
+    qa, sa = block_quantize(blocked)
     qw, sw = weight.columns(torch.arange(weight.out_features))
     rows, blocks = x.shape[0], x.shape[1] // BLOCK
     a = qa.float().view(rows, blocks, BLOCK).transpose(0, 1)  # [B, M, 32]

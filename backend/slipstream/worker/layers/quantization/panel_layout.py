@@ -7,6 +7,8 @@ one contiguous run of memory, read front to back.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 PANEL = 32  # output columns per panel
@@ -30,3 +32,19 @@ def columns(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Output columns ``ids`` ``[T]`` of a packed weight, as stored: ``[T, K]``."""
     panel, col = ids // PANEL, ids % PANEL
     return packed[panel, :, col // LANES, col % LANES].reshape(ids.shape[0], -1)
+
+
+def per_column(values: torch.Tensor) -> torch.Tensor:
+    """``[N, c]`` values of each output column (scales, outlier columns) as the panels hold
+    them, ``[N/32, c, 32]``, zero columns padding N."""
+    n, c = values.shape
+    if padded(n) != n:
+        values = torch.cat([values, values.new_zeros(padded(n) - n, c)])
+    return values.view(-1, PANEL, c).permute(0, 2, 1).contiguous()
+
+
+def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Both absent, or equal (stacked layouts must share their outliers / permutation)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
