@@ -29,7 +29,7 @@ SAMPLER_PATH = "backend/slipstream/worker/sample/sampler.py"
 
 
 def baseline_sampler_class(revision: str) -> type:
-    """``Sampler`` from ``worker/sampler.py`` as it was at ``revision`` (a module of its own;
+    """``Sampler`` from ``worker/sample/sampler.py`` as it was at ``revision`` (a module of its own;
     it imports the rest of this tree's package)."""
     source = subprocess.run(
         ["git", "-C", str(REPO), "show", f"{revision}:{SAMPLER_PATH}"],

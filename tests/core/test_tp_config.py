@@ -34,6 +34,10 @@ def test_tensor_parallel_settings_parse_from_strings():
             {"tensor_parallel_size": 2, "speculative_method": "draft", "speculative_model": "x"},
             "tensor_parallel_size=2 cannot serve speculative_method='draft'",
         ),
+        (
+            {"tensor_parallel_size": 2, "quantization": "gguf"},
+            "tensor_parallel_size=2 cannot serve quantization='gguf'",
+        ),
     ],
 )
 def test_combinations_a_group_cannot_serve_are_refused_by_name(settings, message):

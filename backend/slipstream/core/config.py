@@ -18,8 +18,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the activations' dtyp
 # int8: weights and activations in blocks of 32, made at load (worker/layers/quantization/int8);
 # gguf / awq / gptq: a 4-bit checkpoint served as it ships (CPU; quantization/int4)
 QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
-CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/cpu_linear.py
-ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/ops/dispatch.py
+CPU_LINEARS = ("auto", "onednn", "transposed", "stock")  # worker/layers/linear.py
+ATTENTION_OPS = ("auto", "torch", "cpu", "triton")  # worker/attention/dispatch.py
 
 
 # Settings that must be integers >= 1.
@@ -256,6 +256,11 @@ class EngineConfig:
                 "KV heads only); use 'recompute'",
             ),
             (self.enable_lora, "enable_lora (adapters are not sharded)"),
+            (
+                self.quantization in ("gguf", "awq", "gptq"),
+                f"quantization={self.quantization!r} (a 4-bit checkpoint's blocks are not "
+                "sharded); serve it with tensor_parallel_size=1",
+            ),
             (
                 self.speculative_method == "draft",
                 "speculative_method='draft' (the draft model is not sharded); 'ngram' works",

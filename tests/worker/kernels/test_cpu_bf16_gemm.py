@@ -1,5 +1,5 @@
 """bf16 weights in panels (``dtype=bfloat16`` on AVX512-BF16 without AMX): the packed weight
-(``bf16_weight``, ``panel_layout``) and the compiled product (``ops/cpu_bf16_gemm.cpp``) on
+(``bf16_weight``, ``panel_layout``) and the compiled product (``kernels/csrc/cpu_bf16_gemm.cpp``) on
 both of its paths, against float64 on the bf16-rounded operands."""
 
 import pytest

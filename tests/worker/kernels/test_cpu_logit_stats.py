@@ -1,4 +1,5 @@
-"""The sampler's one-pass row statistics (ops/cpu_logit_stats.cpp): argmax as torch picks it
+"""The sampler's one-pass row statistics (kernels/csrc/cpu_logit_stats.cpp): argmax as torch picks
+it
 (the first maximum) and log-sum-exp, and the NaN and -inf rows the sampler's guard reads."""
 
 import pytest

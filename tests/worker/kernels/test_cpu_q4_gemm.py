@@ -1,6 +1,6 @@
 """4-bit weights with int8 activations (``quantization=gguf / awq / gptq``): the layout
-(``layers/quantization/int4``) and the compiled product (``ops/cpu_q4_gemm.cpp``) on both of
-its paths, against the same arithmetic in float64 on random blocks, odd shapes included."""
+(``layers/quantization/int4``) and the compiled product (``kernels/csrc/cpu_q4_gemm.cpp``) on both
+of its paths, against the same arithmetic in float64 on random blocks, odd shapes included."""
 
 import pytest
 import torch

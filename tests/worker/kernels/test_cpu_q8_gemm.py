@@ -1,5 +1,5 @@
 """int8 weights and activations in blocks of 32 (``quantization=int8``): the packed weight
-(``q8_weight``) and the compiled product (``ops/cpu_q8_gemm.cpp``) on both of its paths,
+(``q8_weight``) and the compiled product (``kernels/csrc/cpu_q8_gemm.cpp``) on both of its paths,
 against the same arithmetic in float64."""
 
 import pytest

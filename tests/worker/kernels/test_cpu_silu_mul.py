@@ -1,4 +1,5 @@
-"""The gated MLP's activation kernel (ops/cpu_silu_mul.cpp): silu(gate) * up in one pass, fp32
+"""The gated MLP's activation kernel (kernels/csrc/cpu_silu_mul.cpp): silu(gate) * up in one pass,
+fp32
 and bf16 (rounded once, to nearest even), and the lean forward using it only where the
 products hand out bf16."""
 

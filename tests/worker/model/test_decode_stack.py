@@ -1,4 +1,5 @@
-"""The compiled decode stack (``worker/decode_stack.py``, ``ops/cpu_decode_stack.cpp``): every
+"""The compiled decode stack (``worker/decode_stack.py``, ``kernels/csrc/cpu_decode_stack.cpp``):
+every
 decoder layer of an all-decode step in one call, with the Python loop's results bit for bit."""
 
 import pytest

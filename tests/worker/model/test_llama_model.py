@@ -1,4 +1,4 @@
-"""The Llama stack built without transformers' model code (``worker/llama_model``): the same
+"""The Llama stack built without transformers' model code (``worker/model/llama``): the same
 weights and module arithmetic as the Hugging Face model, none of its imports in a serving
 process, and everything it does not cover left to transformers."""
 

@@ -1,3 +1,3 @@
-"""What runs inside Triton's Python-backend stub: the adapter (``triton_model``), request
-parsing and responses, the model's config, metrics, cancel polls, deadlines, health, the
-watchdog it leaves beside the stub."""
+"""What runs inside Triton's Python-backend stub: the adapter (``adapter.TritonAdapter``),
+request intake and parsing, the sender thread and responses, the model's config, metrics,
+cancel polls, deadlines, health and the watchdog it leaves beside the stub."""

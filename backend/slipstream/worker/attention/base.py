@@ -1,8 +1,8 @@
 """The seam between the attention hook and its kernels: what an ops module provides.
 
-Three modules implement it, ``torch_ops`` (any device; the reference), ``cpu_kernels`` (a
-compiled decode kernel plus the torch path's prefill; the CPU default) and ``triton_kernels``
-(OpenAI Triton, CUDA); ``dispatch.get_ops`` picks one per device. All work on the paged
+Three modules implement it, ``torch_backend`` (any device; the reference), ``cpu_backend``
+(the compiled kernels of ``worker/kernels``; the CPU default) and ``triton_backend`` (OpenAI
+Triton, CUDA); ``dispatch.get_ops`` picks one per device. All work on the paged
 cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and on the
 step's ``AttentionMetadata`` and the ``AttentionPlan`` made from it, each layer's caches and
 scoring coming as an ``AttentionLayer``; slot -1 marks rows (padding) whose K/V is not stored.

@@ -76,7 +76,7 @@ class _Plan(AttentionPlan):
         return DecodeStep(self.decode, self.store_rows, self.store_slots)
 
 
-# The prefill kernel's head sizes (ops/cpu_prefill_attention.cpp); others, and softcapped
+# The prefill kernel's head sizes (kernels/csrc/cpu_prefill_attention.cpp); others, and softcapped
 # scores, take the torch path.
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)
 

@@ -28,7 +28,7 @@ class StepContext:
     meta: AttentionMetadata
     key_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, Hkv, D]
     value_caches: list[torch.Tensor]
-    ops: AttentionOps  # torch_ops, cpu_kernels or triton_kernels
+    ops: AttentionOps  # torch_backend, cpu_backend or triton_backend
 
 
 @contextlib.contextmanager

@@ -1,20 +1,20 @@
 """How the model's linear layers multiply on CPU: the weight layout and the GEMM library.
 
-``auto`` (the default) runs every fp32 product, decode rows and prompt chunks alike, on the
-compiled kernel (``ops/cpu_small_gemm.cpp``) over one packed copy of the weight: at a few rows
-the product is bound by reading the weight from memory, which oneDNN does at ~20 GB/s on the
-AMD EPYC VMs here against the kernel's ~30; at many rows it is bound by the FMAs, where the
-kernel's wide tiles run at oneDNN's speed (0.99-1.02x a decoder layer's time from 128 to 2,048
-rows); and at any row count its threads take work from a shared counter, so one the OS
-preempts does not hold the other up (docs/benchmarks.md). A tied LM head's packed copy also
-serves the embedding's lookups, so each weight is held once. The kernel's fast paths need
-AVX-512: elsewhere ``auto`` is ``onednn``. ``onednn`` packs every ``nn.Linear`` weight once
-into oneDNN's blocked layout and runs the layer through oneDNN's inner product, as vLLM's CPU
-backend does; torch's own fp32 ``linear`` calls MKL's sgemm, which on the AMD EPYC (Zen 4) VMs
-here ran the model's shapes at 30-130 GFLOP/s against oneDNN's 110-210, and the 49k-row LM
-head at a third of oneDNN's speed. ``transposed`` keeps torch's linear on a column-major copy
-of the weight (faster than the stock layout for small batches on Intel Xeons); ``stock``
-changes nothing. Outputs differ from the stock layout by float rounding only (relative 1e-6).
+``auto`` (the default) runs every fp32 product, decode rows and prompt chunks alike, on the compiled
+kernel (``kernels/csrc/cpu_small_gemm.cpp``) over one packed copy of the weight: at a few rows the
+product is bound by reading the weight from memory, which oneDNN does at ~20 GB/s on the AMD EPYC
+VMs here against the kernel's ~30; at many rows it is bound by the FMAs, where the kernel's wide
+tiles run at oneDNN's speed (0.99-1.02x a decoder layer's time from 128 to 2,048 rows); and at any
+row count its threads take work from a shared counter, so one the OS preempts does not hold the
+other up (docs/benchmarks.md). A tied LM head's packed copy also serves the embedding's lookups, so
+each weight is held once. The kernel's fast paths need AVX-512: elsewhere ``auto`` is ``onednn``.
+``onednn`` packs every ``nn.Linear`` weight once into oneDNN's blocked layout and runs the layer
+through oneDNN's inner product, as vLLM's CPU backend does; torch's own fp32 ``linear`` calls MKL's
+sgemm, which on the AMD EPYC (Zen 4) VMs here ran the model's shapes at 30-130 GFLOP/s against
+oneDNN's 110-210, and the 49k-row LM head at a third of oneDNN's speed. ``transposed`` keeps torch's
+linear on a column-major copy of the weight (faster than the stock layout for small batches on Intel
+Xeons); ``stock`` changes nothing. Outputs differ from the stock layout by float rounding only
+(relative 1e-6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RMSNorm layers on CPU through the compiled one-pass kernel (``ops/cpu_rms_norm.cpp``).
+"""RMSNorm layers on CPU through the compiled one-pass kernel (``kernels/csrc/cpu_rms_norm.cpp``).
 
 torch computes a Llama-style RMSNorm as ~8 operators (~35 us a call at a few rows; a decode
 step of a 30-layer model makes 61 calls); the kernel reads each row once and writes it once.

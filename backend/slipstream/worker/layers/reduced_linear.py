@@ -19,20 +19,20 @@ the products read is the only one kept (``WeightPlan``):
 * bf16 where the CPU has AMX (Sapphire Rapids and later Xeons): oneDNN's own packing of the
   bf16 weight, run on AMX tiles at every row count.
 * bf16 where the CPU has AVX512-BF16 and no AMX (Zen 4, Cooper Lake): the weight in panels
-  (``bf16_weight``) for ``ops/cpu_bf16_gemm.cpp``. A decode step streams the weights from
+  (``bf16_weight``) for ``kernels/csrc/cpu_bf16_gemm.cpp``. A decode step streams the weights from
   memory: oneDNN's packed bf16 GEMM read them at ~13 GB/s on Zen 4, the panel kernel at
   1.3-2x that speed at 1-8 rows; at 64 rows both run at ~300 GFLOP/s, at prompt sizes oneDNN
   is ~10-20% ahead. The panels are also the only copy of the head: a tied embedding reads
   them, where oneDNN's packing would need a table of its own.
 * bf16 elsewhere: the plain ``[N, K]`` weight; decode rows (up to ``BF16_KERNEL_ROWS``) on
-  ``ops/cpu_weight_gemm.cpp`` (weights widened to fp32 in registers), prompt rows on oneDNN's
-  fp32 GEMM on a widened copy.
+  ``kernels/csrc/cpu_weight_gemm.cpp`` (weights widened to fp32 in registers), prompt rows on
+  oneDNN's fp32 GEMM on a widened copy.
 * int8: weights and activations in blocks of 32 along K (``q8_weight``, llama.cpp's Q8_0 x
-  Q8_0), multiplied by ``ops/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop), each
-  layer's 8 outlier input channels apart in float32 (``activation_outliers``). The LM head
+  Q8_0), multiplied by ``kernels/csrc/cpu_q8_gemm.cpp`` (AVX512-VNNI, else a portable loop), each
+  layer's 8 outlier input channels apart in float32 (``int8_outliers``). The LM head
   too: a tied input embedding looks its rows up in the head's packed weight.
 * int4: a 4-bit checkpoint's weights as it shipped them (GGUF Q4_0 / Q4_1 / Q4_K, AWQ,
-  GPTQ; ``q4_weight``), multiplied with int8 activation blocks by ``ops/cpu_q4_gemm.cpp``.
+  GPTQ; ``q4_weight``), multiplied with int8 activation blocks by ``kernels/csrc/cpu_q4_gemm.cpp``.
   The plans are made at load, from the checkpoint's blocks (``model/gguf_checkpoint``,
   ``model/int4_checkpoint``): no float copy of a weight is made. A GGUF's Q8_0 tensors (the
   embedding and head of a Q4_0 / Q4_1 file) are int8 blocks as they are; only a checkpoint's

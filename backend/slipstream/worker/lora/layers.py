@@ -14,7 +14,7 @@ adapter (base-model rows first), so the adapters' rows are one slice of the batc
 
 Rows without an adapter cost nothing, and a step without any costs one Python check per linear.
 Wrapping the modules (rather than the forward) serves both model paths: the lean Llama
-forward (``fast_forward.py``) and the transformers forward call the same modules.
+forward (``model/lean_forward.py``) and the transformers forward call the same modules.
 """
 
 from __future__ import annotations

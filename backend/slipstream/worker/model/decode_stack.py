@@ -1,4 +1,5 @@
-"""Every decoder layer of a decode step in one compiled call (``ops/cpu_decode_stack.cpp``).
+"""Every decoder layer of a decode step in one compiled call
+(``kernels/csrc/cpu_decode_stack.cpp``).
 
 The lean forward (``lean_forward``) runs a layer as ~25 operator calls and module hops from
 Python; with int8 weights at a few rows that Python is ~4 ms of a ~12 ms step, beside ~6 ms of

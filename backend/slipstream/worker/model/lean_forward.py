@@ -10,7 +10,7 @@ of three and two; vLLM fuses them the same way), the model's own embedding and r
 the rotary formula and residual order of
 ``modeling_llama``, ``F.rms_norm`` where it is bit-identical to the model's RMSNorm (checked
 once per model; the module itself otherwise), the rotary formula in one compiled pass that
-rounds as torch's operators do (``ops/cpu_rotary.cpp``, fp32 with the CPU kernels loaded),
+rounds as torch's operators do (``kernels/csrc/cpu_rotary.cpp``, fp32 with the CPU kernels loaded),
 and the paged attention operators. Logits are the Hugging Face forward's, bit for bit, where
 the norm check passes.
 
@@ -95,14 +95,14 @@ def _torch_rotary(
 def _kernel_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 ) -> torch.Tensor:
-    """The same in one compiled pass (``ops/cpu_rotary.cpp``), bit for bit."""
+    """The same in one compiled pass (``kernels/csrc/cpu_rotary.cpp``), bit for bit."""
     out = torch.ops.slipstream_cpu.rotary(x, cos, sin, head_dim)
     return out.view(x.shape[0], -1, head_dim)
 
 
 def _compute_dtype(model: torch.nn.Module) -> torch.dtype:
     """The activations' dtype: the final norm's (the linears' weights may be bf16 or int8,
-    cpu_reduced_linear, with fp32 activations)."""
+    layers/reduced_linear, with fp32 activations)."""
     hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
     return hf.model.norm.weight.dtype
 

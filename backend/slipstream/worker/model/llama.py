@@ -11,7 +11,7 @@ checkpoint it covers (plain Llama: SiLU MLP, RMSNorm, default RoPE) is built her
 (``model.layers[i].self_attn.q_proj``...): every other part of the engine (the CPU layer
 preparation, the KV geometry, LoRA's module names) finds what it looks for. The arithmetic
 of each module is ``modeling_llama``'s, so logits are the Hugging Face model's bit for bit
-(``tests/test_llama_model.py``). Anything else loads through transformers as before.
+(``tests/worker/model/test_llama_model.py``). Anything else loads through transformers as before.
 """
 
 from __future__ import annotations

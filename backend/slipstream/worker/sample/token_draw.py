@@ -17,7 +17,7 @@ one kept are all kept.
 
 Rows with top-k rank their k most likely tokens with one ``topk``; top-p then applies within.
 
-Where the project's compiled CPU kernels load (``worker/ops/cpu_sampling.cpp``), all of this
+Where the project's compiled CPU kernels load (``kernels/csrc/cpu_sampling.cpp``), all of this
 runs there instead, a row per task with its working copy in the core's cache (the torch
 operators below each stream the whole batch through memory: ~1 ms per operator at 32 rows on
 one core here); the same rules, the same uniforms.

@@ -1,4 +1,4 @@
-"""A bf16 weight packed for ``ops/cpu_bf16_gemm.cpp`` (``dtype=bfloat16`` on a CPU with
+"""A bf16 weight packed for ``kernels/csrc/cpu_bf16_gemm.cpp`` (``dtype=bfloat16`` on a CPU with
 AVX512-BF16 and no AMX), and its products. The packed layout (``panel_layout``, pairs of k
 per lane) is the only resident copy of the weight: a tied input embedding looks its rows up
 in it (``rows``).

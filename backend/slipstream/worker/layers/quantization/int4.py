@@ -1,4 +1,5 @@
-"""A 4-bit weight as ``ops/cpu_q4_gemm.cpp`` reads it, whatever checkpoint it came from (GGUF
+"""A 4-bit weight as ``kernels/csrc/cpu_q4_gemm.cpp`` reads it, whatever checkpoint it came from
+(GGUF
 Q4_0 / Q4_1 / Q4_K, AWQ, GPTQ: ``gguf``, ``awq``, ``gptq`` beside this file turn each into
 this form without widening a weight), and its products with int8 activations.
 

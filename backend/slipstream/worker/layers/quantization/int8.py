@@ -1,10 +1,11 @@
-"""An int8 weight in blocks of 32 (``quantization=int8``), packed as ``ops/cpu_q8_gemm.cpp``
+"""An int8 weight in blocks of 32 (``quantization=int8``), packed as
+``kernels/csrc/cpu_q8_gemm.cpp``
 reads it, and its products with int8 activations quantized the same way.
 
 A weight ``[N, K]`` is quantized symmetrically per output column and block of 32 along K
 (``scale = max|w| / 127``), as llama.cpp's Q8_0; each product quantizes its input rows the
 same way per block and sums the blocks' integer products exactly before scaling them
-(the kernel's header says how). A few outlier input channels (``activation_outliers``
+(the kernel's header says how). A few outlier input channels (``int8_outliers``
 finds them at load) stay out of the blocks: their weight columns are kept exactly in float32
 and the kernel adds their products apart. The packed layout is the only resident copy of the
 weight: a tied input embedding looks its rows up in it (``rows``).

@@ -1,8 +1,8 @@
-"""The packed layout the compiled int8 and bf16 products read (``ops/cpu_q8_gemm.cpp``,
-``ops/cpu_bf16_gemm.cpp``): a weight ``[N, K]`` in panels of 32 output columns, two vectors of
-16 lanes, each lane ``group`` consecutive k (4 int8 for vpdpbusd, 2 bf16 for vdpbf16ps):
-``[N/32, K/group, 2, 16, group]``, N padded to 32 with zero columns. A panel's weights are
-one contiguous run of memory, read front to back.
+"""The packed layout the compiled int8 and bf16 products read (``kernels/csrc/cpu_q8_gemm.cpp``,
+``kernels/csrc/cpu_bf16_gemm.cpp``): a weight ``[N, K]`` in panels of 32 output columns, two vectors
+of 16 lanes, each lane ``group`` consecutive k (4 int8 for vpdpbusd, 2 bf16 for vdpbf16ps): ``[N/32,
+K/group, 2, 16, group]``, N padded to 32 with zero columns. A panel's weights are one contiguous run
+of memory, read front to back.
 """
 
 from __future__ import annotations
