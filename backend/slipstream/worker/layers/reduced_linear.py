@@ -45,7 +45,7 @@ import enum
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -252,18 +252,6 @@ def loaded_plan(
     return WeightPlan(layout.out_features, None, bias, 0, q8=layout, kernel=kernel)
 
 
-def _prepare_one(
-    module: torch.nn.Linear,
-    fmt: WeightFormat,
-    features: CpuFeatures,
-    kernel: bool,
-    outliers: Optional[torch.Tensor] = None,
-) -> WeightPlan:
-    plan = _plan(module, fmt, features, kernel, outliers)
-    apply_plan(module, plan)
-    return plan
-
-
 def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     """Convert every ``nn.Linear`` of an fp32 CPU model to ``fmt`` (one copy of each weight);
     returns what runs the products, for the start-up log. ``int4``: the checkpoint's blocks
@@ -279,7 +267,8 @@ def prepare_reduced_linears(model: torch.nn.Module, fmt: WeightFormat) -> str:
     head = getattr(model, "lm_head", None)
     outliers = activation_outliers.find(model, linears) if fmt is WeightFormat.INT8 else {}
     for module in linears:
-        plan = _prepare_one(module, fmt, features, kernel, outliers.get(module))
+        plan = _plan(module, fmt, features, kernel, outliers.get(module))
+        apply_plan(module, plan)
         if module is head and embedding is not None:
             read_rows_from(embedding, plan)
     own_storage(model)
@@ -397,6 +386,15 @@ def _slice_of(gemm: Callable, start: int, size: int, x: torch.Tensor) -> torch.T
     return gemm(x).narrow(-1, start, size)
 
 
+# The packed layouts that stack by their own module's ``stack``: the plan's attribute, that
+# function, and whether the stacked plan keeps ``kernel`` (only the quantized products read it).
+_STACKABLE_LAYOUTS: tuple[tuple[str, Callable[[list], Any], bool], ...] = (
+    ("panels", bf16_weight.stack, False),
+    ("q8", q8_weight.stack, True),
+    ("q4", q4_weight.stack, True),
+)
+
+
 def _stack_plans(plans: Sequence[WeightPlan]) -> Optional[WeightPlan]:
     n = sum(p.out_features for p in plans)
     bias = None
@@ -405,27 +403,16 @@ def _stack_plans(plans: Sequence[WeightPlan]) -> Optional[WeightPlan]:
             [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in plans]
         )
     first = plans[0]
-    if first.panels is not None:
-        panels = bf16_weight.stack(_all_set([p.panels for p in plans]))
-        if panels is None:
+    for attr, stack, keeps_kernel in _STACKABLE_LAYOUTS:
+        if getattr(first, attr) is None:
+            continue
+        layout = stack(_all_set([getattr(p, attr) for p in plans]))
+        if layout is None:
             return None
         for p in plans:
-            p.panels = None
-        return WeightPlan(n, None, bias, 0, panels=panels)
-    if first.q8 is not None:
-        q8 = q8_weight.stack(_all_set([p.q8 for p in plans]))
-        if q8 is None:
-            return None
-        for p in plans:
-            p.q8 = None
-        return WeightPlan(n, None, bias, 0, q8=q8, kernel=first.kernel)
-    if first.q4 is not None:
-        q4 = q4_weight.stack(_all_set([p.q4 for p in plans]))
-        if q4 is None:
-            return None
-        for p in plans:
-            p.q4 = None
-        return WeightPlan(n, None, bias, 0, q4=q4, kernel=first.kernel)
+            setattr(p, attr, None)  # the stacked plan holds the only copy
+        kernel = first.kernel if keeps_kernel else False
+        return WeightPlan(n, None, bias, 0, kernel=kernel, **{attr: layout})
     stacked = torch.cat(_all_set([p.plain for p in plans])).contiguous()  # not packed yet
     for p in plans:
         p.plain = None

@@ -25,7 +25,7 @@ import torch
 
 from slipstream.worker import kernels
 from slipstream.worker.layers.quantization import panel_layout
-from slipstream.worker.layers.quantization.int8 import block_quantize
+from slipstream.worker.layers.quantization.int8 import block_quantize, kernel_rows
 from slipstream.worker.layers.quantization.panel_layout import LANES, PANEL
 
 BLOCK = 32  # K per block of nibbles (and per activation scale)
@@ -188,25 +188,21 @@ def stack(weights: Sequence[Int4Weight]) -> Optional[Int4Weight]:
 def product(
     weight: Int4Weight, x: torch.Tensor, bias: Optional[torch.Tensor], kernel: bool
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` float32 times the weight: ``[M, N]`` float32. ``kernel``: the compiled
-    kernel is loaded (else the same arithmetic in torch, slowly)."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if kernel:
-        return torch.ops.slipstream_cpu.q4_gemm(
-            x,
-            weight.packed,
-            weight.scales,
-            weight.group,
-            weight.out_features,
-            bias,
-            weight.outliers,
-            weight.outlier_w,
-            weight.perm,
-        )
-    return torch_product(weight, x, bias)
+    """As ``int8.product``, for the 4-bit weight."""
+    x = kernel_rows(x)
+    if not kernel:
+        return torch_product(weight, x, bias)
+    return torch.ops.slipstream_cpu.q4_gemm(
+        x,
+        weight.packed,
+        weight.scales,
+        weight.group,
+        weight.out_features,
+        bias,
+        weight.outliers,
+        weight.outlier_w,
+        weight.perm,
+    )
 
 
 def torch_product(

@@ -154,15 +154,22 @@ def stack(weights: Sequence[Q8Weight]) -> Optional[Q8Weight]:
     )
 
 
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the compiled block-quantized gemms read it (float32, rows of unit stride); the
+    torch fallbacks take the same, so both paths see the same values."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
 def product(
     weight: Q8Weight, x: torch.Tensor, bias: Optional[torch.Tensor], kernel: bool
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` float32 times the weight: ``[M, N]`` float32. ``kernel``: the compiled
     kernel is loaded (else the same arithmetic in torch, slowly)."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = kernel_rows(x)
     if kernel:
         return torch.ops.slipstream_cpu.q8_gemm(
             x,
