@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import urllib.request
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -258,30 +258,18 @@ class OpenAIApp:
         n = body.n or 1
         reqs = await self._requests(target, prompts, body.sampling_parameters(), n, body.logprobs)
         rid = out.new_id("cmpl")
-        if body.stream:
-            events = self._completion_events(rid, target.id, body, prompts, n)
-            return await sse_response(
-                request, merged(self.generator, reqs), events, self.settings.send_timeout_s
-            )
-        answer = await self._answer(request, reqs, n)
-        if answer is None:
-            return Response(status_code=499)
-        if body.echo:
-            for index, choice in answer.choices.items():
-                choice.text = prompts[index // n] + choice.text
-        return JSONResponse(
-            json.loads(out.dump(out.completion(rid, target.id, answer, body.logprobs is not None)))
-        )
+
+        def completion(answer: out.Answer) -> Any:
+            if body.echo:
+                for index, choice in answer.choices.items():
+                    choice.text = prompts[index // n] + choice.text
+            return out.completion(rid, target.id, answer, body.logprobs is not None)
+
+        events = self._completion_events(rid, target.id, body, prompts, n) if body.stream else None
+        return await self._reply(request, reqs, n, events, completion)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        body.check()
-        target = self._target(body.model)
-        tools = tool_request(
-            body.tools,
-            body.tool_choice,
-            body.parallel_tool_calls,
-            self.settings.enable_auto_tool_choice,
-        )
+        target, tools = self._chat_target(body)
         sampling = body.sampling_parameters()
         _constrain_to_tools(sampling, tools)
         prompt = await asyncio.to_thread(render_chat, target, body, tools, self.parser)
@@ -290,16 +278,47 @@ class OpenAIApp:
         reqs = await self._requests(target, [prompt], sampling, n, top)
         output = ChatOutput(self.reasoning, tools, self.parser, body.include_reasoning is not False)
         rid = out.new_id("chatcmpl")
-        if body.stream:
-            events = self._chat_events(rid, target.id, body, n, output)
+        events = self._chat_events(rid, target.id, body, n, output) if body.stream else None
+        return await self._reply(
+            request,
+            reqs,
+            n,
+            events,
+            lambda answer: out.chat_completion(rid, target.id, answer, bool(body.logprobs), output),
+        )
+
+    def _chat_target(self, body: ChatCompletionRequest) -> tuple[Target, Optional[ToolRequest]]:
+        """A chat request checked: the model it names and the tools it offers (a chat
+        completion and its rendering read both alike)."""
+        body.check()
+        target = self._target(body.model)
+        tools = tool_request(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            self.settings.enable_auto_tool_choice,
+        )
+        return target, tools
+
+    async def _reply(
+        self,
+        request: Request,
+        reqs: list[GenerateRequest],
+        n: int,
+        events: Optional[Callable[[AsyncIterator], AsyncIterator[str]]],
+        document: Callable[[out.Answer], Any],
+    ) -> Response:
+        """A completion's reply, either kind: the stream of ``events`` where given (the
+        request streams), else ``document(answer)`` as JSON once every choice is in (499
+        where the client left first)."""
+        if events is not None:
             return await sse_response(
                 request, merged(self.generator, reqs), events, self.settings.send_timeout_s
             )
         answer = await self._answer(request, reqs, n)
         if answer is None:
             return Response(status_code=499)
-        completion = out.chat_completion(rid, target.id, answer, bool(body.logprobs), output)
-        return JSONResponse(json.loads(out.dump(completion)))
+        return JSONResponse(json.loads(out.dump(document(answer))))
 
     async def _answer(
         self, request: Request, reqs: list[GenerateRequest], n: int
@@ -333,14 +352,7 @@ class OpenAIApp:
     # here and match them against the blocks its KV events announced: the ids are the ones
     # the engine will see for the same request.
     async def render_chat(self, body: ChatCompletionRequest) -> dict[str, Any]:
-        body.check()
-        target = self._target(body.model)
-        tools = tool_request(
-            body.tools,
-            body.tool_choice,
-            body.parallel_tool_calls,
-            self.settings.enable_auto_tool_choice,
-        )
+        target, tools = self._chat_target(body)
         prompt = await asyncio.to_thread(render_chat, target, body, tools, self.parser)
         # chat prompts carry their special tokens in the template (add_special_tokens off)
         ids = target.model.tokenizer(prompt, add_special_tokens=bool(body.add_special_tokens))
@@ -474,13 +486,3 @@ class OpenAIApp:
                 yield out.dump(out.chat_usage_chunk(rid, model, answer.usage()))
 
         return events
-
-
-def build_app(
-    table: ModelTable,
-    grpc_url: str,
-    metrics_url: Optional[str] = None,
-    settings: Optional[ApiSettings] = None,
-    pooling: Optional[dict[str, Any]] = None,
-) -> OpenAIApp:
-    return OpenAIApp(table, grpc_url, metrics_url, settings, pooling)

@@ -61,13 +61,13 @@ class OpenAIFrontend:
     def start(self, timeout: float = 30.0) -> "OpenAIFrontend":
         import uvicorn
 
-        from slipstream.server.openai.app import build_app
+        from slipstream.server.openai.app import OpenAIApp
 
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self.api = build_app(
+        self.api = OpenAIApp(
             self.table, self.grpc_url, self.metrics_url, self.settings, self.pooling
         )
         limits = self.settings

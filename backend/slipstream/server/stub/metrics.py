@@ -70,74 +70,22 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": ("Time from arrival to the last response", E2E_BUCKETS),
 }
 
+# vLLM's bucket boundaries, in rows (one per line, the formatter's layout, would make three
+# long columns that repeat one another's tails).
+# fmt: off
 VLLM_TTFT_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ]
 VLLM_TPOT_BUCKETS = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]
 VLLM_REQUEST_TIME_BUCKETS = [
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]
+# fmt: on
 VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -185,77 +133,48 @@ _VLLM_SCALAR_FAMILIES = {
 }
 
 
+# vLLM's histograms that share their buckets: name -> help.
+_VLLM_TPOT_HISTOGRAMS = {  # VLLM_TPOT_BUCKETS
+    "vllm:time_per_output_token_seconds": "Histogram of time per output token in seconds.",
+    "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "vllm:request_time_per_output_token_seconds": (
+        "Histogram of time_per_output_token_seconds per request."
+    ),
+}
+_VLLM_TIME_HISTOGRAMS = {  # VLLM_REQUEST_TIME_BUCKETS
+    "vllm:e2e_request_latency_seconds": "Histogram of end to end request latency in seconds.",
+    "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "vllm:request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+}
+
+
 def vllm_families(max_model_len: int) -> dict:
+    """Every vLLM family: name -> (help, kind, buckets), in vLLM's order."""
     tokens = one_two_five_buckets(max_model_len)
-    times = VLLM_REQUEST_TIME_BUCKETS
-    return {
-        **_VLLM_SCALAR_FAMILIES,
+    histograms = {
         "vllm:time_to_first_token_seconds": (
             "Histogram of time to first token in seconds.",
-            "HISTOGRAM",
             VLLM_TTFT_BUCKETS,
         ),
-        "vllm:time_per_output_token_seconds": (
-            "Histogram of time per output token in seconds.",
-            "HISTOGRAM",
-            VLLM_TPOT_BUCKETS,
-        ),
-        "vllm:inter_token_latency_seconds": (
-            "Histogram of inter-token latency in seconds.",
-            "HISTOGRAM",
-            VLLM_TPOT_BUCKETS,
-        ),
-        "vllm:request_time_per_output_token_seconds": (
-            "Histogram of time_per_output_token_seconds per request.",
-            "HISTOGRAM",
-            VLLM_TPOT_BUCKETS,
-        ),
-        "vllm:e2e_request_latency_seconds": (
-            "Histogram of end to end request latency in seconds.",
-            "HISTOGRAM",
-            times,
-        ),
-        "vllm:request_queue_time_seconds": (
-            "Histogram of time spent in WAITING phase for request.",
-            "HISTOGRAM",
-            times,
-        ),
-        "vllm:request_inference_time_seconds": (
-            "Histogram of time spent in RUNNING phase for request.",
-            "HISTOGRAM",
-            times,
-        ),
-        "vllm:request_prefill_time_seconds": (
-            "Histogram of time spent in PREFILL phase for request.",
-            "HISTOGRAM",
-            times,
-        ),
-        "vllm:request_decode_time_seconds": (
-            "Histogram of time spent in DECODE phase for request.",
-            "HISTOGRAM",
-            times,
-        ),
-        "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", "HISTOGRAM", tokens),
-        "vllm:request_generation_tokens": (
-            "Number of generation tokens processed.",
-            "HISTOGRAM",
-            tokens,
-        ),
-        "vllm:request_params_n": (
-            "Histogram of the n request parameter.",
-            "HISTOGRAM",
-            VLLM_N_BUCKETS,
-        ),
+        **{name: (desc, VLLM_TPOT_BUCKETS) for name, desc in _VLLM_TPOT_HISTOGRAMS.items()},
+        **{name: (desc, VLLM_REQUEST_TIME_BUCKETS) for name, desc in _VLLM_TIME_HISTOGRAMS.items()},
+        "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", tokens),
+        "vllm:request_generation_tokens": ("Number of generation tokens processed.", tokens),
+        "vllm:request_params_n": ("Histogram of the n request parameter.", VLLM_N_BUCKETS),
         "vllm:request_max_num_generation_tokens": (
             "Histogram of maximum number of requested generation tokens.",
-            "HISTOGRAM",
             tokens,
         ),
         "vllm:request_params_max_tokens": (
             "Histogram of the max_tokens request parameter.",
-            "HISTOGRAM",
             tokens,
         ),
+    }
+    return {
+        **_VLLM_SCALAR_FAMILIES,
+        **{name: (desc, "HISTOGRAM", buckets) for name, (desc, buckets) in histograms.items()},
     }
 
 
