@@ -24,6 +24,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpu_op_registration.h"
 #include "cpu_parallel.h"
 #include "cpu_products.h"
 
@@ -37,7 +38,6 @@ constexpr int64_t kLanes = 16;
 constexpr int kVecs = 2;
 constexpr int64_t kPanel = kLanes * kVecs;  // output columns per panel
 constexpr int kRowTile = 12;
-constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 constexpr int64_t kPrefetchBytes = 4096;
 // Only tiles this small prefetch: at 1-4 rows the kernel waits on memory and the prefetches
 // keep more lines in flight (SmolLM2's layers, one row: 20.7 -> 24.3 GB/s); from 8 rows the
@@ -228,12 +228,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() == panels * kPanel * K,
               "bf16_gemm: packed weight must be bfloat16 [N/32, K/2, 2, 16, 2] for this K and N");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bf16_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = slipstream_cpu::product_bias("bf16_gemm", bias, N);
   at::Tensor y = at::empty({M, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y;
   // each row rounded to bf16 once, as oneDNN's bf16 product takes it
@@ -242,34 +237,17 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   Out out{bf16_out ? nullptr : y.data_ptr<float>(),
           bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, N, b};
-  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  const int64_t grain =
-      chunks > 1 ? 1 : std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
-  slipstream_cpu::dynamic_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = t / chunks, m0 = (t % chunks) * kRowChunk;
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      const uint16_t* wpp = wp + p * kPanel * K;
-      slipstream_cpu::bf16_panel_rows(xp, m0, m1, K, wpp, out.f32, out.bf16, N, b, n0, cols);
-    }
+  slipstream_cpu::for_panel_rows(panels, M, [&](int64_t p, int64_t m0, int64_t m1) {
+    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    const uint16_t* wpp = wp + p * kPanel * K;
+    slipstream_cpu::bf16_panel_rows(xp, m0, m1, K, wpp, out.f32, out.bf16, N, b, n0, cols);
   });
   return y;
 }
 
-// Which path this build runs: "avx512_bf16" or "portable".
-std::string bf16_gemm_path() { return kDp && !g_force_portable ? "avx512_bf16" : "portable"; }
-
-void bf16_gemm_force_portable(bool on) { g_force_portable = on; }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def("bf16_gemm(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) -> Tensor");
-  m.def("bf16_gemm_path() -> str", &bf16_gemm_path);
-  m.def("bf16_gemm_force_portable(bool on) -> ()", &bf16_gemm_force_portable);
-}
-
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("bf16_gemm", &bf16_gemm);
-}
+SLIPSTREAM_CPU_PRODUCT(bf16_gemm,
+                       "bf16_gemm(Tensor x, Tensor packed, int n, Tensor? bias, bool bf16_out) "
+                       "-> Tensor",
+                       kDp, "avx512_bf16", g_force_portable)

@@ -400,6 +400,20 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
+  // What run hands both ways through the layers beside hidden (its arguments, the caches
+  // chosen: the step's or the bound ones).
+  struct StepTensors {
+    const at::Tensor& cos;
+    const at::Tensor& sin;
+    const std::vector<at::Tensor>& key_caches;
+    const std::vector<at::Tensor>& value_caches;
+    const at::Tensor& store_rows;
+    const at::Tensor& store_slots;
+    const at::Tensor& tables;
+    const at::Tensor& seq_lens;
+    const at::Tensor& rows;
+  };
+
   // hidden [T, H] float32, updated in place through every layer. K/V of row store_rows[j]
   // (of every row when store_rows is empty and the slots are not) go to slot store_slots[j];
   // the decode kernel's rows, tables and context lengths are the step's
@@ -415,11 +429,11 @@ struct DecodeStack : torch::CustomClassHolder {
     const auto& values = bound ? bound_values : value_caches;
     TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
                 "DecodeStack.run: one key and one value cache per layer");
+    const StepTensors step{cos, sin, keys, values, store_rows, store_slots, tables, seq_lens, rows};
     if (hidden.size(0) <= kFusedRows && fusable())
-      run_fused(hidden, cos, sin, keys, values, store_rows, store_slots, tables, seq_lens, rows);
+      run_fused(hidden, step);
     else
-      run_operators(hidden, cos, sin, keys, values, store_rows, store_slots, tables, seq_lens,
-                    rows);
+      run_operators(hidden, step);
   }
 
   // Every layer's q/k/v product hands out float32 (rotary's input): the region's layout.
@@ -430,11 +444,7 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // The operators one after another.
-  void run_operators(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
-                     const std::vector<at::Tensor>& key_caches,
-                     const std::vector<at::Tensor>& value_caches, const at::Tensor& store_rows,
-                     const at::Tensor& store_slots, const at::Tensor& tables,
-                     const at::Tensor& seq_lens, const at::Tensor& rows) const {
+  void run_operators(at::Tensor hidden, const StepTensors& step) const {
     static const auto rms_norm =
         op("slipstream_cpu::rms_norm")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
@@ -445,10 +455,11 @@ struct DecodeStack : torch::CustomClassHolder {
       const Layer& l = layers[i];
       at::Tensor qkv = l.qkv(rms_norm.call(hidden, l.norm_in, l.eps_in));
       at::Tensor q;
-      rotary_and_store(l, qkv, cos, sin, key_caches[i], value_caches[i], store_rows,
-                       store_slots, q);
+      rotary_and_store(l, qkv, step.cos, step.sin, step.key_caches[i], step.value_caches[i],
+                       step.store_rows, step.store_slots, q);
       at::Tensor out = at::empty_like(q);
-      attend(l, out, q, key_caches[i], value_caches[i], tables, seq_lens, rows);
+      attend(l, out, q, step.key_caches[i], step.value_caches[i], step.tables, step.seq_lens,
+             step.rows);
       hidden.add_(l.o(out.reshape({t, heads * head_dim})));
       hidden.add_(l.down(silu_mul.call(l.gate_up(rms_norm.call(hidden, l.norm_post,
                                                                l.eps_post)))));
@@ -493,16 +504,12 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // One parallel region (see the header). Each phase's tasks: a product's panels (in runs,
   // as its operator splits them), the sequences' attention (in runs), the rows' activation.
-  void run_fused(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
-                 const std::vector<at::Tensor>& key_caches,
-                 const std::vector<at::Tensor>& value_caches, const at::Tensor& store_rows,
-                 const at::Tensor& store_slots, const at::Tensor& tables,
-                 const at::Tensor& seq_lens, const at::Tensor& rows) const {
+  void run_fused(at::Tensor hidden, const StepTensors& step) const {
     static const auto silu_mul =
         op("slipstream_cpu::silu_mul").typed<at::Tensor(const at::Tensor&)>();
     const int64_t t = hidden.size(0), width = hidden.size(1);
     const int threads = std::max(1, at::get_num_threads());
-    const int64_t seqs = seq_lens.size(0);
+    const int64_t seqs = step.seq_lens.size(0);
     const at::Tensor like = hidden.new_empty({0});
     // the step's shared buffers (one layer's at a time)
     int64_t qkv_n = 0, gu_n = 0;
@@ -526,7 +533,7 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor q_rot = at::empty({t, heads, head_dim}, like.options());
     at::Tensor k_rot = at::empty({t, kv_max}, like.options());
     TORCH_CHECK(q_max == heads * head_dim, "DecodeStack: q width must be heads * head_dim");
-    const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    const at::Tensor cos_c = step.cos.contiguous(), sin_c = step.sin.contiguous();
     TORCH_CHECK(cos_c.scalar_type() == at::kFloat && cos_c.dim() == 2 && cos_c.size(0) == t &&
                     cos_c.size(1) == head_dim && sin_c.sizes() == cos_c.sizes(),
                 "DecodeStack.run: cos/sin must be float32 [T, head_dim]");
@@ -621,17 +628,17 @@ struct DecodeStack : torch::CustomClassHolder {
                           q_rot.data_ptr<float>());
               float* k = k_rot.data_ptr<float>();
               rotary_rows(qkv + l.q_size, l.qkv.n, c, sn, 0, t, l.kv_size, head_dim, k);
-              store_rows_into(k, l.kv_size, key_caches[i], store_rows, store_slots);
-              store_rows_into(qkv + l.q_size + l.kv_size, l.qkv.n, value_caches[i], store_rows,
-                              store_slots);
+              store_rows_into(k, l.kv_size, step.key_caches[i], step.store_rows, step.store_slots);
+              store_rows_into(qkv + l.q_size + l.kv_size, l.qkv.n, step.value_caches[i],
+                              step.store_rows, step.store_slots);
             }, {o_w, gate_up_w}))
           return;
         mark(kTimedRotaryStore);
         if (!schedule.work(base + kAttention, attention_items, [&](int64_t item) {
-              slipstream_cpu::decode_attention_items(attn, q_rot, key_caches[i],
-                                                     value_caches[i], tables, seq_lens, rows,
-                                                     l.scaling, l.window, 0.0, heads_per_item,
-                                                     item, item + 1);
+              slipstream_cpu::decode_attention_items(attn, q_rot, step.key_caches[i],
+                                                     step.value_caches[i], step.tables,
+                                                     step.seq_lens, step.rows, l.scaling,
+                                                     l.window, 0.0, heads_per_item, item, item + 1);
             }, {o_w, gate_up_w}))
           return;
         mark(kTimedAttention);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu_attention_checks.h"
+#include "cpu_op_registration.h"
 #include "cpu_paged_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_products.h"
@@ -476,12 +477,9 @@ bool decode_rounds_query_bf16() {
 
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.def("decode_rounds_query_bf16() -> bool", &decode_rounds_query_bf16);
-  m.def(
-      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor rows, float scale, "
-      "int sliding_window, float softcap) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-}
+SLIPSTREAM_CPU_OP(paged_decode_attention,
+                  "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+                  "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor rows, "
+                  "float scale, int sliding_window, float softcap) -> ()")

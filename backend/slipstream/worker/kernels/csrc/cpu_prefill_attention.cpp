@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_attention_checks.h"
+#include "cpu_op_registration.h"
 #include "cpu_paged_rows.h"
 #include "cpu_parallel.h"
 #include "cpu_vector.h"
@@ -329,13 +330,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def(
-      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor chunks, float scale, "
-      "int sliding_window) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("paged_prefill_attention", &paged_prefill_attention);
-}
+SLIPSTREAM_CPU_OP(paged_prefill_attention,
+                  "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+                  "Tensor value_cache, Tensor block_tables, Tensor chunks, float scale, "
+                  "int sliding_window) -> ()")

@@ -7,14 +7,34 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "cpu_parallel.h"
 #include "cpu_quant_rows.h"
 
 namespace slipstream_cpu {
 
 constexpr int64_t kPanelColumns = 32;  // output columns per packed panel
 constexpr int64_t kProductRowChunk = 192;  // rows per task at prompt sizes (every product)
+
+// f(panel, m0, m1) for each of `panels` panels and each chunk [m0, m1) of kProductRowChunk of
+// the M rows, on torch's threads (every product's operator splits its work so). A panel's
+// chunks are consecutive tasks, so that a thread keeps reusing the panel's weights from its
+// cache. A few rows: several panels a task, so that each thread streams a long run of memory;
+// still ~4 tasks a thread, so that one preempted thread's share moves on.
+template <typename F>
+void for_panel_rows(int64_t panels, int64_t M, const F& f) {
+  const int64_t chunks = (M + kProductRowChunk - 1) / kProductRowChunk;
+  const int64_t grain =
+      chunks > 1 ? 1 : std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
+  dynamic_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = t / chunks, m0 = (t % chunks) * kProductRowChunk;
+      f(p, m0, std::min(M, m0 + kProductRowChunk));
+    }
+  });
+}
 
 // int8 (cpu_q8_gemm.cpp): rows [m0, m1) of one panel (weights wp, scales sp, outlier columns
 // op or null) into y [M][N] columns [n0, n0 + cols), bias added.

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_op_registration.h"
 #include "cpu_parallel.h"
 #include "cpu_products.h"
 #include "cpu_quant_rows.h"
@@ -60,7 +61,6 @@ constexpr int kVecs = 2;
 constexpr int64_t kPanel = kLanes * kVecs;          // output columns per panel
 constexpr int64_t kBlockBytes = kBlock * kPanel / 2;  // a panel's block: 512 bytes
 constexpr int kRowTile = 4;                         // rows per register tile
-constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 constexpr int64_t kPrefetchBytes = 4096;
 
 bool g_force_portable = false;
@@ -395,25 +395,16 @@ template <typename S>
 void run(const QuantRows& a, int64_t M, int64_t K, int64_t G, int64_t N, const uint8_t* wp,
          const S* sp, const Outliers& o, const float* bias, float* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  // A few rows: several panels a task, so that each thread streams a long run of memory;
-  // still ~4 tasks a thread, so that one preempted thread's share moves on.
-  const int64_t grain =
-      chunks > 1 ? 1 : std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
-  slipstream_cpu::dynamic_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t pi = t / chunks, m0 = (t % chunks) * kRowChunk;
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      const Panel p{wp + pi * kPanel * K / 2,
-                    sp + pi * 2 * kPanel * (K / G),
-                    o.w ? o.w + pi * o.k * kPanel : nullptr,
-                    K,
-                    G,
-                    pi * kPanel,
-                    std::min(kPanel, N - pi * kPanel),
-                    std::is_same_v<S, uint16_t>};
-      slipstream_cpu::q4_panel_rows(a, m0, m1, p, y, N, bias);
-    }
+  slipstream_cpu::for_panel_rows(panels, M, [&](int64_t pi, int64_t m0, int64_t m1) {
+    const Panel p{wp + pi * kPanel * K / 2,
+                  sp + pi * 2 * kPanel * (K / G),
+                  o.w ? o.w + pi * o.k * kPanel : nullptr,
+                  K,
+                  G,
+                  pi * kPanel,
+                  std::min(kPanel, N - pi * kPanel),
+                  std::is_same_v<S, uint16_t>};
+    slipstream_cpu::q4_panel_rows(a, m0, m1, p, y, N, bias);
   });
 }
 
@@ -460,21 +451,10 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return y;
 }
 
-// Which path this build runs (the start-up log names it): "avx512_vnni" or "portable".
-std::string q4_gemm_path() { return kVnni && !g_force_portable ? "avx512_vnni" : "portable"; }
-
-void q4_gemm_force_portable(bool on) { g_force_portable = on; }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def(
-      "q4_gemm(Tensor x, Tensor packed, Tensor scales, int group, int n, Tensor? bias, "
-      "Tensor? outlier_idx=None, Tensor? outlier_w=None, Tensor? perm=None) -> Tensor");
-  m.def("q4_gemm_path() -> str", &q4_gemm_path);
-  m.def("q4_gemm_force_portable(bool on) -> ()", &q4_gemm_force_portable);
-}
-
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("q4_gemm", &q4_gemm);
-}
+SLIPSTREAM_CPU_PRODUCT(q4_gemm,
+                       "q4_gemm(Tensor x, Tensor packed, Tensor scales, int group, int n, "
+                       "Tensor? bias, Tensor? outlier_idx=None, Tensor? outlier_w=None, "
+                       "Tensor? perm=None) -> Tensor",
+                       kVnni, "avx512_vnni", g_force_portable)

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_op_registration.h"
 #include "cpu_parallel.h"
 #include "cpu_products.h"
 #include "cpu_quant_rows.h"
@@ -56,7 +57,6 @@ constexpr int64_t kLanes = 16;  // output columns per vector
 constexpr int kVecs = 2;        // vectors per panel
 constexpr int64_t kPanel = kLanes * kVecs;
 constexpr int kRowTile = 6;   // rows per register tile (kRowTile x kVecs x 2 accumulators)
-constexpr int64_t kRowChunk = slipstream_cpu::kProductRowChunk;
 // Weights are prefetched this far ahead of the quad being read: a decode step streams every
 // layer's weights from memory once, and the hardware prefetcher alone (restarting at every
 // task's panel) kept that at ~14 of the ~27 GB/s a plain read gets.
@@ -249,42 +249,19 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Tasks: (panel, chunk of rows), a panel's chunks in a row so that a thread keeps reusing
-  // the panel's weights from its cache.
-  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-  // A few rows: several panels a task, so that each thread streams a long run of memory;
-  // still ~4 tasks a thread, so that one preempted thread's share moves on.
-  const int64_t grain =
-      chunks > 1 ? 1 : std::max<int64_t>(1, panels / (4 * std::max(1, at::get_num_threads())));
-  slipstream_cpu::dynamic_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = t / chunks, m0 = (t % chunks) * kRowChunk;
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      const uint8_t* wpp = wp + p * kPanel * K;
-      const float* spp = sp + p * kPanel * (K / kBlock);
-      const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
-      slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
-    }
+  slipstream_cpu::for_panel_rows(panels, M, [&](int64_t p, int64_t m0, int64_t m1) {
+    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    const uint8_t* wpp = wp + p * kPanel * K;
+    const float* spp = sp + p * kPanel * (K / kBlock);
+    const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
+    slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
   });
   return y;
 }
 
-// Which path this build runs (the start-up log names it): "avx512_vnni" or "portable".
-std::string q8_gemm_path() { return kVnni && !g_force_portable ? "avx512_vnni" : "portable"; }
-
-void q8_gemm_force_portable(bool on) { g_force_portable = on; }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def(
-      "q8_gemm(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, "
-      "Tensor? outlier_idx=None, Tensor? outlier_w=None) -> Tensor");
-  m.def("q8_gemm_path() -> str", &q8_gemm_path);
-  m.def("q8_gemm_force_portable(bool on) -> ()", &q8_gemm_force_portable);
-}
-
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("q8_gemm", &q8_gemm);
-}
+SLIPSTREAM_CPU_PRODUCT(q8_gemm,
+                       "q8_gemm(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, "
+                       "Tensor? outlier_idx=None, Tensor? outlier_w=None) -> Tensor",
+                       kVnni, "avx512_vnni", g_force_portable)

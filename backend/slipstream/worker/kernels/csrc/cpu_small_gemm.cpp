@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "cpu_parallel.h"
+#include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -192,12 +193,7 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kLanes &&
                   packed.size(1) == x.size(1) && packed.size(0) * kLanes >= N,
               "small_gemm: weight not packed for this input");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "small_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = slipstream_cpu::product_bias("small_gemm", bias, N);
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();

@@ -23,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "cpu_op_registration.h"
 #include "cpu_parallel.h"
+#include "cpu_quant_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -141,12 +143,7 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "weight_gemm: weight must be bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0, "weight_gemm: K must be a multiple of 32");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "weight_gemm: bias must be float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = slipstream_cpu::product_bias("weight_gemm", bias, N);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -173,21 +170,7 @@ at::Tensor weight_gemm(const at::Tensor& x, const at::Tensor& w,
   return y;
 }
 
-// Which path this build runs (the start-up log names it): "avx512_bf16" or "portable".
-std::string weight_gemm_path() {
-  return kDpBf16 && !g_force_portable ? "avx512_bf16" : "portable";
-}
-
-void weight_gemm_force_portable(bool on) { g_force_portable = on; }
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
-  m.def("weight_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("weight_gemm_path() -> str", &weight_gemm_path);
-  m.def("weight_gemm_force_portable(bool on) -> ()", &weight_gemm_force_portable);
-}
-
-TORCH_LIBRARY_IMPL(slipstream_cpu, CPU, m) {
-  m.impl("weight_gemm", &weight_gemm);
-}
+SLIPSTREAM_CPU_PRODUCT(weight_gemm, "weight_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor",
+                       kDpBf16, "avx512_bf16", g_force_portable)
