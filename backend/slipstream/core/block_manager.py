@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Collection, Hashable, Iterable, Optional, Sequence
 
 from slipstream.core.block_hash import BlockHasher, BlockKeySource, event_extra_keys
 from slipstream.core.kv_cache_events import (
@@ -46,7 +46,25 @@ class _PerRequest:
     block_hashes: list[Hashable] = field(default_factory=list)
 
 
-class BlockManager:
+class BlockPool:
+    """Counts of a pool that hands its blocks out from a free list (GPU KV cache, CPU swap)."""
+
+    free: Collection[int]
+
+    @property
+    def num_usable_blocks(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self.free)
+
+
+class BlockManager(BlockPool):
     def __init__(
         self,
         num_blocks: int,
@@ -84,14 +102,6 @@ class BlockManager:
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1  # minus the scratch block
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.core.block_manager import BlockManager
+from slipstream.core.block_manager import BlockManager, BlockPool
 from slipstream.core.config import EngineConfig
 from slipstream.core.request import Request
 from slipstream.core.scheduler_output import SwapDirection, SwapTransfer
@@ -38,7 +38,7 @@ class SwapStats:
     refused: int = 0  # preemptions that fell back to recompute for lack of pool room
 
 
-class SwapSpace:
+class SwapSpace(BlockPool):
     def __init__(
         self, config: EngineConfig, block_manager: BlockManager, num_cpu_blocks: int
     ) -> None:
@@ -55,12 +55,8 @@ class SwapSpace:
 
     # -- queries ---------------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_cpu_blocks - len(self.free)
+    def num_usable_blocks(self) -> int:
+        return self.num_cpu_blocks
 
     def _blocks_of(self, req: Request) -> int:
         """Blocks holding the request's computed tokens (the table may hold one more,

@@ -104,7 +104,7 @@ def test_the_last_layer_finishes_only_the_rows_that_give_logits(fuse):
     ids = torch.randint(0, model.config.vocab_size, (12,))
     keep = torch.tensor([5, 11])
     with torch.no_grad():
-        logits = fast(ids, torch.arange(12), keep, attend)
+        logits = fast.logits(fast.hidden_states(ids, torch.arange(12), keep, attend))
         want = model(ids[None]).logits[0, keep]
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert seen == {0: 12, fast.layers[-1].index: 2 if fuse else 12}

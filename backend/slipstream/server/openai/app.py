@@ -168,19 +168,32 @@ class OpenAIApp:
                 error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500
             )
 
-        app.get("/health")(self.health)
-        app.get("/health/ready")(self.health)
-        app.get("/v1/models")(self.list_models)
-        app.get("/v1/models/{model_id:path}")(self.get_model)
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
-        app.post("/v1/completions/render")(self.render_completion)
-        app.post("/v1/chat/completions/render")(self.render_chat)
-        app.post("/v1/embeddings")(self.embeddings)
-        app.post("/tokenize")(self.tokenize)
-        app.post("/detokenize")(self.detokenize)
-        app.get("/metrics")(self.metrics)
+        for method, path, handler in self._routes():
+            app.add_api_route(path, handler, methods=[method])
         return app
+
+    def _routes(self) -> list[tuple[str, str, Callable[..., Any]]]:
+        """(method, path, handler) of every route, as vLLM serves them."""
+        gets: dict[str, Callable[..., Any]] = {
+            "/health": self.health,
+            "/health/ready": self.health,
+            "/v1/models": self.list_models,
+            "/v1/models/{model_id:path}": self.get_model,
+            "/metrics": self.metrics,
+        }
+        routes = [("GET", path, handler) for path, handler in gets.items()]
+        for path, generate, render in (
+            ("/v1/completions", self.completions, self.render_completion),
+            ("/v1/chat/completions", self.chat_completions, self.render_chat),
+        ):
+            routes += [("POST", path, generate), ("POST", f"{path}/render", render)]
+        for path, handler in (
+            ("/v1/embeddings", self.embeddings),
+            ("/tokenize", self.tokenize),
+            ("/detokenize", self.detokenize),
+        ):
+            routes.append(("POST", path, handler))
+        return routes
 
     async def health(self) -> Response:
         problem = await self.generator.problem([m.name for m in self.table.models])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import (
@@ -119,6 +119,11 @@ def completion_logprobs(tokens: list[TokenLogprob], offset: int = 0) -> Logprobs
     )
 
 
+def _envelope(rid: str, kind: str, model: str) -> dict[str, Any]:
+    """The fields every completion object and chunk opens with: id, kind, time, model."""
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+
+
 # ------------------------------------------------------------------------ completions
 def completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> Completion:
     choices = [
@@ -131,10 +136,7 @@ def completion(rid: str, model: str, answer: Answer, with_logprobs: bool) -> Com
         for i, c in sorted(answer.choices.items())
     ]
     return Completion(
-        id=rid,
-        object="text_completion",
-        created=int(time.time()),
-        model=model,
+        **_envelope(rid, "text_completion", model),
         choices=choices,
         usage=answer.usage(),
     )
@@ -152,9 +154,7 @@ def completion_chunk(
     choice = CompletionChoice.model_construct(
         index=index, text=text, finish_reason=finish_reason(reason), logprobs=logprobs
     )
-    out = Completion.model_construct(
-        id=rid, object="text_completion", created=int(time.time()), model=model, choices=[choice]
-    )
+    out = Completion.model_construct(**_envelope(rid, "text_completion", model), choices=[choice])
     if usage is not None:
         out.usage = usage
     return out
@@ -162,10 +162,7 @@ def completion_chunk(
 
 def completion_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> Completion:
     return Completion.model_construct(
-        id=rid,
-        object="text_completion",
-        created=int(time.time()),
-        model=model,
+        **_envelope(rid, "text_completion", model),
         choices=[],
         usage=usage,
     )
@@ -221,10 +218,7 @@ def chat_completion(
             )
         )
     return ChatCompletion(
-        id=rid,
-        object="chat.completion",
-        created=int(time.time()),
-        model=model,
+        **_envelope(rid, "chat.completion", model),
         choices=choices,
         usage=answer.usage(),
     )
@@ -287,10 +281,7 @@ def chat_chunk(
         else None,
     )
     out = ChatCompletionChunk(
-        id=rid,
-        object="chat.completion.chunk",
-        created=int(time.time()),
-        model=model,
+        **_envelope(rid, "chat.completion.chunk", model),
         choices=[choice],
     )
     if usage is not None:
@@ -300,10 +291,7 @@ def chat_chunk(
 
 def chat_usage_chunk(rid: str, model: str, usage: CompletionUsage) -> ChatCompletionChunk:
     return ChatCompletionChunk(
-        id=rid,
-        object="chat.completion.chunk",
-        created=int(time.time()),
-        model=model,
+        **_envelope(rid, "chat.completion.chunk", model),
         choices=[],
         usage=usage,
     )

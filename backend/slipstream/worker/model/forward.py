@@ -127,7 +127,10 @@ class ModelForward:
             return out.logits[0]
         assert self.lean is not None  # path_for chose a lean path
         stacked = self._stacked(meta) if path is ForwardPath.DECODE_STACK else None
-        return self.lean(input_ids, positions, keep, self._attention_step(meta), stacked)
+        hidden = self.lean.hidden_states(
+            input_ids, positions, keep, self._attention_step(meta), stacked
+        )
+        return self.lean.logits(hidden)
 
     def hidden_states(
         self,

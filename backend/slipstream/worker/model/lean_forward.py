@@ -198,8 +198,8 @@ def _fused_projection(modules: Sequence[torch.nn.Linear], bf16_out: bool = True)
 
 
 class FastForward:
-    """``__call__(input_ids [T], positions [T], keep) -> logits [len(keep), vocab]`` with
-    the step's attention context already set (``attention.step_context``)."""
+    """``logits(hidden_states(input_ids [T], positions [T], keep, attention_step))`` ->
+    ``[len(keep), vocab]``, the step's attention given by ``attention_step``."""
 
     def __init__(self, model: torch.nn.Module, layers: list, select_early: bool = True) -> None:
         hf: Any = model  # a transformers model: torch types its attributes as Tensor | Module
@@ -279,21 +279,9 @@ class FastForward:
         packed = (CpuLinear.ONEDNN, CpuLinear.AUTO)
         return [m for m in linears if m in _STACKED or applied_mode(m) in packed]
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        keep: torch.Tensor,
-        attention_step: Callable,
-        stacked: Optional[Layers] = None,
-    ) -> torch.Tensor:
-        """``attention_step(layer_index, q [T,H,D], k [T,Hkv,D], v, scaling, window)``
-        stores K/V and returns the attention output ``[T, H, D]``; ``stacked``, where given,
-        runs every layer instead (the compiled stack over a decode step's caches), when
-        every row's logits are kept."""
-        return self.model.lm_head(
-            self.hidden_states(input_ids, positions, keep, attention_step, stacked)
-        )[0]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden_states``' output: ``[len(keep), vocab]``."""
+        return self.model.lm_head(hidden)[0]
 
     def hidden_states(
         self,
@@ -304,7 +292,11 @@ class FastForward:
         stacked: Optional[Layers] = None,
     ) -> torch.Tensor:
         """The last layer's output after the final norm for the ``keep`` rows,
-        ``[1, len(keep), hidden]``: what the LM head reads (a pooling request's output)."""
+        ``[1, len(keep), hidden]``: what the LM head reads (``logits``; a pooling request's
+        output). ``attention_step(layer_index, q [T,H,D], k [T,Hkv,D], v, scaling, window)``
+        stores K/V and returns the attention output ``[T, H, D]``; ``stacked``, where given,
+        runs every layer instead (the compiled stack over a decode step's caches), when
+        every row's logits are kept."""
         t = input_ids.shape[0]
         hidden = self.base.embed_tokens(input_ids[None])  # [1, T, hidden]
         cos, sin = self.base.rotary_emb(hidden, positions[None])  # [1, T, D] each
