@@ -13,13 +13,16 @@ import functools
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence, TypeGuard, Union
+from typing import TYPE_CHECKING, Optional, Sequence, TypedDict, TypeGuard, Union
 
 from slipstream.core.lora_errors import lora_name_error
 from slipstream.core.request import Request
 from slipstream.core.sampling_params import SamplingParams
 from slipstream.worker.sample.sampler import prepare as prepare_sampling
 from slipstream.worker.sample.structured_output import GrammarCompiler
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
 Prompt = Union[str, list[int], list[ChatMessage]]
@@ -47,6 +50,16 @@ class PromptOptions:
     add_special_tokens: bool = True  # False: the caller's rendered template holds them
 
 
+class RequestSettings(TypedDict, total=False):
+    """A request's settings beside its prompt and sampling parameters, by keyword, each
+    defaulting as ``ClientRequest``'s fields do."""
+
+    request_id: Optional[str]  # None: numbered by whoever takes it
+    priority: int
+    apply_chat_template: bool
+    add_special_tokens: bool
+
+
 @dataclass(frozen=True)
 class ClientRequest:
     """What a client asked for, before it is checked and tokenized (``InputProcessor.process``)."""
@@ -56,6 +69,23 @@ class ClientRequest:
     request_id: Optional[str] = None  # None: the processor numbers it
     priority: int = 0
     options: PromptOptions = PromptOptions()
+
+    @classmethod
+    def of(
+        cls, prompt: Prompt, params: Optional[SamplingParams], **settings: Unpack[RequestSettings]
+    ) -> ClientRequest:
+        """What ``LLMEngine.make_request`` and ``EngineLoop.submit`` are asked (no ``params``:
+        the defaults)."""
+        options = PromptOptions(
+            settings.get("apply_chat_template", False), settings.get("add_special_tokens", True)
+        )
+        return cls(
+            prompt,
+            params or SamplingParams(),
+            settings.get("request_id"),
+            settings.get("priority", 0),
+            options,
+        )
 
 
 def is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:

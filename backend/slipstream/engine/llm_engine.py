@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -48,6 +48,7 @@ from slipstream.engine.input_processor import (
     InputProcessor,
     Prompt,
     PromptOptions,
+    RequestSettings,
 )
 from slipstream.engine.model_executor import ModelExecutor
 from slipstream.engine.output_processor import OutputProcessor
@@ -60,6 +61,9 @@ from slipstream.worker.sample.device_sampler import sampler_for
 from slipstream.worker.sample.sampler import TokenSampler
 from slipstream.worker.sample.structured_output import GrammarCompiler
 from slipstream.worker.swap import SwapPool, num_cpu_blocks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("slipstream")
 
@@ -255,16 +259,11 @@ class LLMEngine:
         self,
         prompt: Prompt,
         params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        priority: int = 0,
-        apply_chat_template: bool = False,
-        add_special_tokens: bool = True,
+        **settings: Unpack[RequestSettings],
     ) -> Request:
         """Tokenize and validate (``InputProcessor.process``); raises ``ValueError`` with a
         message fit for the client."""
-        options = PromptOptions(apply_chat_template, add_special_tokens)
-        client = ClientRequest(prompt, params or SamplingParams(), request_id, priority, options)
-        return self.input_processor.process(client)
+        return self.input_processor.process(ClientRequest.of(prompt, params, **settings))
 
     def tokenize(
         self, prompt: Prompt, apply_chat_template: bool = False, add_special_tokens: bool = True
@@ -295,12 +294,10 @@ class LLMEngine:
         self,
         prompt: Prompt,
         params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        priority: int = 0,
-        apply_chat_template: bool = False,
+        **settings: Unpack[RequestSettings],
     ) -> Request:
         """``make_request``, then ``add``."""
-        req = self.make_request(prompt, params, request_id, priority, apply_chat_template)
+        req = self.make_request(prompt, params, **settings)
         self.add(req)
         return req
 

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from slipstream.core.config import EngineConfig
 from slipstream.core.pooling_params import PoolingParams
@@ -43,6 +43,7 @@ from slipstream.engine.input_processor import (
     ClientRequest,
     Prompt,
     PromptOptions,
+    RequestSettings,
     needs_tokenizer,
 )
 from slipstream.engine.llm_engine import LLMEngine, StepResult
@@ -59,6 +60,9 @@ from slipstream.engine.stream_table import StreamTable, error_output
 from slipstream.engine.surface import EngineSurface
 from slipstream.engine.tokenizer_thread import PoolingJob, TokenizeJob, TokenizerThread
 from slipstream.worker.distributed.errors import GroupFailure
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("slipstream")
 
@@ -211,10 +215,7 @@ class EngineLoop:
         self,
         prompt: Prompt,
         params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        priority: int = 0,
-        apply_chat_template: bool = False,
-        add_special_tokens: bool = True,
+        **settings: Unpack[RequestSettings],
     ) -> OutputStream:
         """Check what is cheap in the caller's thread (errors raise here) and queue the rest.
 
@@ -223,9 +224,10 @@ class EngineLoop:
         with the error and ``stream.rejection`` set."""
         self._refuse_if_not_running()
         inputs = self._built_engine.input_processor
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        options = PromptOptions(apply_chat_template, add_special_tokens)
-        client = ClientRequest(prompt, params or SamplingParams(), rid, priority, options)
+        rid = settings.get("request_id")
+        if rid is None:
+            rid = settings["request_id"] = f"req-{next(self._ids)}"
+        client = ClientRequest.of(prompt, params, **settings)
         if needs_tokenizer(prompt):
             inputs.check(prompt, client.params)  # the rest on the tokenizer thread
             stream = self._streams.admit(rid, self._admission)

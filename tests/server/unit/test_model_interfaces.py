@@ -7,7 +7,7 @@ import pytest
 
 from slipstream.server.model_interfaces import interfaces
 from slipstream.server.stub.model_config import load_settings
-from slipstream.server.stub.request_interface import NATIVE, ModelContext
+from slipstream.server.stub.request_interface import NATIVE, ModelContext, ModelRequest
 from slipstream.server.trtllm.interface import LlmapiInterface, TrtllmInterface
 
 PROMPT = {"text_input": np.array([b"hello"], dtype=np.object_)}
@@ -57,11 +57,7 @@ def test_trtllm_models_hand_every_request_to_their_interface(tmp_path):
 
 def test_the_native_interface_keeps_the_native_rules(tmp_path):
     """Empty stop words mean none and end_id's text is not emitted, on the native path too."""
-    translation = NATIVE.translate(
-        {**PROMPT, "stop_words": np.array([b"", b"end"], np.object_), "end_id": np.array([7])},
-        0,
-        model(),
-        OUTPUTS,
-    )
+    row = {**PROMPT, "stop_words": np.array([b"", b"end"], np.object_), "end_id": np.array([7])}
+    translation = NATIVE.translate(ModelRequest(row, OUTPUTS, model()), 0)
     assert translation.row.inputs["stop_words"].tolist() == [b"end"]
     assert translation.row.end_ids == [7]

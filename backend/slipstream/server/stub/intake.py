@@ -22,7 +22,12 @@ from slipstream.server.stub.input_values import BadRequestError
 from slipstream.server.stub.metrics import ModelMetrics, NoMetrics
 from slipstream.server.stub.model_config import ModelSettings
 from slipstream.server.stub.pending import PendingRequest
-from slipstream.server.stub.request_interface import Interfaces, ModelContext, RequestInterface
+from slipstream.server.stub.request_interface import (
+    Interfaces,
+    ModelContext,
+    ModelRequest,
+    RequestInterface,
+)
 from slipstream.server.stub.request_parser import (
     ParsedRequest,
     RequestOptions,
@@ -83,7 +88,7 @@ class RequestIntake:
             inputs = self._read_inputs(request)
             requested = self._named_outputs(request)
             interface = self.interfaces.pick(inputs, requested)
-            rows = interface.split_rows(inputs, requested, self.model)
+            rows = interface.split_rows(ModelRequest(inputs, requested, self.model))
         except Exception as e:  # never let one request take the batch down
             self.refuse(sender, e)
             return
@@ -131,9 +136,8 @@ class RequestIntake:
             if lora is not None:  # vLLM answers this one without its prefix
                 send_final(row.sender, error_response(lora, ErrorCode.INVALID_ARG), self.logger)
                 return
-            translation = interface.translate(
-                row.inputs, row.batch_index, self.model, row.requested_outputs
-            )
+            asked = ModelRequest(row.inputs, row.requested_outputs, self.model)
+            translation = interface.translate(asked, row.batch_index)
             parsed = self._parse(translation.row.inputs, row.parameters, translation.row.parameters)
             stream = self.engine.submit(
                 parsed.prompt, parsed.params, **_submit_options(parsed.options)

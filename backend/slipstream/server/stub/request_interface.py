@@ -35,6 +35,16 @@ class ModelContext:
     encode: Callable[[str], list[int]]  # the model's tokenizer, without special tokens
 
 
+@dataclass(frozen=True)
+class ModelRequest:
+    """What an interface splits or translates: a request's inputs (one row's, once split),
+    the outputs its client named, and the model it reached."""
+
+    inputs: Mapping[str, np.ndarray]
+    requested_outputs: Collection[str]
+    model: ModelContext
+
+
 @dataclass
 class NativeRow:
     """One engine request in the stub's vocabulary: the tensors ``parse_request`` reads, the
@@ -85,22 +95,11 @@ class RequestInterface(Protocol):
         """Whether a request is in this vocabulary (an extension answers on its inputs)."""
         ...
 
-    def split_rows(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        requested_outputs: Collection[str],
-        model: ModelContext,
-    ) -> list[dict[str, np.ndarray]]:
+    def split_rows(self, request: ModelRequest) -> list[dict[str, np.ndarray]]:
         """The request's engine requests; raises ``BadRequestError`` naming what is wrong."""
         ...
 
-    def translate(
-        self,
-        row: Mapping[str, np.ndarray],
-        batch_index: int,
-        model: ModelContext,
-        requested_outputs: Collection[str],
-    ) -> Translation:
+    def translate(self, row: ModelRequest, batch_index: int) -> Translation:
         """One row (its index in the request) in the stub's vocabulary; raises
         ``BadRequestError`` naming what it cannot honour."""
         ...
@@ -126,22 +125,11 @@ class NativeInterface:
     def claims(self, inputs: Mapping[str, np.ndarray], requested_outputs: Collection[str]) -> bool:
         return True
 
-    def split_rows(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        requested_outputs: Collection[str],
-        model: ModelContext,
-    ) -> list[dict[str, np.ndarray]]:
-        return [dict(inputs)]
+    def split_rows(self, request: ModelRequest) -> list[dict[str, np.ndarray]]:
+        return [dict(request.inputs)]
 
-    def translate(
-        self,
-        row: Mapping[str, np.ndarray],
-        batch_index: int,
-        model: ModelContext,
-        requested_outputs: Collection[str],
-    ) -> NativeTranslation:
-        return NativeTranslation(native_row(row))
+    def translate(self, row: ModelRequest, batch_index: int) -> NativeTranslation:
+        return NativeTranslation(native_row(row.inputs))
 
     def overloaded_text(self, max_queue_size: int) -> Optional[str]:
         return None

@@ -20,6 +20,7 @@ from slipstream.server.stub.model_config import config_parameter
 from slipstream.server.stub.request_interface import (
     ConfigAdditions,
     ModelContext,
+    ModelRequest,
     NativeRow,
     Responses,
     Translation,
@@ -74,25 +75,14 @@ class TrtllmInterface:
             name in REFUSED_OUTPUTS for name in requested_outputs
         )
 
-    def split_rows(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        requested_outputs: Collection[str],
-        model: ModelContext,
-    ) -> list[dict[str, np.ndarray]]:
-        check_unsupported(inputs, requested_outputs, model.output_names)
-        return split_rows(inputs, model.batched)
+    def split_rows(self, request: ModelRequest) -> list[dict[str, np.ndarray]]:
+        check_unsupported(request.inputs, request.requested_outputs, request.model.output_names)
+        return split_rows(request.inputs, request.model.batched)
 
-    def translate(
-        self,
-        row: Mapping[str, np.ndarray],
-        batch_index: int,
-        model: ModelContext,
-        requested_outputs: Collection[str],
-    ) -> Translation:
-        translated = self.translate_row(row, batch_index, model)
-        translated.options.sequence_length = "sequence_length" in requested_outputs
-        _check_outputs(translated, model)
+    def translate(self, row: ModelRequest, batch_index: int) -> Translation:
+        translated = self.translate_row(row.inputs, batch_index, row.model)
+        translated.options.sequence_length = "sequence_length" in row.requested_outputs
+        _check_outputs(translated, row.model)
         return TrtllmTranslation(translated)
 
     def translate_row(

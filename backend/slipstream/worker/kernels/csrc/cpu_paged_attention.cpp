@@ -42,12 +42,7 @@ using slipstream_cpu::v16u;
 constexpr int64_t TILE = 16;  // tokens whose scores are computed (and summed) together
 constexpr int64_t ACC = 16;   // vectors of value sums held in registers at once
 
-struct Geometry {
-  int64_t H, G, Hkv, D, block_size, token_stride, block_stride, max_blocks;
-  int64_t q_row, q_head, o_row, o_head, table_stride;
-  float scale, cap;
-  int64_t window;
-};
+using Geometry = slipstream_cpu::AttentionGeometry;
 
 struct Scratch {
   std::vector<float> scores, acc, sums, tile;  // tile: a bf16 key tile widened
@@ -388,29 +383,6 @@ void attend_items(at::Tensor& out, const at::Tensor& query, const T* k_base, con
   }
 }
 
-Geometry geometry(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                  const at::Tensor& block_tables, double scale, int64_t sliding_window,
-                  double softcap) {
-  Geometry g;
-  g.H = query.size(1);
-  g.D = query.size(2);
-  g.block_size = key_cache.size(1);
-  g.Hkv = key_cache.size(2);
-  g.G = g.H / g.Hkv;
-  g.token_stride = g.Hkv * g.D;
-  g.block_stride = g.block_size * g.token_stride;
-  g.max_blocks = block_tables.size(1);
-  g.q_row = query.stride(0);
-  g.q_head = query.stride(1);
-  g.o_row = out.stride(0);
-  g.o_head = out.stride(1);
-  g.table_stride = block_tables.stride(0);
-  g.scale = static_cast<float>(scale);
-  g.cap = static_cast<float>(softcap);
-  g.window = sliding_window;
-  return g;
-}
-
 }  // namespace
 
 namespace slipstream_cpu {
@@ -428,7 +400,7 @@ void decode_attention_items(at::Tensor out, const at::Tensor& query, const at::T
                             int64_t sliding_window, double softcap, int64_t heads,
                             int64_t begin, int64_t end) {
   const Geometry g =
-      geometry(out, query, key_cache, block_tables, scale, sliding_window, softcap);
+      attention_geometry(out, query, key_cache, block_tables, scale, sliding_window, softcap);
   if (key_cache.scalar_type() == at::kBFloat16) {
     attend_items(out, query, reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
                  reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), block_tables,

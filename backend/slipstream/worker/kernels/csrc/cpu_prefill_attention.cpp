@@ -55,11 +55,7 @@ inline float hsum(v16 v) {
   return s;
 }
 
-struct Geometry {
-  int64_t H, G, Hkv, block_size, token_stride, block_stride, max_blocks, window;
-  int64_t q_row, q_head, o_row, o_head, table_stride;
-  float scale;
-};
+using Geometry = slipstream_cpu::AttentionGeometry;
 
 struct Item {
   int64_t start, q_len, ctx_len;  // the chunk: rows start.., positions ctx_len-q_len..
@@ -287,21 +283,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   const int64_t D = query.size(2);
   TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128,
               "paged_prefill_attention: head_dim must be 16, 32, 64 or 128");
-  Geometry g;
-  g.H = query.size(1);
-  g.Hkv = key_cache.size(2);
-  g.G = g.H / g.Hkv;
-  g.block_size = key_cache.size(1);
-  g.token_stride = g.Hkv * D;
-  g.block_stride = g.block_size * g.token_stride;
-  g.max_blocks = block_tables.size(1);
-  g.window = sliding_window;
-  g.q_row = query.stride(0);
-  g.q_head = query.stride(1);
-  g.o_row = out.stride(0);
-  g.o_head = out.stride(1);
-  g.table_stride = block_tables.stride(0);
-  g.scale = static_cast<float>(scale);
+  const Geometry g = slipstream_cpu::attention_geometry(out, query, key_cache, block_tables,
+                                                        scale, sliding_window, 0.0);
 
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();

@@ -54,6 +54,7 @@ namespace {
 
 using slipstream_cpu::Outliers;
 using slipstream_cpu::QuantRows;
+using slipstream_cpu::finish_row;
 
 constexpr int64_t kBlock = 32;  // K per block of nibbles
 constexpr int64_t kLanes = 16;
@@ -62,6 +63,8 @@ constexpr int64_t kPanel = kLanes * kVecs;          // output columns per panel
 constexpr int64_t kBlockBytes = kBlock * kPanel / 2;  // a panel's block: 512 bytes
 constexpr int kRowTile = 4;                         // rows per register tile
 constexpr int64_t kPrefetchBytes = 4096;
+static_assert(kPanel == slipstream_cpu::kOutlierPanel,
+              "the outlier weights come in the panels' columns");
 
 bool g_force_portable = false;
 
@@ -93,39 +96,15 @@ inline float half_to_float(uint16_t h) {
 inline float meta(const float* p) { return *p; }
 inline float meta(const uint16_t* p) { return half_to_float(*p); }
 
-inline void store(float* y, int64_t N, int64_t m, int64_t n0, const float* vals, int64_t cols,
-                  const float* bias) {
-  float* out = y + m * N + n0;
-  for (int64_t c = 0; c < cols; ++c) out[c] = vals[c] + (bias ? bias[n0 + c] : 0.f);
-}
-
 using Panel = slipstream_cpu::Q4Panel;
 
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
+using slipstream_cpu::finish_tile;
 
 inline __m512 load_meta(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_meta(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// A tile's sums: the outlier channels' products added, the bias, stored.
-template <int R>
-inline void finish_tile(__m512 (&facc)[R][kVecs], const QuantRows& a, int64_t m0,
-                        const Panel& p, float* y, int64_t N, const float* bias) {
-  for (int64_t j = 0; j < a.k; ++j) {
-    __m512 w[kVecs];
-    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(p.out_w + j * kPanel + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
-      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
-    }
-  }
-  alignas(64) float vals[kPanel];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
-    store(y, N, m0 + r, p.n0, vals, p.cols, bias);
-  }
 }
 
 // R rows x kVecs vectors of one panel, over all of K.
@@ -188,7 +167,7 @@ void vnni_tile(const QuantRows& a, int64_t m0, const Panel& p, float* y, int64_t
       }
     }
   }
-  finish_tile<R>(facc, a, m0, p, y, N, bias);
+  finish_tile<R>(facc, a, m0, p.out_w, y, N, p.n0, p.cols, bias);
 }
 
 // Many rows (a prompt chunk): the panel's nibbles are widened once into bytes, laid out as
@@ -271,7 +250,7 @@ void wide_tile(const QuantRows& a, int64_t m0, const Panel& p, const uint8_t* wi
       }
     }
   }
-  finish_tile<R>(facc, a, m0, p, y, N, bias);
+  finish_tile<R>(facc, a, m0, p.out_w, y, N, p.n0, p.cols, bias);
 }
 
 template <int R, typename S>
@@ -359,10 +338,7 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, const Panel& p, f
         facc[l] = std::fma(meta(sg + kPanel + l), s_sum, facc[l]);
       }
     }
-    for (int64_t j = 0; j < a.k; ++j)
-      for (int64_t l = 0; l < kPanel; ++l)
-        facc[l] = std::fma(a.out[m * a.k + j], p.out_w[j * kPanel + l], facc[l]);
-    store(y, N, m, p.n0, facc, p.cols, bias);
+    finish_row(facc, a, m, p.out_w, y, N, p.n0, p.cols, bias);
   }
 }
 

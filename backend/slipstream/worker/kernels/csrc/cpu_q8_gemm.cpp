@@ -56,6 +56,8 @@ constexpr int64_t kBlock = 32;  // K per scale
 constexpr int64_t kLanes = 16;  // output columns per vector
 constexpr int kVecs = 2;        // vectors per panel
 constexpr int64_t kPanel = kLanes * kVecs;
+static_assert(kPanel == slipstream_cpu::kOutlierPanel,
+              "the outlier weights come in the panels' columns");
 constexpr int kRowTile = 6;   // rows per register tile (kRowTile x kVecs x 2 accumulators)
 // Weights are prefetched this far ahead of the quad being read: a decode step streams every
 // layer's weights from memory once, and the hardware prefetcher alone (restarting at every
@@ -66,16 +68,11 @@ bool g_force_portable = false;
 
 using slipstream_cpu::Outliers;
 using slipstream_cpu::QuantRows;
-
-// Output columns [n0, n0 + cols) of rows [m0, m0 + rows) written from acc tile values.
-inline void store(float* y, int64_t N, int64_t m, int64_t n0, const float* vals, int64_t cols,
-                  const float* bias) {
-  float* out = y + m * N + n0;
-  for (int64_t c = 0; c < cols; ++c) out[c] = vals[c] + (bias ? bias[n0 + c] : 0.f);
-}
+using slipstream_cpu::finish_row;
 
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
+using slipstream_cpu::finish_tile;
 
 // R rows x kVecs vectors of one panel, over all of K.
 template <int R>
@@ -116,19 +113,7 @@ void vnni_tile(const QuantRows& a, int64_t m0, int64_t K, const uint8_t* __restr
       }
     }
   }
-  for (int64_t j = 0; j < a.k; ++j) {
-    __m512 w[kVecs];
-    for (int c = 0; c < kVecs; ++c) w[c] = _mm512_loadu_ps(op + j * kPanel + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
-      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
-    }
-  }
-  alignas(64) float vals[kPanel];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
-    store(y, N, m0 + r, n0, vals, cols, bias);
-  }
+  finish_tile<R>(facc, a, m0, op, y, N, n0, cols, bias);
 }
 
 void vnni_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const uint8_t* wp,
@@ -177,10 +162,7 @@ void portable_rows(const QuantRows& a, int64_t m0, int64_t m1, int64_t K, const 
       for (int64_t l = 0; l < kPanel; ++l)
         facc[l] = std::fma(std::fma(float(acc[l]), sa, comp), sw[l], facc[l]);
     }
-    for (int64_t j = 0; j < a.k; ++j)
-      for (int64_t l = 0; l < kPanel; ++l)
-        facc[l] = std::fma(a.out[m * a.k + j], op[j * kPanel + l], facc[l]);
-    store(y, N, m, n0, facc, cols, bias);
+    finish_row(facc, a, m, op, y, N, n0, cols, bias);
   }
 }
 

@@ -18,6 +18,10 @@
 
 #include "cpu_parallel.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace slipstream_cpu {
 
 constexpr int64_t kQuantBlock = 32;  // K per activation scale
@@ -96,6 +100,51 @@ inline Outliers product_outliers(const char* op, const c10::optional<at::Tensor>
     TORCH_CHECK(o.idx[j] >= 0 && o.idx[j] < K, op, ": outlier channel out of range");
   return o;
 }
+
+// The last of a product's sums: its outlier channels' products added (their weights float32
+// [k][32], one 32-column panel's), the bias added and the output columns [n0, n0 + cols) of
+// y [M][N] written. The int8 and 4-bit products end their rows alike.
+constexpr int64_t kOutlierPanel = 32;
+
+inline void store_row(float* y, int64_t N, int64_t m, int64_t n0, const float* vals,
+                      int64_t cols, const float* bias) {
+  float* out = y + m * N + n0;
+  for (int64_t c = 0; c < cols; ++c) out[c] = vals[c] + (bias ? bias[n0 + c] : 0.f);
+}
+
+// One row's 32 sums.
+inline void finish_row(float* facc, const QuantRows& a, int64_t m, const float* out_w, float* y,
+                       int64_t N, int64_t n0, int64_t cols, const float* bias) {
+  for (int64_t j = 0; j < a.k; ++j)
+    for (int64_t l = 0; l < kOutlierPanel; ++l)
+      facc[l] = std::fma(a.out[m * a.k + j], out_w[j * kOutlierPanel + l], facc[l]);
+  store_row(y, N, m, n0, facc, cols, bias);
+}
+
+#if defined(__AVX512F__)
+// A tile's sums: rows [m0, m0 + R), two vectors of 16 columns each.
+template <int R>
+inline void finish_tile(__m512 (&facc)[R][2], const QuantRows& a, int64_t m0,
+                        const float* out_w, float* y, int64_t N, int64_t n0, int64_t cols,
+                        const float* bias) {
+  constexpr int kVecs = 2;
+  constexpr int64_t kLanes = kOutlierPanel / kVecs;
+  for (int64_t j = 0; j < a.k; ++j) {
+    __m512 w[kVecs];
+    for (int c = 0; c < kVecs; ++c)
+      w[c] = _mm512_loadu_ps(out_w + j * kOutlierPanel + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xo = _mm512_set1_ps(a.out[(m0 + r) * a.k + j]);
+      for (int c = 0; c < kVecs; ++c) facc[r][c] = _mm512_fmadd_ps(xo, w[c], facc[r][c]);
+    }
+  }
+  alignas(64) float vals[kOutlierPanel];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(vals + c * kLanes, facc[r][c]);
+    store_row(y, N, m0 + r, n0, vals, cols, bias);
+  }
+}
+#endif
 
 // x [M, K] (float32, rows contiguous) quantized: the buffers and their view.
 struct QuantizedActivations {
