@@ -37,6 +37,7 @@ from slipstream.server.openai.requests import (
 )
 from slipstream.server.openai.served_models import ModelTable, Target
 from slipstream.server.openai.tokenization import (
+    CHAT_FIELDS,
     DetokenizeRequest,
     TokenizeRequest,
     detokenize,
@@ -389,14 +390,7 @@ class OpenAIApp:
         if body.messages is None:
             text = body.prompt or ""
         else:
-            chat = ChatCompletionRequest(
-                model=target.id,
-                messages=body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-                tools=body.tools,
-            )
+            chat = ChatCompletionRequest(model=target.id, **body.model_dump(include=CHAT_FIELDS))
             chat.check()
             tools = tool_request(chat.tools, "none" if chat.tools else None, None, False)
             text = await asyncio.to_thread(render_chat, target, chat, tools, self.parser)
