@@ -12,9 +12,13 @@ from slipstream.server.openai.errors import bad_request
 from slipstream.server.openai.served_models import Target
 
 # What a tokenize request's conversation shares with a chat request: rendered alike.
-CHAT_FIELDS = frozenset(
-    ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
-)
+CHAT_FIELDS: set[str] = {
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+}
 
 
 class TokenizeRequest(BaseModel):
