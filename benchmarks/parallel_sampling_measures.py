@@ -54,7 +54,7 @@ def run(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
     for p in prompts:
         engine.add_request(p, params)
     want = len(prompts) * params.n
-    prompt_tokens = engine.stats.prompt_tokens
+    prompt_tokens = engine.stats.prompt_tokens_total
     sampled: set = set()  # (request, index) that have their first token
     peak, prefill, decode, started = 0, None, [], time.perf_counter()
     while engine.has_unfinished():
@@ -77,7 +77,7 @@ def run(engine: LLMEngine, prompts: list, params: SamplingParams) -> dict:
         "peak_blocks": peak,
         "prefill_s": prefill,
         "decode_step_s": statistics.mean(decode) if decode else None,
-        "prompt_tokens": engine.stats.prompt_tokens - prompt_tokens,
+        "prompt_tokens": engine.stats.prompt_tokens_total - prompt_tokens,
     }
 
 

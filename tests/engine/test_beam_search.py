@@ -78,7 +78,7 @@ def test_beams_run_in_one_forward_per_round():
     # One step prefills the 50-token prompt and makes the first choice; then one step per
     # token with the 4 beams' rows batched together.
     assert engine.stats.steps == 10
-    assert engine.stats.prompt_tokens == len(PROMPT)
+    assert engine.stats.prompt_tokens_total == len(PROMPT)
 
 
 def test_each_round_reports_every_live_beam_then_the_finished_beams():

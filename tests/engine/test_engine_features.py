@@ -24,7 +24,7 @@ def test_prefix_cache_reuses_blocks_and_matches_reference():
     assert out1.token_ids == hf_greedy(path, first, 8)
     assert out2.token_ids == hf_greedy(path, second, 8)
     # Only the uncached tail was prefilled the second time.
-    assert engine.stats.prompt_tokens == len(first) + len(second) - 64
+    assert engine.stats.prompt_tokens_total == len(first) + len(second) - 64
 
 
 def test_prefix_cache_concurrent_sharing_and_eviction():

@@ -87,24 +87,24 @@ def test_shared_prompt_blocks_hit_after_the_first_request(runs):
 def test_caching_computes_far_fewer_prefill_tokens_and_steps(runs):
     on, off = runs["on"]["engine"], runs["off"]["engine"]
     total_prompt = sum(len(p) for p in PROMPTS)
-    assert off.stats.prompt_tokens == total_prompt  # every prompt token computed
-    assert on.stats.prompt_tokens == total_prompt - sum(runs["on"]["cached"])
-    assert on.stats.prompt_tokens < 0.3 * off.stats.prompt_tokens
+    assert off.stats.prompt_tokens_total == total_prompt  # every prompt token computed
+    assert on.stats.prompt_tokens_total == total_prompt - sum(runs["on"]["cached"])
+    assert on.stats.prompt_tokens_total < 0.3 * off.stats.prompt_tokens_total
     # Less prefill work: fewer (budget-bound) steps overall and an earlier first token.
     assert on.stats.steps < off.stats.steps
     assert on.stats.batched_tokens_total < off.stats.batched_tokens_total
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(runs["on"]["ttft_steps"]) < mean(runs["off"]["ttft_steps"])
     # Tokens per step of work: the same output with fewer engine steps.
-    assert on.stats.generation_tokens == off.stats.generation_tokens == N * MAX_TOKENS
+    assert on.stats.generation_tokens_total == off.stats.generation_tokens_total == N * MAX_TOKENS
 
 
 def test_a_later_wave_hits_blocks_of_finished_requests(runs):
     engine = runs["on"]["engine"]
     assert engine.block_manager.num_used_blocks == 0  # finished: blocks free but still cached
-    before = engine.stats.prompt_tokens
+    before = engine.stats.prompt_tokens_total
     later = [SYSTEM + user_turn(N + i) for i in range(3)]
     outs = engine.generate(later, SamplingParams(max_tokens=MAX_TOKENS, **GREEDY))
     assert all(o.num_cached_tokens == len(SYSTEM) for o in outs)
-    assert engine.stats.prompt_tokens - before == sum(len(p) - len(SYSTEM) for p in later)
+    assert engine.stats.prompt_tokens_total - before == sum(len(p) - len(SYSTEM) for p in later)
     engine.block_manager.check_invariants()

@@ -181,7 +181,7 @@ def test_speculative_drafts_count_as_decode_tokens():
     assert all(
         e.num_decode_tokens == 1 + e.num_spec_tokens and not e.num_prefill_tokens for e in drafted
     )
-    assert sum(e.num_spec_tokens for e in entries) == engine.stats.spec_drafted
+    assert sum(e.num_spec_tokens for e in entries) == engine.stats.spec_draft_tokens
 
 
 def test_buffer_is_bounded():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from slipstream.core.block_manager import BlockManager
 from slipstream.core.scheduler_output import SchedulerOutput
@@ -48,12 +48,14 @@ class StatsSnapshot:
 
 @dataclass
 class EngineStats:
+    """The engine's running counters; those a ``StatsSnapshot`` shows bear its names."""
+
     steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (prefill work actually done)
-    generation_tokens: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens computed (prefill work actually done)
+    generation_tokens_total: int = 0
     num_finished: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     busy_seconds: float = 0.0
     batched_tokens_total: int = 0
     batched_seqs_total: int = 0
@@ -69,29 +71,26 @@ class EngineStats:
             if req.first_scheduled_time is None:  # the end of its queue time
                 req.first_scheduled_time = step_start
             prompt_left = max(req.num_prompt_tokens - item.num_computed_before, 0)
-            self.prompt_tokens += min(prompt_left, item.num_new_tokens)
+            self.prompt_tokens_total += min(prompt_left, item.num_new_tokens)
 
     def record_speculation(self, drafted: int, accepted: int) -> None:
-        self.spec_drafted += drafted
-        self.spec_accepted += accepted
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
 
-    def snapshot(
-        self, num_running: int, num_waiting: int, num_preemptions: int, block_manager: BlockManager
-    ) -> StatsSnapshot:
+    def snapshot(self, block_manager: BlockManager) -> StatsSnapshot:
+        """The counters and the KV cache's state; the scheduler's queues are the caller's to
+        add (``dataclasses.replace``)."""
         pc = block_manager.stats
         return StatsSnapshot(
-            num_running=num_running,
-            num_waiting=num_waiting,
             kv_blocks_used=block_manager.num_used_blocks,
             kv_blocks_total=block_manager.num_usable_blocks,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
-            prompt_tokens_total=self.prompt_tokens,
-            generation_tokens_total=self.generation_tokens,
-            preemptions_total=num_preemptions,
-            num_finished=self.num_finished,
-            steps=self.steps,
-            busy_seconds=self.busy_seconds,
-            spec_draft_tokens=self.spec_drafted,
-            spec_accepted_tokens=self.spec_accepted,
+            **{name: getattr(self, name) for name in _SHOWN},
         )
+
+
+# The counters a snapshot shows as they are (named alike in both).
+_SHOWN = tuple(
+    f.name for f in fields(EngineStats) if f.name in {g.name for g in fields(StatsSnapshot)}
+)

@@ -457,8 +457,11 @@ class LLMEngine:
 
     def get_stats(self) -> StatsSnapshot:
         s = self.scheduler
-        snapshot = self.stats.snapshot(
-            len(s.running), len(s.waiting), s.num_preemptions, self.block_manager
+        snapshot = dataclasses.replace(
+            self.stats.snapshot(self.block_manager),
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            preemptions_total=s.num_preemptions,
         )
         if self.lora is None:
             return snapshot

@@ -142,7 +142,7 @@ class OutputProcessor:
 
     def _count_tokens(self, update: RequestUpdate) -> None:
         req = update.request
-        self._stats.generation_tokens += len(update.new_token_ids)
+        self._stats.generation_tokens_total += len(update.new_token_ids)
         if update.new_token_ids:
             req.last_token_time = time.monotonic()
             if req.first_token_time is None:
