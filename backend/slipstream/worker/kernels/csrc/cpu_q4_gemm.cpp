@@ -402,29 +402,18 @@ at::Tensor q4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
                   scales.is_contiguous() && scales.numel() == panels * 2 * kPanel * (K / G),
               "q4_gemm: scales must be float32 or float16 [N/32, K/G, 2, 32]");
-  const float* b = slipstream_cpu::product_bias("q4_gemm", bias, N);
-  const Outliers o = slipstream_cpu::product_outliers("q4_gemm", outlier_idx, outlier_w, panels, K);
-  const int64_t* pp = nullptr;
-  if (perm.has_value() && perm->defined() && perm->numel() > 0) {
-    TORCH_CHECK(perm->scalar_type() == at::kLong && perm->is_contiguous() && perm->numel() == K,
-                "q4_gemm: perm must be int64 [K]");
-    pp = perm->data_ptr<int64_t>();
-    for (int64_t j = 0; j < K; ++j)
-      TORCH_CHECK(pp[j] >= 0 && pp[j] < K, "q4_gemm: perm entry out of range");
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const slipstream_cpu::QuantizedActivations quantized =
-      slipstream_cpu::quantize_activations(x, o, pp);
-  const QuantRows& a = quantized.rows;
+  const slipstream_cpu::QuantizedProduct q = slipstream_cpu::quantized_product(
+      "q4_gemm", x, N, panels, bias, outlier_idx, outlier_w, perm);
+  if (M == 0) return q.y;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = q.y.data_ptr<float>();
   if (scales.scalar_type() == at::kHalf) {
-    run(a, M, K, G, N, wp, reinterpret_cast<const uint16_t*>(scales.data_ptr()), o, b,
-        y.data_ptr<float>());
+    run(q.x.rows, M, K, G, N, wp, reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+        q.outliers, q.bias, yp);
   } else {
-    run(a, M, K, G, N, wp, scales.data_ptr<float>(), o, b, y.data_ptr<float>());
+    run(q.x.rows, M, K, G, N, wp, scales.data_ptr<float>(), q.outliers, q.bias, yp);
   }
-  return y;
+  return q.y;
 }
 
 }  // namespace

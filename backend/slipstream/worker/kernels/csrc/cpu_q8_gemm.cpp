@@ -221,24 +221,22 @@ at::Tensor q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == panels * kPanel * (K / kBlock),
               "q8_gemm: scales must be float32 [N/32, K/32, 32]");
-  const float* b = slipstream_cpu::product_bias("q8_gemm", bias, N);
-  const Outliers o = slipstream_cpu::product_outliers("q8_gemm", outlier_idx, outlier_w, panels, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const slipstream_cpu::QuantizedActivations quantized =
-      slipstream_cpu::quantize_activations(x, o, nullptr);
-  const QuantRows& a = quantized.rows;
+  const slipstream_cpu::QuantizedProduct q = slipstream_cpu::quantized_product(
+      "q8_gemm", x, N, panels, bias, outlier_idx, outlier_w, c10::nullopt);
+  if (M == 0) return q.y;
+  const QuantRows& a = q.x.rows;
+  const Outliers& o = q.outliers;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = q.y.data_ptr<float>();
   slipstream_cpu::for_panel_rows(panels, M, [&](int64_t p, int64_t m0, int64_t m1) {
     const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
     const uint8_t* wpp = wp + p * kPanel * K;
     const float* spp = sp + p * kPanel * (K / kBlock);
     const float* opp = o.w ? o.w + p * o.k * kPanel : nullptr;
-    slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, b);
+    slipstream_cpu::q8_panel_rows(a, m0, m1, K, wpp, spp, opp, yp, N, n0, cols, q.bias);
   });
-  return y;
+  return q.y;
 }
 
 }  // namespace

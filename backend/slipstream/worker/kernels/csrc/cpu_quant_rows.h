@@ -167,4 +167,41 @@ inline QuantizedActivations quantize_activations(const at::Tensor& x, const Outl
   return a;
 }
 
+// A product's act-order permutation of K (int64 [K]), checked, or null.
+inline const int64_t* product_perm(const char* op, const c10::optional<at::Tensor>& perm,
+                                   int64_t K) {
+  if (!perm.has_value() || !perm->defined() || perm->numel() == 0) return nullptr;
+  TORCH_CHECK(perm->scalar_type() == at::kLong && perm->is_contiguous() && perm->numel() == K, op,
+              ": perm must be int64 [K]");
+  const int64_t* pp = perm->data_ptr<int64_t>();
+  for (int64_t j = 0; j < K; ++j)
+    TORCH_CHECK(pp[j] >= 0 && pp[j] < K, op, ": perm entry out of range");
+  return pp;
+}
+
+// What the int8 and 4-bit products start from alike, x [M, K] (float32, rows contiguous)
+// having been checked: the bias, outliers and permutation checked, the output y [M, N], and
+// x quantized (where M > 0).
+struct QuantizedProduct {
+  const float* bias;
+  Outliers outliers;
+  at::Tensor y;
+  QuantizedActivations x;
+};
+
+inline QuantizedProduct quantized_product(const char* op, const at::Tensor& x, int64_t N,
+                                          int64_t panels, const c10::optional<at::Tensor>& bias,
+                                          const c10::optional<at::Tensor>& outlier_idx,
+                                          const c10::optional<at::Tensor>& outlier_w,
+                                          const c10::optional<at::Tensor>& perm) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedProduct p;
+  p.bias = product_bias(op, bias, N);
+  p.outliers = product_outliers(op, outlier_idx, outlier_w, panels, K);
+  const int64_t* pp = product_perm(op, perm, K);
+  p.y = at::empty({M, N}, x.options());
+  if (M > 0) p.x = quantize_activations(x, p.outliers, pp);
+  return p;
+}
+
 }  // namespace slipstream_cpu
