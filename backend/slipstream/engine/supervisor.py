@@ -33,6 +33,26 @@ log = logging.getLogger("slipstream")
 ConfigSource = Union[EngineConfig, Callable[[], EngineConfig]]
 
 
+class RestartBudget:
+    """``max_restarts`` restarts within ``window_s``; the n-th restart in the window waits
+    ``backoff_s * 2**(n-1)`` first."""
+
+    def __init__(self, max_restarts: int, window_s: float, backoff_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.backoff_s = backoff_s
+        self._deaths: list[float] = []  # monotonic times of deaths inside the window
+
+    def death(self, now: float) -> int:
+        """Count a death at ``now``: which restart in the window it asks for (1, 2, ...)."""
+        self._deaths = [t for t in self._deaths if now - t < self.window_s] + [now]
+        return len(self._deaths)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before the ``attempt``-th restart in the window."""
+        return self.backoff_s * 2 ** (attempt - 1)
+
+
 class EngineSupervisor:
     def __init__(
         self,
@@ -57,14 +77,11 @@ class EngineSupervisor:
         self._on_give_up = on_give_up
         self._failure_threshold = failure_threshold
         self._step_timeout_s = step_timeout_s
-        self._max_restarts = max_restarts
-        self._window = restart_window_s
-        self._backoff = restart_backoff_s
+        self._budget = RestartBudget(max_restarts, restart_window_s, restart_backoff_s)
         self._engine_kwargs = dict(engine_kwargs or {})
         self._lock = threading.Lock()
         self._loop: Optional[EngineLoop] = None
         self._override: Optional[Health] = Health(HealthState.STARTING)  # else: the loop's
-        self._deaths: list[float] = []  # monotonic times of deaths inside the window
         self._stopping = False
         self.restarts = 0  # engines started after the first one
 
@@ -148,10 +165,8 @@ class EngineSupervisor:
             with self._lock:
                 if self._stopping:
                     return
-                now = time.monotonic()
-                self._deaths = [t for t in self._deaths if now - t < self._window] + [now]
-                attempt = len(self._deaths)
-                if attempt > self._max_restarts:
+                attempt = self._budget.death(time.monotonic())
+                if attempt > self._budget.max_restarts:
                     self._give_up(health, attempt - 1)
                     return
                 self._override = Health(
@@ -162,11 +177,11 @@ class EngineSupervisor:
                 "slipstream engine died (%s); restart %d of %d in %.0f s",
                 health.error,
                 attempt,
-                self._max_restarts,
-                self._backoff * 2 ** (attempt - 1),
+                self._budget.max_restarts,
+                self._budget.delay(attempt),
             )
             self._release(old)
-            time.sleep(self._backoff * 2 ** (attempt - 1))
+            time.sleep(self._budget.delay(attempt))
             try:
                 loop = self._new_loop()
             except Exception as exc:  # noqa: BLE001 - counted as another death
@@ -185,7 +200,7 @@ class EngineSupervisor:
 
     def _give_up(self, health: Health, restarts: int) -> None:
         reason = (
-            f"the engine died {restarts + 1} times within {self._window:.0f} s; last "
+            f"the engine died {restarts + 1} times within {self._budget.window_s:.0f} s; last "
             f"error: {health.error}"
         )
         self._override = Health(HealthState.DEAD, health.consecutive_failures, reason)
