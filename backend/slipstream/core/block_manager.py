@@ -166,16 +166,10 @@ class BlockManager(BlockPool):
         need = self._blocks_short(req, num_new_tokens, cached, start)
         return max(need, 0) + revived <= len(self.free)
 
-    def allocate(
-        self,
-        req: Request,
-        num_new_tokens: int,
-        cached: Sequence[int] = (),
-        start: Optional[int] = None,
-    ) -> None:
-        """Give ``req`` room for ``num_new_tokens`` tokens from position ``start`` (default:
-        its progress), first taking prefix-cache hits."""
-        need = self._blocks_short(req, num_new_tokens, cached, start)
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> None:
+        """Give ``req`` room for ``num_new_tokens`` tokens past its progress, first taking
+        prefix-cache hits."""
+        need = self._blocks_short(req, num_new_tokens, cached, None)
         state = self.per_request.setdefault(req.request_id, _PerRequest())
         for block_id in cached:
             self._touch(block_id)

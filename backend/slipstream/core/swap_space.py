@@ -106,7 +106,7 @@ class SwapSpace(BlockPool):
             raise RuntimeError(f"request {req.request_id!r} is not swapped out")
         if req.block_table:
             raise RuntimeError(f"request {req.request_id!r} still holds device blocks")
-        self.bm.allocate(req, req.num_computed_tokens, start=0)
+        self.bm.allocate(req, 0)  # an empty table: room for all its computed tokens
         del self.swapped[req.request_id]
         self.free.extend(reversed(cpu_blocks))
         self.stats.swap_ins += 1
