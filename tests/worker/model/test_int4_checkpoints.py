@@ -112,7 +112,7 @@ def test_a_scheme_the_checkpoint_does_not_ship_is_refused(tmp_path):
 
 
 def test_int4_is_named_in_model_json_and_refused_on_cuda():
-    from slipstream.server.stub.engine_args import translate
+    from slipstream.server.stub.engine_arg_reader import translate
     from slipstream.worker.device import resolve_weight_format
 
     for scheme in ("gguf", "awq", "gptq"):
