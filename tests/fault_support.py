@@ -2,7 +2,8 @@
 ``SLIPSTREAM_FAULT_FILE`` from its environment): ``raise`` (the forward raises on every step),
 ``block`` (it never returns), ``sampler`` (the sampler raises on every step), ``poison N``
 (the forward raises whenever a request with a prompt of N tokens or more is in the batch: one
-request that alone breaks the forward)."""
+request that alone breaks the forward), ``slow S`` (every step takes S seconds more: a request
+that must outlive a deadline, whatever the machine's speed)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ FAULT_MODEL_PY = """
 import os
 import sys
 import threading
+import time
 
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
@@ -44,6 +46,8 @@ def _faulty(method):
             raise RuntimeError("injected fault: the device is lost")
         if kind == ["block"]:
             threading.Event().wait()  # a kernel that never returns
+        if kind[:1] == ["slow"]:
+            time.sleep(float(kind[1]))
         if kind[:1] == ["poison"] and _poisoned(sched, int(kind[1])):
             raise RuntimeError("injected fault: this request breaks the forward")
         return method(self, sched, *args, **kwargs)

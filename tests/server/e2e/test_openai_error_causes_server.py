@@ -107,13 +107,19 @@ def test_an_internal_error_is_500_whole_and_in_a_stream(faulty):
 
 
 def test_max_request_seconds_is_504_whole_and_in_a_stream(faulty):
-    front, _ = faulty
-    with pytest.raises(openai.APIStatusError) as e:
-        client(front).completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=900, extra_body={"ignore_eos": True}
-        )
-    assert e.value.status_code == 504 and "max_request_seconds" in e.value.message
-    texts, error = stream_until_error(front, LONG)
+    """Steps slowed to 0.1 s: the tiny model would write 900 tokens in about 2 s, and
+    speculation can take five a step, so 180 steps at least: 18 s, past the 8 s limit."""
+    front, fault = faulty
+    fault.write_text("slow 0.1")
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client(front).completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=900, extra_body={"ignore_eos": True}
+            )
+        assert e.value.status_code == 504 and "max_request_seconds" in e.value.message
+        texts, error = stream_until_error(front, LONG)
+    finally:
+        fault.write_text("")
     assert texts >= 3 and error["code"] == 504 and "max_request_seconds" in error["message"]
 
 
@@ -146,11 +152,14 @@ def test_a_hung_engine_is_503_with_retry_after_whole_and_in_a_stream(faulty):
 
 def test_a_server_shutting_down_is_503_without_retry_after(tmp_path):
     need_tritonserver()
-    server, _ = faulty_server(REPO, tiny_model_dir("llama"), tmp_path, OVERRIDES, exit_timeout=6)
+    server, fault = faulty_server(
+        REPO, tiny_model_dir("llama"), tmp_path, OVERRIDES, exit_timeout=6
+    )
     try:
         with OpenAIFrontend.for_repository(server.model_repository, server.grpc_url) as front:
             sdk = client(front)
             sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            fault.write_text("slow 0.1")  # the long request is still running at the stop
 
             def long_request():
                 try:

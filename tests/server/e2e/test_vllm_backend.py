@@ -310,7 +310,9 @@ def test_enabled_stream_refuses_exclude_input_in_output_false(server):
 def test_request_cancellation(server):
     """request_cancellation_test.py::test_request_cancellation: a long non-streaming request
     cancelled after a second ends with exactly one CANCELLED, and the server logs it."""
-    sampling = {"temperature": "0", "top_p": "1", "max_tokens": "1500"}
+    # Long whatever the machine: a greedy poem can end, or loop (n-gram drafts then accept four
+    # tokens a step), inside the second this test waits; a sampled one past EOS runs ~10 s.
+    sampling = {"temperature": "1", "top_p": "1", "max_tokens": "1500", "ignore_eos": "true"}
     got = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.append((result, error)))
