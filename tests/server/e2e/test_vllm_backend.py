@@ -311,8 +311,10 @@ def test_request_cancellation(server):
     """request_cancellation_test.py::test_request_cancellation: a long non-streaming request
     cancelled after a second ends with exactly one CANCELLED, and the server logs it."""
     # Long whatever the machine: a greedy poem can end, or loop (n-gram drafts then accept four
-    # tokens a step), inside the second this test waits; a sampled one past EOS runs ~10 s.
+    # tokens a step), inside the second this test waits; sampled past EOS with penalties on
+    # repeats it neither ends nor loops (~10 s).
     sampling = {"temperature": "1", "top_p": "1", "max_tokens": "1500", "ignore_eos": "true"}
+    sampling.update(frequency_penalty="1.0", presence_penalty="1.0")
     got = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.append((result, error)))
