@@ -18,6 +18,7 @@ from slipstream.engine import OVERLOADED, OverloadedError  # noqa: E402
 from slipstream.server.launch.launcher import TritonServer  # noqa: E402
 from slipstream.server.launch.repository import render_model_repository  # noqa: E402
 from slipstream.server.stub.model_config import DEFAULT_MAX_QUEUE_SIZE, load_settings  # noqa: E402
+from fault_support import FAULT_MODEL_PY  # noqa: E402
 from server_support import OVERRIDES, REPO, http_post  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -81,6 +82,11 @@ def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, t
         tmp_path / "repo",
         {"model": str(tiny_model), **OVERRIDES, "max_num_seqs": 1, "max_queue_size": 1},
     )
+    # Slow steps keep the held requests running whatever the machine: the tiny model wrote to
+    # the context's end within the 0.3 s between submissions on an idle machine.
+    (repo / UNARY / "1" / "model.py").write_text(FAULT_MODEL_PY)
+    fault = tmp_path / "fault"
+    fault.write_text("slow 0.05")
     with TritonServer(
         repo,
         http_port=0,
@@ -88,6 +94,7 @@ def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, t
         metrics_port=0,
         startup_timeout=300,
         models=["slipstream", UNARY],
+        env={"SLIPSTREAM_FAULT_FILE": str(fault)},
     ) as server:
         held = [
             threading.Thread(
@@ -107,6 +114,7 @@ def test_a_full_queue_is_refused_with_unavailable_and_a_retry_hint(tiny_model, t
         assert refused.value.status() == "StatusCode.UNAVAILABLE"
         assert RETRY in refused.value.message()
         assert time.monotonic() - started < 5  # refused at once, not after the held ones
+        fault.write_text("")  # the held ones may finish now
         for thread in held:
             thread.join(180)
             assert not thread.is_alive()
