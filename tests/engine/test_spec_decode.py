@@ -8,25 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-from slipstream import EngineConfig, SamplingParams
+from slipstream import SamplingParams
 from slipstream.engine import LLMEngine
 from slipstream.engine.spec_decode import NgramProposer, max_drafts, ngram_lookup
+from engine_support import make_engine
 from support import reference_model, tiny_model_dir
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def make_engine(arch="llama", **overrides) -> LLMEngine:
-    settings = dict(
-        model=str(tiny_model_dir(arch)),
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        max_model_len=512,
-        num_gpu_blocks_override=400,
-    )
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
 
 
 def workload(n=8, seed=0):
